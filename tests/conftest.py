@@ -1,0 +1,53 @@
+"""Shared test set-up: no network, quiet libraries, and a helper that runs a recipe through the real launcher."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PROFILES = REPO / "accelerate_configs"
+TINY = REPO / "recipes" / "configs" / "tiny_curriculum.yaml"
+RECIPE = REPO / "recipes" / "curriculum.py"
+
+# Tests never touch a hub; every model and data set is built or shipped locally.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run_cmd(cmd, timeout=900, cwd=REPO, env=None, check=True):
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    if check and proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n{tail}")
+    return proc
+
+
+def launch_recipe(profile, out_dir, *extra, config=TINY, recipe=RECIPE, nproc=None, timeout=900, check=True, env=None):
+    """`accelerate launch --config_file PROFILE recipe --config C --output_dir OUT ...` in a subprocess."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", PROFILES / f"{profile}.yaml"]
+    if nproc:
+        cmd += ["--num_processes", nproc]
+    cmd += [recipe, "--config", config, "--output_dir", out_dir, "--disable_tqdm", "true", *extra]
+    return run_cmd(cmd, timeout=timeout, check=check, env=env)
+
+
+def read_summary(out_dir) -> dict:
+    return json.loads((Path(out_dir) / "summary.json").read_text())
+
+
+@pytest.fixture
+def quiet_env(monkeypatch):
+    """A single-process, non-distributed environment for in-process recipe runs."""
+    for key in [k for k in os.environ if k.startswith(("ACCELERATE_", "HF_ZERO_PROFILE")) or k in
+                ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")]:
+        monkeypatch.delenv(key, raising=False)
+    yield

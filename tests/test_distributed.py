@@ -1,0 +1,87 @@
+"""2-rank runs through the real `accelerate launch` on CPU: every strategy trains the same model to the same
+losses as DDP, switches stages at the configured steps, and saves a model that matches the trained weights."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import launch_recipe, read_summary
+
+pytestmark = pytest.mark.multiproc
+STRATEGIES = ["zero1", "zero2", "zero3", "zero3_offload"]
+TOKENS = ["--include_num_input_tokens_seen", "non_padding"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    done = {}
+    for name in ["ddp", *STRATEGIES]:
+        proc = launch_recipe(name, root / name, *TOKENS)
+        done[name] = (root / name, proc)
+    return done
+
+
+def test_ddp_baseline_is_two_ranks(runs):
+    s = read_summary(runs["ddp"][0])
+    assert (s["profile"], s["world_size"], s["global_batch"], s["zero_stage"]) == ("ddp", 2, 4, 0)
+    assert len(s["losses"]) >= 8
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_losses_match_ddp(runs, name):
+    base = read_summary(runs["ddp"][0])["losses"]
+    s = read_summary(runs[name][0])
+    assert s["zero_stage"] == int(name[4]) and s["world_size"] == 2
+    assert len(s["losses"]) == len(base) >= 8
+    diffs = [abs(a - b) for a, b in zip(s["losses"], base)]
+    assert max(diffs) <= 1e-4, diffs
+
+
+@pytest.mark.parametrize("name", ["ddp", *STRATEGIES])
+def test_stage_switches_at_configured_steps(runs, name):
+    out, proc = runs[name]
+    assert "stage 2/3 'medium' starts at step 6" in proc.stdout
+    assert "stage 3/3 'long' starts at step 11" in proc.stdout
+    # The data really changes at those steps: tokens per step jump from short to medium to long sentences.
+    hist = json.loads((out / "log_history.json").read_text())
+    seen = [h["num_input_tokens_seen"] for h in hist if "loss" in h]
+    per_step = [b - a for a, b in zip([0] + seen, seen)]
+    short, medium, long = per_step[:5], per_step[5:10], per_step[10:15]
+    assert max(short) < min(medium) and sum(medium) < sum(long)
+
+
+@pytest.mark.parametrize("name", ["zero3", "zero3_offload"])
+def test_zero3_saves_full_model(runs, name):
+    out, proc = runs[name]
+    final = load_file(str(out / "final" / "model.safetensors"))
+    ddp = load_file(str(runs["ddp"][0] / "final" / "model.safetensors"))
+    assert final.keys() == ddp.keys()
+    for k in final:
+        assert final[k].numel() > 0 and torch.allclose(final[k], ddp[k], atol=1e-4), k
+
+
+def test_lora_under_zero3_saves_trained_adapter(tmp_path):
+    out = tmp_path / "lora"
+    launch_recipe("zero3", out, "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
+                  "--lora_target_modules", "q_proj", "v_proj")
+    s = read_summary(out)
+    assert s["use_peft"] and s["trainable_params"] < s["total_params"] / 5
+    adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
+    assert len(adapter) == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
+    for k, t in adapter.items():
+        assert t.numel() > 0, k  # pain-points #1: no empty [0]-shaped tensors
+    # lora_B starts at zero; trained, it is not. (Equality with the engine's gathered weights is verified by the
+    # recipe itself after saving; a mismatch would have failed the run.)
+    assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero.models import get_tiny_llama_path
+
+    base = AutoModelForCausalLM.from_pretrained(get_tiny_llama_path())
+    model = PeftModel.from_pretrained(base, out / "final")
+    loaded = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+    assert loaded and all(p.abs().sum() > 0 for p in loaded.values())
