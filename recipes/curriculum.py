@@ -7,6 +7,7 @@ or `make train PROFILE=zero3 CONFIG=recipes/configs/tiny_curriculum.yaml`. Flags
 TrainingArguments field is a flag (--output_dir, --seed, --save_steps, ...).
 """
 
+import math
 import sys
 
 from hf_zero.errors import exit_on_user_error
@@ -84,6 +85,7 @@ def main(argv=None):
         vals = [h[f"eval_{n}_loss"] for n in eval_sets if f"eval_{n}_loss" in h]
         return sum(vals) / len(vals) if vals else None
 
+    before, after = (mean_eval(evals[0]), mean_eval(evals[-1])) if evals else (None, None)
     write_summary(ctx, {
         "model": model_args.model_name_or_path,
         "use_peft": model_args.use_peft,
@@ -91,8 +93,10 @@ def main(argv=None):
         "total_params": total,
         "total_steps": schedule.total_steps,
         "train_loss": result.training_loss,
-        "eval_loss_before": mean_eval(evals[0]) if evals else None,
-        "eval_loss_after": mean_eval(evals[-1]) if evals else None,
+        "eval_loss_before": before,
+        "eval_loss_after": after,
+        "eval_perplexity_before": math.exp(before) if before is not None else None,
+        "eval_perplexity_after": math.exp(after) if after is not None else None,
         "resumed_from": resume,
         "final_dir": str(final_dir),
         "stages": stages,
