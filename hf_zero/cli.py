@@ -31,7 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hf-zero", description=__doc__)
+    parser = _Parser(prog="hf-zero", description=__doc__, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -49,10 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         if name not in COMMANDS:
             raise UserError("hf-zero", f"unknown command {name!r}", f"use one of: {', '.join(COMMANDS)}")
         module = importlib.import_module(COMMANDS[name][0])
-        sub = _Parser(prog=f"hf-zero {name}", description=COMMANDS[name][1])
+        sub = _Parser(prog=f"hf-zero {name}", description=COMMANDS[name][1], allow_abbrev=False)
         module.add_arguments(sub, name) if _takes_name(module) else module.add_arguments(sub)
         args, extra = sub.parse_known_args(argv[1:])
-        if extra and not getattr(module, "ACCEPTS_EXTRA", False):
+        accepts = getattr(module, "ACCEPTS_EXTRA", False)  # True, or the set of this module's commands that do
+        if isinstance(accepts, (set, frozenset, tuple, list)):
+            accepts = name in accepts
+        if extra and not accepts:
             raise UserError(f"hf-zero {name}", f"unrecognized arguments: {' '.join(extra)}", f"see `hf-zero {name} --help`")
         args.extra = extra
         args.command = name

@@ -85,7 +85,7 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the launch command instead of running it")
 
 
-ACCEPTS_EXTRA = True  # everything after the known flags goes to the recipe (e.g. --learning_rate 1e-4)
+ACCEPTS_EXTRA = {"train"}  # train passes unknown flags on to the recipe (e.g. --learning_rate 1e-4)
 
 
 def run(args) -> int:
