@@ -4,7 +4,17 @@ A thin layer over Accelerate, the transformers Trainer, DeepSpeed ZeRO and PEFT.
 inside functions so that `hf-zero --help` answers at once.
 """
 
+import os as _os
+import sys as _sys
+
 __version__ = "0.1.0"
 __all__ = ["__version__", "UserError"]
+
+# torch JIT-builds DeepSpeed's ops with the first `ninja` on PATH. The venv has ninja 1.13 (a DeepSpeed dependency),
+# Debian's ninja-build is 1.11; each discards the other's build log (v7 vs v5), so a process that finds the other
+# one rebuilds every op from scratch (async_io ~280 s, cpu_adam ~75 s). Every hf_zero process uses the venv's.
+_BIN = _os.path.dirname(_sys.executable)
+if _os.path.isfile(_os.path.join(_BIN, "ninja")) and _os.environ.get("PATH", "").split(_os.pathsep)[0] != _BIN:
+    _os.environ["PATH"] = _BIN + _os.pathsep + _os.environ.get("PATH", "")
 
 from .errors import UserError  # noqa: E402

@@ -56,6 +56,16 @@ class CurriculumArguments:
     fresh_start: bool = field(
         default=False, metadata={"help": "Ignore checkpoints in output_dir and start from step 0."}
     )
+    packing: bool = field(
+        default=False,
+        metadata={"help": "Pack each stage's documents whole into rows of max_seq_length tokens (less padding); "
+                          "document boundaries are kept (positions restart, no attention or loss across them)."},
+    )
+    measure_memory: bool = field(
+        default=False,
+        metadata={"help": "Write the parameter/gradient/optimizer bytes each rank holds at step 1 to "
+                          "output_dir/memory_rank{R}.json (also HF_ZERO_MEASURE_MEMORY=1)."},
+    )
 
 
 @dataclass

@@ -66,8 +66,9 @@ def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str) -> list[
 
 
 def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: str, eval_samples: int,
-                    seed: int) -> StageData:
-    """Tokenize every source of a stage; hold out `eval_samples` drawn across its sources (fixed by the seed)."""
+                    seed: int, packing: bool = False) -> StageData:
+    """Tokenize every source of a stage; hold out `eval_samples` drawn across its sources (fixed by the seed);
+    with `packing`, the training documents of each source go whole into rows of the stage's length."""
     import numpy as np
 
     max_len = stage.max_seq_length or default_max_len
@@ -87,11 +88,24 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
             idx = set(rng.permutation(len(samples))[:take].tolist())
             held_out += [s for i, s in enumerate(samples) if i in idx]
             sources[j] = [s for i, s in enumerate(samples) if i not in idx]
+    if packing:  # held-out eval samples stay one per row
+        from .packing import pack_documents
+
+        # Without weights, samples are drawn in proportion to source sizes: the same as one pooled source, which packs
+        # far tighter (short documents fill the rows of long ones). With weights, per source, so they still apply.
+        pools = [[s for src in sources for s in src]] if stage.weights is None else sources
+        sources = [pack_documents(s, max_len, tokenizer.pad_token_id) for s in pools]
     return StageData(sources, held_out)
 
 
-def build_collator(tokenizer):
-    """Pads input_ids with the pad token and labels with -100, so padding never counts in the loss."""
+def build_collator(tokenizer, packing: bool = False):
+    """Pads input_ids with the pad token and labels with -100, so padding never counts in the loss; packed rows
+    keep their position_ids and get no attention_mask (see hf_zero.packing)."""
     from transformers import DataCollatorForSeq2Seq
 
-    return DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True, return_tensors="pt")
+    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True, return_tensors="pt")
+    if packing:
+        from .packing import PackedCollator
+
+        return PackedCollator(collator, tokenizer.pad_token_id)
+    return collator

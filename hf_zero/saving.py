@@ -26,8 +26,9 @@ def _saved_tensors(folder: Path) -> dict:
 
 
 def _file_key(param_name: str, is_peft: bool) -> str:
-    # peft saves adapter weights without the adapter name ("lora_A.default.weight" -> "lora_A.weight").
-    return param_name.replace(".default.", ".") if is_peft else param_name
+    # peft saves adapter weights without the adapter name ("lora_A.default.weight" -> "lora_A.weight"), and a
+    # trained copy of a whole module (modules_to_save, e.g. a classifier head) under the module's own name.
+    return param_name.replace(".modules_to_save.default.", ".").replace(".default.", ".") if is_peft else param_name
 
 
 def verify_saved_weights(model, folder: Path, atol: float = 0.0) -> int:

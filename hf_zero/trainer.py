@@ -7,12 +7,14 @@ import math
 
 from transformers import Trainer
 
+from .checkpoint_saving import SafeCheckpointMixin
 from .curriculum import CurriculumCallback, CurriculumSchedule
 
 __all__ = ["CurriculumTrainer", "stage_table", "step_losses"]
 
 
-class CurriculumTrainer(Trainer):
+class CurriculumTrainer(SafeCheckpointMixin, Trainer):
+    # SafeCheckpointMixin: staged, verified checkpoints with a manifest, rotation keeping the best (checkpoints.py).
     def __init__(self, *args, schedule: CurriculumSchedule, **kwargs):
         self.schedule = schedule
         super().__init__(*args, **kwargs)

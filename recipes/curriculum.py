@@ -25,10 +25,9 @@ def main(argv=None):
 
     from transformers import set_seed
 
-    from hf_zero.checkpoints import find_resume_checkpoint
     from hf_zero.curriculum import CurriculumDataset, build_sample_order, build_schedule
     from hf_zero.data import build_collator, load_stage_data
-    from hf_zero.modeling import build_causal_lm, count_parameters
+    from hf_zero.modeling import build_causal_lm, count_parameters, is_zero3_partitioned
     from hf_zero.models import get_tokenizer
     from hf_zero.run import main_process_print, print_banner, write_summary
     from hf_zero.saving import save_final_model
@@ -39,11 +38,16 @@ def main(argv=None):
         from hf_zero.errors import UserError
 
         raise UserError("stages", "the recipe has no stages", "add a `stages:` list to the YAML (see the README)")
+    # Resume: the newest complete checkpoint unless fresh_start, checked against this run before any engine exists.
+    from hf_zero.resume import prepare_resume
+
+    resume = prepare_resume(ctx, fresh_start=data_args.fresh_start)
 
     # Data: every stage tokenized at its own length, a held-out slice per stage, one flat step-ordered dataset.
     tokenizer = get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)
     stage_data = [
-        load_stage_data(s, tokenizer, data_args.max_seq_length, data_args.text_field, data_args.eval_samples, args.seed)
+        load_stage_data(s, tokenizer, data_args.max_seq_length, data_args.text_field, data_args.eval_samples, args.seed,
+                        packing=data_args.packing)
         for s in ctx.stages
     ]
     schedule = build_schedule(ctx.stages, [d.pool_size for d in stage_data], ctx.plan.global_batch, args.learning_rate)
@@ -58,22 +62,30 @@ def main(argv=None):
     # Model: under ZeRO-3 built with zero.Init; LoRA through peft.
     model = build_causal_lm(model_args, tokenizer)
     trainable, total = count_parameters(model)
+    partitioned = is_zero3_partitioned(model)
 
     trainer = CurriculumTrainer(
         model=model,
         args=args,
         train_dataset=train_dataset,
         eval_dataset=eval_sets or None,
-        data_collator=build_collator(tokenizer),
+        data_collator=build_collator(tokenizer, packing=data_args.packing),
         processing_class=tokenizer,
         schedule=schedule,
     )
+    from hf_zero.measure import MemoryMeasureCallback, measure_requested
+
+    if measure_requested(data_args.measure_memory):  # bytes per rank at step 1, to check `hf-zero estimate`
+        trainer.add_callback(MemoryMeasureCallback(ctx.output_dir))
+    from hf_zero.bench_probe import BenchProbeCallback, bench_requested
+
+    if bench_requested():  # step times, start-up and peak memory per rank, for `hf-zero bench`
+        trainer.add_callback(BenchProbeCallback(ctx.output_dir, trainer))
     print_banner(ctx, trainable, total)
     main_process_print("[hf_zero] stages: " + " | ".join(
         f"{r['stage']}: steps {r['first_step']}-{r['last_step']} lr {r['lr']:g}" for r in schedule.table()))
 
-    # Train: one train() call for all stages; resumes from the latest complete checkpoint unless fresh_start.
-    resume = None if data_args.fresh_start else find_resume_checkpoint(args.output_dir)
+    # Train: one train() call for all stages (from `resume` when there is one).
     result = trainer.train(resume_from_checkpoint=resume)
 
     # Save: HF-format model (adapter for LoRA) read back and compared with the trained weights; summary.json.
@@ -91,6 +103,7 @@ def main(argv=None):
         "use_peft": model_args.use_peft,
         "trainable_params": trainable,
         "total_params": total,
+        "zero3_partitioned_at_build": partitioned,
         "total_steps": schedule.total_steps,
         "train_loss": result.training_loss,
         "eval_loss_before": before,

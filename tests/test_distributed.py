@@ -30,6 +30,12 @@ def test_ddp_baseline_is_two_ranks(runs):
     assert len(s["losses"]) >= 8
 
 
+@pytest.mark.parametrize("name", ["ddp", *STRATEGIES])
+def test_zero3_builds_the_model_partitioned(runs, name):
+    """pain-points #8: under ZeRO-3 the model is built under zero.Init; no rank ever holds all of it."""
+    assert read_summary(runs[name][0])["zero3_partitioned_at_build"] is name.startswith("zero3")
+
+
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_losses_match_ddp(runs, name):
     base = read_summary(runs["ddp"][0])["losses"]
@@ -65,8 +71,9 @@ def test_zero3_saves_full_model(runs, name):
 
 def test_lora_under_zero3_saves_trained_adapter(tmp_path):
     out = tmp_path / "lora"
+    # With gradient checkpointing too: LoRA + ZeRO-3 + reentrant checkpointing fails (pain-points #9).
     launch_recipe("zero3", out, "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
-                  "--lora_target_modules", "q_proj", "v_proj")
+                  "--lora_target_modules", "q_proj", "v_proj", "--gradient_checkpointing", "true")
     s = read_summary(out)
     assert s["use_peft"] and s["trainable_params"] < s["total_params"] / 5
     adapter = load_file(str(out / "final" / "adapter_model.safetensors"))

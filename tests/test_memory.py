@@ -195,6 +195,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORL
                   LOCAL_WORLD_SIZE="1")
 import torch, deepspeed
 from hf_zero.memory import count_model, estimate, measure_engine_bytes
+from hf_zero.measure import StepPeakRecorder
 deepspeed.init_distributed(dist_backend="gloo")
 results = {}
 for stage in (1, 2, 3):
@@ -213,11 +214,14 @@ for stage in (1, 2, 3):
     model[0].weight.register_post_accumulate_grad_hook(lambda p: in_backward.update(measure_engine_bytes(engine)))
     engine.backward(engine(torch.randn(2, 64)).pow(2).mean())
     after_backward = measure_engine_bytes(engine)
+    # ZeRO steps on a flat fp32 copy of the gradient partition, made while the partition still exists: look inside
+    recorder = StepPeakRecorder(model, engine.optimizer)
     engine.step()
+    in_step = {"grads": recorder.result()["measured"]["grads"]}
     after_step = measure_engine_bytes(engine)
     est = estimate(count, f"zero{stage}", world_size=1, precision="fp32", reduce_bucket_size=4096,
                    prefetch_bucket_size=4096, param_persistence_threshold=0)
-    results[stage] = {"in_backward": in_backward, "backward": after_backward, "step": after_step,
+    results[stage] = {"in_backward": in_backward, "backward": after_backward, "in_step": in_step, "step": after_step,
                       "estimate": est["gpu_bytes_per_rank"]}
 print("RESULT" + json.dumps(results))
 """
@@ -226,7 +230,8 @@ print("RESULT" + json.dumps(results))
 def test_measured_engine_bytes_match_the_estimate():
     """One rank, fp32, ZeRO-1/2/3 with torch AdamW: estimate vs what the engine holds, within 10%.
 
-    Gradients are measured during/after backward (ZeRO-1/2 free them in step()), the rest after the step. ZeRO-3's
+    Gradients are measured during/after backward and inside step() (ZeRO-1/2 free them there; the flat fp32 copy
+    the optimizer steps on exists only then), the rest after the step. ZeRO-3's
     "gathered" working layer is transient and not part of this comparison."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-c", MEASURE], cwd=REPO, capture_output=True, text=True, timeout=300,
@@ -234,8 +239,8 @@ def test_measured_engine_bytes_match_the_estimate():
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")), None)
     assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
     for stage, r in json.loads(line[len("RESULT"):]).items():
-        measured = {"params": r["step"]["params"], "grads": max(r["in_backward"]["grads"], r["backward"]["grads"]),
-                    "optimizer": r["step"]["optimizer"]}
+        grads = max(r[k]["grads"] for k in ("in_backward", "backward", "in_step"))
+        measured = {"params": r["step"]["params"], "grads": grads, "optimizer": r["step"]["optimizer"]}
         est = r["estimate"]
         assert sum(measured.values()) == pytest.approx(est["model_states"] - est["gathered"], rel=0.10), \
             (stage, measured, est)

@@ -87,3 +87,16 @@ def test_profile_from_accelerate_env_without_hf_zero_launcher():
     assert profile_from_env({"WORLD_SIZE": "2"}).name == "ddp"
     named = profile_from_env({"HF_ZERO_PROFILE": str(PROFILES / "zero2.yaml"), "WORLD_SIZE": "4"})
     assert (named.name, named.num_processes) == ("zero2", 4)
+
+
+def test_pick_profile_for_several_gpus_uses_the_estimator():
+    from transformers import LlamaConfig
+
+    seven_b = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                          vocab_size=32000)
+    gib = 2**30
+    assert pick_profile(8, model=seven_b, gpu_memory_bytes=80 * gib)[0] == "zero2"  # 2Ψ + 18Ψ/8 ≈ 30 GB fits
+    name, why = pick_profile(8, model=seven_b, gpu_memory_bytes=32 * gib)
+    assert name == "zero3" and "zero2 needs" in why  # ZeRO-2's 14 GB of bf16 weights + shards do not fit 32 GB
+    name, why = pick_profile(2, model=seven_b, gpu_memory_bytes=8 * gib)
+    assert name == "zero3_offload" and "nothing fits" in why

@@ -1,0 +1,124 @@
+"""What each rank really holds during the first optimizer step, written next to the run so `hf-zero estimate` can be
+checked against it (`--measure_memory true`, or HF_ZERO_MEASURE_MEMORY=1): `<output_dir>/memory_rank{R}.json`.
+
+Gradients live only for part of a step, and not at the same moment under every strategy: DDP and ZeRO-1 hold whole
+`param.grad`s at the end of backward; at the step ZeRO-1/2/3 make a flat fp32 copy of their gradient partition
+(the optimizer steps on it) while the partition still exists; ZeRO-3 keeps a partition buffer all run. Inside
+the Trainer, accelerate runs DeepSpeed's backward and step as one call, so no callback event falls between them.
+`StepPeakRecorder` therefore snapshots `hf_zero.memory.measure_engine_bytes` after every gradient accumulation in
+backward, when ZeRO-1/2 free the gradients the flat copy was made from, and just before the innermost torch
+optimizer steps; it reports the largest gradient bytes seen, with parameters and optimizer state after the step
+(Adam's moments exist only then). ZeRO-3's whole gradients in backward count as "gathered", like its gathered
+params: the estimate's transient working layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+__all__ = ["StepPeakRecorder", "MemoryMeasureCallback", "measure_requested", "read_measurements", "MEASURE_ENV"]
+
+MEASURE_ENV = "HF_ZERO_MEASURE_MEMORY"
+KINDS = ("params", "grads", "optimizer", "gathered_params", "buffers")
+WHERE = ("in_backward", "gradients_freed", "before_step")
+
+
+def measure_requested(flag: bool = False) -> bool:
+    return bool(flag) or os.environ.get(MEASURE_ENV, "").lower() in ("1", "true", "yes")
+
+
+def _optimizer_chain(optimizer) -> list:
+    """accelerate's wrapper -> DeepSpeed's ZeRO optimizer -> the torch optimizer, outermost first."""
+    chain = []
+    while optimizer is not None and all(optimizer is not o for o in chain):
+        chain.append(optimizer)
+        optimizer = getattr(optimizer, "optimizer", None)
+    return chain
+
+
+class StepPeakRecorder:
+    """Per-kind peak bytes at the snapshot points of one step (see the module docstring). Arm it before the step,
+    call `result()` after it."""
+
+    def __init__(self, model, optimizer):
+        import torch
+
+        self.model, self.optimizer = model, optimizer
+        self.peaks = {where: dict.fromkeys(KINDS, 0) for where in WHERE}
+        self.handles, self.restore = [], []
+        for p in model.parameters():
+            if p.requires_grad:
+                self.handles.append(p.register_post_accumulate_grad_hook(lambda _: self._snapshot("in_backward")))
+        chain = _optimizer_chain(optimizer)
+        inner = next((o for o in reversed(chain) if isinstance(o, torch.optim.Optimizer)), None)
+        if inner is not None:  # the step pre-hook runs after ZeRO has put the flat gradient copy in place
+            self.handles.append(inner.register_step_pre_hook(lambda *_: self._snapshot("before_step")))
+        for opt in chain:  # ZeRO-1/2 free the source gradients only once the flat copy exists: look just before
+            free = getattr(opt, "free_grad_in_param_list", None)
+            if callable(free):
+                def snapshot_then_free(params, _free=free):
+                    self._snapshot("gradients_freed")
+                    return _free(params)
+
+                opt.free_grad_in_param_list = snapshot_then_free
+                self.restore.append(opt)
+
+    def _snapshot(self, where: str) -> None:
+        from .memory import measure_engine_bytes
+
+        now = measure_engine_bytes(self.model, optimizer=self.optimizer)
+        for kind in KINDS:
+            self.peaks[where][kind] = max(self.peaks[where][kind], now[kind])
+
+    def result(self) -> dict:
+        """Disarm, and return {"measured": params/grads/optimizer/model_states, "after_step": ..., peaks...}."""
+        from .memory import measure_engine_bytes
+
+        for handle in self.handles:
+            handle.remove()
+        for opt in self.restore:
+            del opt.free_grad_in_param_list  # back to the class's method
+        self.handles, self.restore = [], []
+        after = measure_engine_bytes(self.model, optimizer=self.optimizer)
+        grads = max([after["grads"]] + [p["grads"] for p in self.peaks.values()])
+        measured = {"params": after["params"], "grads": grads, "optimizer": after["optimizer"]}
+        measured["model_states"] = sum(measured.values())
+        return {"measured": measured, "after_step": after, **self.peaks}
+
+
+class MemoryMeasureCallback(TrainerCallback):
+    """Records the first optimizer step of a fresh run on every rank."""
+
+    def __init__(self, output_dir):
+        self.output_dir = Path(output_dir)
+        self.recorder = None
+        self.done = False
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if state.global_step > 0:  # a resumed run has no first step to measure
+            self.done = True
+        if not self.done:
+            self.recorder = StepPeakRecorder(model, optimizer)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.done or self.recorder is None:
+            return
+        rank = int(os.environ.get("RANK", "0"))
+        record = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")), "step": state.global_step,
+                  **self.recorder.result()}
+        self.recorder, self.done = None, True
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        path = self.output_dir / f"memory_rank{rank}.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        os.replace(tmp, path)
+
+
+def read_measurements(output_dir) -> list[dict]:
+    """Every rank's record, ordered by rank."""
+    files = sorted(Path(output_dir).glob("memory_rank*.json"), key=lambda p: int(p.stem[len("memory_rank"):]))
+    return [json.loads(f.read_text()) for f in files]

@@ -1,0 +1,97 @@
+"""Sequence packing: a stage's tokenized documents placed whole into fixed-length rows (`packing: true`).
+
+Whole documents, placed best-fit-decreasing, rather than concatenate-and-chunk: a document cut in two would lose its
+context in the second row, which changes what the model is trained on. Boundaries are kept by three things:
+- `position_ids` restart at 0 for every document, so each one sees the positions it would see alone;
+- no `attention_mask` and no KV cache (`use_cache=False`): only then does transformers read the restarts
+  (`masking_utils.find_packed_sequence_indices`) and build a block-diagonal causal mask for sdpa and eager attention,
+  so that no token attends across a boundary. Llama's config says use_cache=True, and its forward creates a cache
+  even in training, which silently turns the detection off: the collator passes use_cache=False with every batch;
+- the label of every document's first token is -100: in a row it would be predicted from the previous document.
+tests/test_packing.py proves it: per-token losses of a packed row equal those of its documents run one by one.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+__all__ = ["pack_documents", "PackedCollator", "padding_stats", "real_tokens"]
+
+IGNORE = -100
+
+
+def pack_documents(samples: list[dict], row_len: int, pad_id: int) -> list[dict]:
+    """Rows of `row_len` tokens, each holding whole documents (samples with input_ids/labels), padded at the end.
+
+    Best-fit decreasing: longest documents first, each into the row it fills most tightly. Deterministic: ties keep
+    the input order, and documents sit in a row in their input order.
+    """
+    lengths = [len(s["input_ids"]) for s in samples]
+    too_long = [n for n in lengths if n > row_len]
+    if too_long:
+        raise ValueError(f"a document of {too_long[0]} tokens does not fit a packed row of {row_len}")
+    free: list[tuple[int, int]] = []  # (free tokens, row index), kept sorted
+    rows: list[list[int]] = []
+    for i in sorted(range(len(samples)), key=lambda i: -lengths[i]):
+        at = bisect.bisect_left(free, (lengths[i], -1))
+        if at == len(free):
+            rows.append([])
+            space, row = row_len, len(rows) - 1
+        else:
+            space, row = free.pop(at)
+        rows[row].append(i)
+        bisect.insort(free, (space - lengths[i], row))
+    return [_build_row([samples[i] for i in sorted(members)], row_len, pad_id) for members in rows]
+
+
+def _build_row(docs: list[dict], row_len: int, pad_id: int) -> dict:
+    ids, labels, positions = [], [], []
+    for doc in docs:
+        n = len(doc["input_ids"])
+        ids += list(doc["input_ids"])
+        labels += [IGNORE] + list(doc["labels"][1:])
+        positions += list(range(n))
+    used = len(ids)
+    pad = row_len - used
+    # The padding is a segment of its own (positions restart): it has no labels, and no document attends to it.
+    return {"input_ids": ids + [pad_id] * pad, "labels": labels + [IGNORE] * pad,
+            "position_ids": positions + list(range(pad)), "real_tokens": used}
+
+
+def real_tokens(sample: dict) -> int:
+    """Tokens of text in a sample (a packed row's padding excluded; an unpacked sample is all text)."""
+    return int(sample.get("real_tokens", len(sample["input_ids"])))
+
+
+class PackedCollator:
+    """Packed rows are stacked as they are, with use_cache=False and without an attention_mask (either would switch
+    off transformers' packed-sequence detection); unpacked samples (e.g. held-out eval samples) go to `fallback`."""
+
+    def __init__(self, fallback, pad_id: int):
+        self.fallback, self.pad_id = fallback, pad_id
+
+    def __call__(self, features: list[dict]) -> dict:
+        import torch
+
+        if "position_ids" not in features[0]:
+            return self.fallback(features)
+        width = max(len(f["input_ids"]) for f in features)  # rows of one stage share a length; be safe anyway
+
+        def padded(key, value):
+            return [f[key] + [value] * (width - len(f[key])) for f in features]
+
+        positions = [f["position_ids"] + list(range(width - len(f["position_ids"]))) for f in features]
+        return {"input_ids": torch.tensor(padded("input_ids", self.pad_id)),
+                "labels": torch.tensor(padded("labels", IGNORE)),
+                "position_ids": torch.tensor(positions), "use_cache": False}
+
+
+def padding_stats(samples_in_order: list[dict], micro_batch: int) -> dict:
+    """Text tokens vs token slots computed, for micro-batches of consecutive samples each padded to its longest
+    (as the collators do; with a sequential sampler every rank's micro-batch is such a slice)."""
+    text = slots = 0
+    for start in range(0, len(samples_in_order), micro_batch):
+        batch = samples_in_order[start:start + micro_batch]
+        text += sum(real_tokens(s) for s in batch)
+        slots += len(batch) * max(len(s["input_ids"]) for s in batch)
+    return {"text_tokens": text, "token_slots": slots, "non_padding_fraction": text / slots if slots else 0.0}

@@ -1,0 +1,193 @@
+"""`hf-zero bench`: the machinery on a short run through the real launcher (2 ranks, 3 steps of mid-llama), its
+deterministic targets (loss parity, model-state bytes in the ZeRO paper's order), its reports, and its one-line
+errors. Wall-clock numbers are recorded, never asserted: the machine is shared."""
+
+import csv
+import json
+import re
+import statistics
+import sys
+
+import pytest
+
+from hf_zero.bench import model_state_bytes, summarize_run
+from hf_zero.cli import main
+
+from conftest import REPO, run_cmd
+
+QUICK = REPO / "recipes" / "configs" / "bench_quick.yaml"
+# The README's quick bench: what this module runs (plus --out).
+QUICK_ARGS = ["--config", "recipes/configs/bench_quick.yaml", "--strategies", "ddp,zero1,zero2,zero3", "--warmup",
+              "1", "--overhead-repeats", "1", "--no-packing"]
+STRATEGY_KEYS = {"name", "step_time_median_s", "samples_per_s", "tokens_per_s", "peak_rss_bytes_per_rank",
+                 "model_state_bytes_per_rank", "estimate_bytes_per_rank", "losses", "max_abs_loss_diff_vs_ddp",
+                 "flops_per_step", "achieved_flops_per_s", "startup_s"}
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "out"
+    proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "bench", *QUICK_ARGS, "--out", out], timeout=1800)
+    return out, proc, json.loads((out / "bench.json").read_text())
+
+
+@pytest.mark.multiproc
+def test_reports_name_the_machine_and_hold_every_field(bench):
+    out, proc, report = bench
+    m = report["machine"]
+    assert report["nproc"] == m["ranks"] == 2 and m["device"] == "cpu" and m["torch"] and m["deepspeed"]
+    assert [s["name"] for s in report["strategies"]] == ["ddp", "zero1", "zero2", "zero3"]
+    for s in report["strategies"]:
+        assert s["status"] == "ok" and STRATEGY_KEYS <= set(s), s.get("error")
+        assert len(s["losses"]) == 3 and len(s["peak_rss_bytes_by_rank"]) == 2
+        assert s["peak_memory_kind"] == "rss" and s["peak_memory_bytes_per_rank"] == s["peak_rss_bytes_per_rank"]
+    assert {"strategy", "step_time_ratio", "startup_ratio"} <= set(report["plain_trainer"])
+    machine = f"torch {m['torch']}"
+    md = (out / "bench.md").read_text()
+    assert machine in md and "2 ranks" in md and "| strategy | s/step |" in md and md.count("\n| zero") == 3
+    lines = (out / "bench.csv").read_text().splitlines()
+    assert lines[0].startswith("#") and machine in lines[0]
+    rows = list(csv.DictReader(lines[1:]))
+    assert [r["name"] for r in rows] == ["ddp", "zero1", "zero2", "zero3"]
+    png = (out / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(out / "bench.png") as img:
+        assert img.size[0] > 1000 and img.size[1] > 700
+    assert "wrote" in proc.stdout and "| zero3 |" in proc.stdout
+
+
+@pytest.mark.multiproc
+def test_every_strategy_matches_ddp_at_every_step(bench):
+    _, _, report = bench
+    ddp = report["strategies"][0]["losses"]
+    for s in report["strategies"][1:]:
+        diff = max(abs(a - b) for a, b in zip(s["losses"], ddp))
+        assert diff == s["max_abs_loss_diff_vs_ddp"] <= 1e-4, s["name"]
+    assert report["checks"]["loss_parity"] is True
+
+
+@pytest.mark.multiproc
+def test_model_state_bytes_follow_the_zero_paper(bench):
+    _, _, report = bench
+    by = {s["name"]: s for s in report["strategies"]}
+    state = {n: s["model_state_bytes_per_rank"] for n, s in by.items()}
+    assert state["zero3"] <= 0.55 * state["ddp"], state
+    assert state["ddp"] > state["zero1"] > state["zero2"] > state["zero3"], state
+    part = {n: s["model_state_by_rank"][0] for n, s in by.items()}
+    params = report["params"] * 4  # fp32
+    # What each stage shards, measured in the engine (2 ranks): ZeRO-1 the optimizer state, ZeRO-2 also the
+    # gradients, ZeRO-3 also the parameters. DDP: whole everything, and a second gradient copy in its buckets.
+    assert part["ddp"]["params"] == part["ddp"]["grads"] == part["ddp"]["grad_buckets"] == params
+    assert part["ddp"]["optimizer"] == pytest.approx(2 * params, rel=0.01)  # Adam's two moments
+    for name in ("zero1", "zero2", "zero3"):  # fp32 master copy + 2 moments, each on half the parameters
+        assert part[name]["optimizer"] == pytest.approx(1.5 * params, rel=0.02), name
+    assert part["zero1"]["grads"] == pytest.approx(params, rel=0.01)
+    assert part["zero2"]["grads"] < 0.6 * params and part["zero3"]["grads"] < 0.6 * params
+    assert part["zero3"]["params"] == pytest.approx(params / 2, rel=0.02)
+    assert report["checks"]["model_state_in_paper_order"] is True
+
+
+@pytest.mark.multiproc
+def test_estimate_stands_next_to_the_measurement(bench):
+    _, _, report = bench
+    for s in report["strategies"]:  # the estimate predicts the peak inside the optimizer step
+        assert s["estimate_bytes_per_rank"] == pytest.approx(s["model_state_peak_bytes_per_rank"], rel=0.25), s["name"]
+
+
+@pytest.mark.multiproc
+def test_throughput_and_flops_follow_from_the_step_times(bench):
+    _, _, report = bench
+    vocab_x_hidden = 512 * 256  # mid-llama's input embedding: a lookup, not a matmul
+    assert report["flops_per_token"] == 6 * (report["params"] - vocab_x_hidden)
+    for s in report["strategies"]:
+        assert s["samples_per_s"] == pytest.approx(report["global_batch"] / s["step_time_median_s"])
+        assert s["achieved_flops_per_s"] == pytest.approx(report["flops_per_token"] * s["tokens_per_s"])
+        assert s["step_time_median_s"] == pytest.approx(statistics.median(s["step_times_s"][1:]), abs=1e-4)
+        assert 0 < s["step_time_p25_s"] <= s["step_time_median_s"] <= s["step_time_p75_s"]
+        assert s["startup_s"] > 0 and s["mfu"] is None  # no device peak to divide by on a CPU
+
+
+@pytest.mark.multiproc
+def test_plain_trainer_script_trains_the_same_without_hf_zero(bench):
+    out, _, report = bench
+    plain = report["plain_trainer"]
+    assert plain["status"] == "ok" and plain["strategy"] == "zero2" and plain["repeats"] == 1
+    assert plain["max_abs_loss_diff_vs_hf_zero"] <= 1e-6  # same weights, data order, DeepSpeed config
+    assert plain["step_time_ratio"] > 0 and plain["startup_ratio"] > 0
+    spec = json.loads((out / "plain" / "spec.json").read_text())
+    assert json.loads((out / "plain" / "ds_config.json").read_text())["zero_optimization"]["stage"] == 2
+    assert spec["training_args"]["use_cpu"] is True and len(spec["learning_rates"]) == 3
+    source = (REPO / "benchmarks" / "plain_trainer.py").read_text()
+    assert not re.search(r"^\s*(from|import)\s+hf_zero", source, flags=re.M)
+
+
+def test_step_statistics_skip_warmup_and_failures_keep_the_log(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    begin = [100.0, 103.0, 104.0, 105.5, 106.5]
+    (run / "bench_rank0.json").write_text(json.dumps({
+        "rank": 0, "process_start": 90.0, "step_begin": begin, "step_end": [b + 0.5 for b in begin],
+        "train_end": 108.0, "peak_rss_bytes": 5, "device_peak_bytes": None, "ddp_bucket_bytes": 0}))
+    (run / "summary.json").write_text(json.dumps({"losses": [5.0, 4.0, 3.0, 2.0, 1.0]}))
+    r = summarize_run(run, 80.0, 0, 2, [10, 10, 30, 20, 10], 4)
+    assert r["step_times_s"] == [3.0, 1.0, 1.5, 1.0, 0.5]  # begin to next begin; the last one ends at its end
+    assert r["step_time_median_s"] == 1.0 and r["samples_per_s"] == 4.0  # median of [1.5, 1.0, 0.5]
+    assert (r["startup_s"], r["launcher_s"], r["warmup_steps"]) == (20.0, 10.0, 2)
+    assert r["tokens_per_s"] == 20.0  # median of 30/1.5, 20/1.0, 10/0.5
+    (run / "launch.log").write_text("starting\nboom: something broke\n")
+    failed = summarize_run(run, 80.0, 1, 2, [10] * 5, 4)
+    assert failed["status"] == "failed" and failed["error"].endswith("boom: something broke")
+
+
+def test_model_state_counts_the_held_gradients_not_the_step_temporaries():
+    record = {"measured": {"params": 100, "grads": 90, "optimizer": 150},
+              "in_backward": {"grads": 50, "buffers": 8}, "before_step": {"grads": 90, "buffers": 0},
+              "after_step": {"grads": 45, "buffers": 8}}
+    got = model_state_bytes(record, ddp_buckets=0)
+    assert (got["grads"], got["grad_buckets"], got["total"], got["total_with_step_temporaries"]) == (50, 8, 308, 348)
+    assert model_state_bytes(record, ddp_buckets=100)["grad_buckets"] == 108
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--strategies", "ddp,zero9"], "--strategies"),
+    (["--strategies", "ddp,ddp"], "--strategies"),
+    (["--nproc", "0"], "--nproc"),
+    (["--steps", "3"], "--steps"),  # fewer than 2 steps left after the default 2 warm-up steps
+    (["--strategies", "ddp", "--overhead-strategy", "zero3"], "--overhead-strategy"),
+    (["--config", "no/such.yaml"], "--config"),
+    (["--config", str(QUICK)], "--steps"),  # its 3 steps leave 1 after the default 2 warm-up steps
+    (["--config", str(QUICK), "--learnin_rate", "1"], "--learnin_rate"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, field, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["bench", *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hf-zero: error: ") and field in err[0], err
+    assert not out.exists()
+
+
+@pytest.mark.gpu
+def test_on_gpus_peak_memory_is_the_devices_and_mfu_is_reported(tmp_path):
+    out = tmp_path / "out"
+    run_cmd([sys.executable, "-m", "hf_zero.cli", "bench", "--config", QUICK, "--strategies", "ddp,zero2",
+             "--warmup", "1", "--overhead-repeats", "1", "--no-packing", "--out", out], timeout=1800)
+    report = json.loads((out / "bench.json").read_text())
+    assert report["machine"]["gpus"] and report["machine"]["device"] == "cuda"
+    for s in report["strategies"]:
+        assert s["peak_memory_kind"] == "device" and all(b > 0 for b in s["device_peak_bytes_by_rank"])
+        assert s["mfu"] is None or 0 < s["mfu"] < 1
+    assert report["plain_trainer"]["max_abs_loss_diff_vs_hf_zero"] <= 1e-6
+
+
+@pytest.mark.slow
+def test_make_bench_default(tmp_path):
+    """The full default (what `make bench` runs): every target that is deterministic holds."""
+    out = tmp_path / "out"
+    run_cmd([sys.executable, "-m", "hf_zero.cli", "bench", "--out", out], timeout=3600)
+    report = json.loads((out / "bench.json").read_text())
+    assert [s["name"] for s in report["strategies"]] == ["ddp", "zero1", "zero2", "zero3", "zero3_offload"]
+    checks = report["checks"]
+    assert checks["loss_parity"] and checks["model_state_in_paper_order"] and checks["zero3_over_ddp_within_target"]
+    assert checks["packing_within_target"] and report["packing"]["tokens_per_s_ratio"] > 1
