@@ -8,6 +8,10 @@ STAMP := $(VENV)/.hf_zero-installed
 PROFILE ?=
 NPROC ?=
 PRECISION ?=
+NODES ?=
+MACHINE_RANK ?=
+MAIN_IP ?=
+HOSTFILE ?=
 CONFIG ?= recipes/configs/smollm2_shakespeare.yaml
 ARGS ?=
 PYTEST_ARGS ?=
@@ -30,10 +34,16 @@ $(STAMP): setup.cfg pyproject.toml
 
 train: install
 	$(BIN)/hf-zero train $(if $(PROFILE),--profile $(PROFILE)) $(if $(NPROC),--nproc $(NPROC)) \
-		$(if $(PRECISION),--precision $(PRECISION)) --config $(CONFIG) $(ARGS)
+		$(if $(PRECISION),--precision $(PRECISION)) $(if $(NODES),--nodes $(NODES)) \
+		$(if $(MACHINE_RANK),--machine-rank $(MACHINE_RANK)) $(if $(MAIN_IP),--main-ip $(MAIN_IP)) \
+		$(if $(HOSTFILE),--hostfile $(HOSTFILE)) --config $(CONFIG) $(ARGS)
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# DDP vs ZeRO-1/2/3/offload side by side (time, memory, loss parity, plots) into bench_out/; ~10 min on 2 CPU cores.
+bench: install
+	$(BIN)/hf-zero bench --out bench_out $(ARGS)
 
 # Everything, including the long runs kept out of `make test` (marked slow).
 test-all: install
