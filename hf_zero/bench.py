@@ -11,6 +11,7 @@ Output in --out: bench.json (everything), bench.csv, bench.md, bench.png (hf_zer
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import statistics
@@ -129,9 +130,8 @@ def _run_hf_zero(profile: str, plan, args, run_dir: Path, measure: bool, packing
     cmd, env = build_launch_command(profile, str(DEFAULT_RECIPE), script_args, nproc=args.nproc,
                                     precision=args.precision, main_port=_free_port())
     extra = {BENCH_ENV: "1", **({"HF_ZERO_MEASURE_MEMORY": "1"} if measure else {})}
-    started, code = _launch(cmd, _env(_threads(args.nproc), **env, **extra), run_dir, args.timeout)
     tokens = plan.packed_text_tokens_per_step if packing else plan.text_tokens_per_step
-    return summarize_run(run_dir, started, code, args.warmup, tokens, plan.global_batch)
+    return _measure(cmd, _env(_threads(args.nproc), **env, **extra), run_dir, args, tokens, plan.global_batch)
 
 
 def _run_plain(spec: Path, args, run_dir: Path, plan) -> dict:
@@ -140,8 +140,26 @@ def _run_plain(spec: Path, args, run_dir: Path, plan) -> dict:
            "--mixed_precision", {"bf16": "bf16", "fp16": "fp16"}.get(args.precision or "", "no"),
            *(["--multi_gpu"] if args.nproc > 1 else []), str(PLAIN_SCRIPT), "--spec", str(spec),
            "--output_dir", str(run_dir)]
-    started, code = _launch(cmd, _env(_threads(args.nproc)), run_dir, args.timeout)
-    return summarize_run(run_dir, started, code, args.warmup, plan.text_tokens_per_step, plan.global_batch)
+    return _measure(cmd, _env(_threads(args.nproc)), run_dir, args, plan.text_tokens_per_step, plan.global_batch)
+
+
+def _measure(cmd: list[str], env: dict, run_dir: Path, args, tokens_per_step, global_batch) -> dict:
+    """One launch, summarized; a run that crashed is launched once more, and the first crash is kept in the result.
+
+    A benchmark launches a dozen multi-process jobs in a row; on CPU, gloo's TCP mesh set-up now and then loses a
+    connection. One such crash must not void the other measurements, and must not be hidden either.
+    """
+    started, code = _launch(cmd, env, run_dir, args.timeout)
+    result = summarize_run(run_dir, started, code, args.warmup, tokens_per_step, global_batch)
+    if result["status"] == "ok" or code == -1:  # a timeout would only time out again
+        return result
+    first = result
+    (run_dir / "launch.log").rename(run_dir / "launch.first-attempt.log")
+    started, code = _launch(cmd, env, run_dir, args.timeout)
+    result = summarize_run(run_dir, started, code, args.warmup, tokens_per_step, global_batch)
+    result["retried_after"] = {"exit_code": first["exit_code"], "cause": first["cause"],
+                               "log": str(run_dir / "launch.first-attempt.log")}
+    return result
 
 
 def summarize_run(run_dir: Path, started: float, code: int, warmup: int, tokens_per_step, global_batch) -> dict:
@@ -153,8 +171,9 @@ def summarize_run(run_dir: Path, started: float, code: int, warmup: int, tokens_
     probes = sorted((json.loads(p.read_text()) for p in run_dir.glob("bench_rank*.json")), key=lambda r: r["rank"])
     summary = run_dir / "summary.json"
     if code != 0 or not probes or not summary.is_file():
-        tail = (run_dir / "launch.log").read_text(errors="replace").strip().splitlines()[-15:]
-        return {"status": "failed", "exit_code": code, "log": str(run_dir / "launch.log"), "error": "\n".join(tail)}
+        lines = (run_dir / "launch.log").read_text(errors="replace").strip().splitlines()
+        return {"status": "failed", "exit_code": code, "log": str(run_dir / "launch.log"),
+                "cause": root_cause(lines), "error": "\n".join(lines[-15:])}
     begin, end = probes[0]["step_begin"], probes[0]["step_end"]
     # A step is begin-to-next-begin (forward, backward, optimizer, logging, next batch); the last one ends at its end.
     times = [b - a for a, b in zip(begin, begin[1:])] + [end[-1] - begin[-1]]
@@ -187,6 +206,15 @@ def summarize_run(run_dir: Path, started: float, code: int, warmup: int, tokens_
         out["model_state_bytes_per_rank"] = max(r["total"] for r in by_rank)
         out["model_state_peak_bytes_per_rank"] = max(r["total_with_step_temporaries"] for r in by_rank)
     return out
+
+
+def root_cause(lines: list[str]) -> str:
+    """The line that says why a launch failed: a worker's exception, not the launcher's ChildFailedError banner."""
+    for line in reversed(lines):
+        text = line.strip()
+        if re.match(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b.*:", text) and "ChildFailedError" not in text:
+            return text[:300]
+    return next((x.strip()[:300] for x in reversed(lines) if x.strip() and not set(x.strip()) <= set("=-")), "")
 
 
 def model_state_bytes(record: dict, ddp_buckets: int) -> dict:

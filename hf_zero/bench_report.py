@@ -86,10 +86,18 @@ def assemble(plan, args, machine, names, results, overhead, pairs, packed) -> di
         "micro_batch": plan.micro, "grad_accum": plan.accumulation, "seq_len": plan.seq_len,
         "flops_per_token": plan.flops_per_token, "recipe": str(plan.recipe_yaml), "strategies": rows,
         "plain_trainer": _overhead(overhead, pairs), "packing": _packing(plan, overhead, ok.get(overhead), packed),
-        "targets": TARGETS,
+        "targets": TARGETS, "retries": _retries(results, pairs, packed),
     }
     report["checks"] = _checks(report, ok, precision)
     return report
+
+
+def _retries(results, pairs, packed) -> list[dict]:
+    """Runs whose first launch crashed and were launched again: listed in the report, so that none goes unseen."""
+    named = [*results.items(), *((f"hf_zero #{i + 1}", a) for i, (a, _) in enumerate(pairs) if i),
+             *((f"plain #{i + 1}", b) for i, (_, b) in enumerate(pairs)), *([("packed", packed)] if packed else [])]
+    return [{"run": name, **r["retried_after"], "second_attempt": r["status"]} for name, r in named
+            if r.get("retried_after")]
 
 
 def _overhead(strategy, pairs) -> dict:
@@ -155,12 +163,13 @@ def _checks(report, ok, precision) -> dict:
 
 
 def progress_line(name: str, r: dict) -> str:
+    retried = r.get("retried_after")
+    again = f" [launched twice: the first attempt crashed: {retried['cause']}]" if retried else ""
     if r["status"] != "ok":
-        last = r["error"].splitlines()[-1] if r.get("error") else ""
-        return f"[hf_zero bench] {name}: FAILED (exit {r['exit_code']}, log {r['log']}): {last}"
+        return f"[hf_zero bench] {name}: FAILED (exit {r['exit_code']}, log {r['log']}): {r.get('cause', '')}{again}"
     return (f"[hf_zero bench] {name}: {r['step_time_median_s']:.3f} s/step (median of "
             f"{r['steps'] - r['warmup_steps']}), start-up {r['startup_s']:.1f} s, peak {r['peak_memory_kind']} "
-            f"{_mib(r['peak_memory_bytes_per_rank'])}/rank")
+            f"{_mib(r['peak_memory_bytes_per_rank'])}/rank{again}")
 
 
 COLUMNS = ("strategy", "s/step", "samples/s", "tokens/s", "GFLOP/s", "peak mem/rank", "model-state bytes/rank",
@@ -238,7 +247,10 @@ def _notes(report) -> list[str]:
     if pack.get("tokens_per_s_ratio"):
         line += (f"; text tokens/s {pack['tokens_per_s_unpacked']:,.0f} -> {pack['tokens_per_s_packed']:,.0f} "
                  f"(x{pack['tokens_per_s_ratio']:.2f})")
-    out += [line + ".", "", "## What the columns count", "",
+    out.append(line + ".")
+    out += [f"- {x['run']} crashed once ({x['cause']}, exit {x['exit_code']}) and was launched again: "
+            f"{x['second_attempt']}." for x in report.get("retries", [])]
+    out += ["", "## What the columns count", "",
             "- s/step: wall time from one optimizer step's begin to the next (forward, backward, optimizer, logging, "
             "next batch) on rank 0; samples/s = global batch / median step; tokens/s: text tokens (no padding).",
             "- peak mem/rank: the largest peak of any rank: device memory on GPUs (torch.cuda.max_memory_allocated), "

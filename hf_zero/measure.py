@@ -5,7 +5,7 @@ Gradients live only for part of a step, and not at the same moment under every s
 `param.grad`s at the end of backward; at the step ZeRO-1/2/3 make a flat fp32 copy of their gradient partition
 (the optimizer steps on it) while the partition still exists; ZeRO-3 keeps a partition buffer all run. Inside
 the Trainer, accelerate runs DeepSpeed's backward and step as one call, so no callback event falls between them.
-`StepPeakRecorder` therefore snapshots `hf_zero.memory.measure_engine_bytes` after every gradient accumulation in
+`StepPeakRecorder` therefore snapshots `measure_engine_bytes` after every gradient accumulation in
 backward, when ZeRO-1/2 free the gradients the flat copy was made from, and just before the innermost torch
 optimizer steps; it reports the largest gradient bytes seen, with parameters and optimizer state after the step
 (Adam's moments exist only then). ZeRO-3's whole gradients in backward count as "gathered", like its gathered
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-__all__ = ["StepPeakRecorder", "MemoryMeasureCallback", "measure_requested", "read_measurements", "MEASURE_ENV"]
+__all__ = ["StepPeakRecorder", "MemoryMeasureCallback", "measure_engine_bytes", "measure_requested", "read_measurements", "MEASURE_ENV"]
 
 MEASURE_ENV = "HF_ZERO_MEASURE_MEMORY"
 KINDS = ("params", "grads", "optimizer", "gathered_params", "buffers")
@@ -68,7 +68,6 @@ class StepPeakRecorder:
                 self.restore.append(opt)
 
     def _snapshot(self, where: str) -> None:
-        from .memory import measure_engine_bytes
 
         now = measure_engine_bytes(self.model, optimizer=self.optimizer)
         for kind in KINDS:
@@ -76,7 +75,6 @@ class StepPeakRecorder:
 
     def result(self) -> dict:
         """Disarm, and return {"measured": params/grads/optimizer/model_states, "after_step": ..., peaks...}."""
-        from .memory import measure_engine_bytes
 
         for handle in self.handles:
             handle.remove()
@@ -122,3 +120,63 @@ def read_measurements(output_dir) -> list[dict]:
     """Every rank's record, ordered by rank."""
     files = sorted(Path(output_dir).glob("memory_rank*.json"), key=lambda p: int(p.stem[len("memory_rank"):]))
     return [json.loads(f.read_text()) for f in files]
+
+
+def _tensors(obj):
+    if hasattr(obj, "untyped_storage"):
+        yield obj
+    elif isinstance(obj, (dict, list, tuple)):
+        for v in obj.values() if isinstance(obj, dict) else obj:
+            yield from _tensors(v)
+
+
+def measure_engine_bytes(engine_or_model, optimizer=None) -> dict:
+    """Bytes this rank holds now: {"params", "grads", "optimizer"} (+ "gathered_params", "buffers").
+
+    Each storage counts once (a view of a DeepSpeed flat buffer counts the buffer), first-come in this order:
+    - params: ZeRO-3 each param's `ds_tensor` (local partition; whole params gathered right now, e.g. persistent
+      ones, and their whole gradients in backward, go to "gathered_params"); otherwise `param.data` (ZeRO-1/2: views
+      of `bit16_groups_flat`).
+    - optimizer: fp32 master partitions (`single_partition_of_fp32_groups`, ZeRO-3 `fp32_partitioned_groups_flat`)
+      + the torch optimizer's state (Adam's moments exist after the first step).
+    - buffers: the IPG reduce buckets (before grads: a param.grad may be a view into one).
+    - grads: ZeRO-3 `grad_partitions_flat_buffer` (allocated at init, kept all run); ZeRO-1/2 `averaged_gradients`
+      / `grads_in_partition` / masters' `.grad` / `param.grad`, alive only between backward() and step() (ZeRO-1
+      holds whole `param.grad`s until the backward epilogue: snapshot from a post-accumulate-grad hook to see them;
+      StepPeakRecorder looks at every moment that matters).
+    """
+    import torch
+
+    module = getattr(engine_or_model, "module", engine_or_model)
+    chain, opt = [], optimizer if optimizer is not None else getattr(engine_or_model, "optimizer", None)
+    while opt is not None and opt not in chain:
+        chain.append(opt)
+        opt = getattr(opt, "optimizer", None)
+    out = dict.fromkeys(("params", "grads", "optimizer", "gathered_params", "buffers"), 0)
+    seen = set()
+
+    def add(kind, *objs):
+        for t in _tensors(list(objs)):
+            st = t.untyped_storage()
+            key = (st.data_ptr(), str(t.device))
+            if st.nbytes() and key not in seen:
+                seen.add(key)
+                out[kind] += st.nbytes()
+
+    def attrs(*names):
+        return [getattr(o, n, None) for o in chain for n in names]
+
+    params = list(module.parameters())
+    add("params", *[getattr(p, "ds_tensor", p.data) for p in params], *attrs("bit16_groups_flat",
+                                                                             "fp16_partitioned_groups_flat"))
+    # ZeRO-3's whole working copies: gathered params and, in backward, their whole gradients before reduce-scatter
+    add("gathered_params", *[t for p in params if hasattr(p, "ds_tensor") for t in (p.data, p.grad)])
+    masters = list(_tensors(attrs("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")))
+    add("optimizer", *masters, *[dict(st) for o in chain if isinstance(o, torch.optim.Optimizer)
+                                 for st in o.state.values()])
+    # Buckets before grads: in backward a param.grad can be a view into the reduce bucket, which is a buffer.
+    add("buffers", *[getattr(b, "buffer", None) for d in attrs("ipg_buckets") if isinstance(d, dict)
+                     for b in d.values()])
+    add("grads", *attrs("grad_partitions_flat_buffer", "averaged_gradients", "grads_in_partition", "all_grad_tensors"),
+        *[t.grad for t in masters], *[p.grad for p in params], *[getattr(p, "grad_accum", None) for p in params])
+    return out

@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 
 __all__ = ["STRATEGIES", "SPEED_ORDER", "ModelCount", "count_model", "estimate", "estimate_all", "recommend",
-           "largest_micro_batch", "measure_engine_bytes"]
+           "largest_micro_batch"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload_optimizer", "zero3_offload",
               "zero3_nvme")
@@ -251,63 +251,3 @@ def largest_micro_batch(count: ModelCount, strategy: str, gpu_memory_bytes: int,
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
-
-
-def _tensors(obj):
-    if hasattr(obj, "untyped_storage"):
-        yield obj
-    elif isinstance(obj, (dict, list, tuple)):
-        for v in obj.values() if isinstance(obj, dict) else obj:
-            yield from _tensors(v)
-
-
-def measure_engine_bytes(engine_or_model, optimizer=None) -> dict:
-    """Bytes this rank holds now: {"params", "grads", "optimizer"} (+ "gathered_params", "buffers").
-
-    Each storage counts once (a view of a DeepSpeed flat buffer counts the buffer), first-come in this order:
-    - params: ZeRO-3 each param's `ds_tensor` (local partition; whole params gathered right now, e.g. persistent
-      ones, and their whole gradients in backward, go to "gathered_params"); otherwise `param.data` (ZeRO-1/2: views
-      of `bit16_groups_flat`).
-    - optimizer: fp32 master partitions (`single_partition_of_fp32_groups`, ZeRO-3 `fp32_partitioned_groups_flat`)
-      + the torch optimizer's state (Adam's moments exist after the first step).
-    - buffers: the IPG reduce buckets (before grads: a param.grad may be a view into one).
-    - grads: ZeRO-3 `grad_partitions_flat_buffer` (allocated at init, kept all run); ZeRO-1/2 `averaged_gradients`
-      / `grads_in_partition` / masters' `.grad` / `param.grad`, alive only between backward() and step() (ZeRO-1
-      holds whole `param.grad`s until the backward epilogue: snapshot from a post-accumulate-grad hook to see them;
-      hf_zero.measure.StepPeakRecorder looks at every moment that matters).
-    """
-    import torch
-
-    module = getattr(engine_or_model, "module", engine_or_model)
-    chain, opt = [], optimizer if optimizer is not None else getattr(engine_or_model, "optimizer", None)
-    while opt is not None and opt not in chain:
-        chain.append(opt)
-        opt = getattr(opt, "optimizer", None)
-    out = dict.fromkeys(("params", "grads", "optimizer", "gathered_params", "buffers"), 0)
-    seen = set()
-
-    def add(kind, *objs):
-        for t in _tensors(list(objs)):
-            st = t.untyped_storage()
-            key = (st.data_ptr(), str(t.device))
-            if st.nbytes() and key not in seen:
-                seen.add(key)
-                out[kind] += st.nbytes()
-
-    def attrs(*names):
-        return [getattr(o, n, None) for o in chain for n in names]
-
-    params = list(module.parameters())
-    add("params", *[getattr(p, "ds_tensor", p.data) for p in params], *attrs("bit16_groups_flat",
-                                                                             "fp16_partitioned_groups_flat"))
-    # ZeRO-3's whole working copies: gathered params and, in backward, their whole gradients before reduce-scatter
-    add("gathered_params", *[t for p in params if hasattr(p, "ds_tensor") for t in (p.data, p.grad)])
-    masters = list(_tensors(attrs("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")))
-    add("optimizer", *masters, *[dict(st) for o in chain if isinstance(o, torch.optim.Optimizer)
-                                 for st in o.state.values()])
-    # Buckets before grads: in backward a param.grad can be a view into the reduce bucket, which is a buffer.
-    add("buffers", *[getattr(b, "buffer", None) for d in attrs("ipg_buckets") if isinstance(d, dict)
-                     for b in d.values()])
-    add("grads", *attrs("grad_partitions_flat_buffer", "averaged_gradients", "grads_in_partition", "all_grad_tensors"),
-        *[t.grad for t in masters], *[p.grad for p in params], *[getattr(p, "grad_accum", None) for p in params])
-    return out

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from hf_zero.bench import model_state_bytes, summarize_run
+from hf_zero.bench import _measure, model_state_bytes, root_cause, summarize_run
+from hf_zero.bench_report import progress_line
 from hf_zero.cli import main
 
 from conftest import REPO, run_cmd
@@ -139,6 +140,49 @@ def test_step_statistics_skip_warmup_and_failures_keep_the_log(tmp_path):
     (run / "launch.log").write_text("starting\nboom: something broke\n")
     failed = summarize_run(run, 80.0, 1, 2, [10] * 5, 4)
     assert failed["status"] == "failed" and failed["error"].endswith("boom: something broke")
+
+
+FLAKY_LAUNCH = """
+import json, pathlib, sys
+run = pathlib.Path(sys.argv[1])
+marker = run / "crashed-once"
+if not marker.exists():
+    marker.write_text("")
+    print("Traceback (most recent call last):")
+    print("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    print("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ")
+    print("=" * 40)
+    sys.exit(1)
+(run / "bench_rank0.json").write_text(json.dumps({"rank": 0, "process_start": 0.0, "step_begin": [1.0, 2.0],
+    "step_end": [1.5, 2.5], "train_end": 3.0, "peak_rss_bytes": 1, "device_peak_bytes": None}))
+(run / "summary.json").write_text(json.dumps({"losses": [2.0, 1.0]}))
+"""
+
+
+def test_a_crashed_run_is_launched_once_more_and_the_crash_is_reported(tmp_path):
+    """A dozen multi-process launches in a row: one lost gloo connection must neither void the bench nor hide."""
+    run, script = tmp_path / "run", tmp_path / "flaky.py"
+    script.write_text(FLAKY_LAUNCH)
+    args = type("Args", (), {"timeout": 60, "warmup": 1})()
+    r = _measure([sys.executable, str(script), str(run)], {}, run, args, [10, 10], 4)
+    assert r["status"] == "ok" and r["losses"] == [2.0, 1.0]
+    assert r["retried_after"]["cause"].startswith("RuntimeError: [../third_party/gloo")
+    assert "Connection closed" in (run / "launch.first-attempt.log").read_text()
+    assert "launched twice" in progress_line("plain #2", r) and "Connection closed" in progress_line("plain #2", r)
+    # A run that crashes every time is still a failure, named by its cause rather than the launcher's banner.
+    script.write_text("import sys\nprint('ValueError: bad micro batch')\nprint('=' * 40)\nsys.exit(3)\n")
+    failed = _measure([sys.executable, str(script)], {}, tmp_path / "again", args, [10, 10], 4)
+    assert failed["status"] == "failed" and failed["exit_code"] == 3
+    assert failed["cause"] == failed["retried_after"]["cause"] == "ValueError: bad micro batch"
+    assert "FAILED (exit 3" in progress_line("zero2", failed) and "bad micro batch" in progress_line("zero2", failed)
+
+
+def test_root_cause_skips_the_launchers_banner():
+    log = ["[rank1]: Traceback (most recent call last):", "[rank1]: OSError: [Errno 98] Address already in use",
+           "E1122 launcher failed", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+           "=" * 30, "benchmarks/plain_trainer.py FAILED", "-" * 30]
+    assert root_cause(log) == "[rank1]: OSError: [Errno 98] Address already in use"
+    assert root_cause(["nothing useful", "=" * 10]) == "nothing useful"
 
 
 def test_model_state_counts_the_held_gradients_not_the_step_temporaries():

@@ -194,7 +194,8 @@ sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                   LOCAL_WORLD_SIZE="1")
 import torch, deepspeed
-from hf_zero.memory import count_model, estimate, measure_engine_bytes
+from hf_zero.measure import measure_engine_bytes
+from hf_zero.memory import count_model, estimate
 from hf_zero.measure import StepPeakRecorder
 deepspeed.init_distributed(dist_backend="gloo")
 results = {}
