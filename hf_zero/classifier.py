@@ -65,12 +65,15 @@ def build_classifier(model_args: ModelArguments, kind: str, label_names: list[st
                         "use e.g. minilm for text or recipes/models/digits_resnet for images")
     if model_args.attn_implementation:
         config._attn_implementation = model_args.attn_implementation
-    if has_weights(path):
-        # The head is new (its size is the number of labels), hence ignore_mismatched_sizes for pretrained heads.
-        model = auto.from_pretrained(path, config=config, dtype=torch.float32, ignore_mismatched_sizes=True)
-    else:
-        torch.manual_seed(seed)
-        model = auto.from_config(config, dtype=torch.float32)
+    from .distributed import waiting_for
+
+    with waiting_for("the other ranks to build the model (zero.Init under ZeRO-3)"):
+        if has_weights(path):
+            # The head is new (its size is the number of labels), hence ignore_mismatched_sizes for pretrained heads.
+            model = auto.from_pretrained(path, config=config, dtype=torch.float32, ignore_mismatched_sizes=True)
+        else:
+            torch.manual_seed(seed)
+            model = auto.from_config(config, dtype=torch.float32)
     # These heads take **kwargs but average their loss over the local batch, ignoring num_items_in_batch; the
     # Trainer would still multiply the loss by the world size (average_tokens_across_devices), doubling loss and
     # gradients on 2 ranks. Saying so makes it keep the plain per-rank mean, which DeepSpeed averages over ranks.

@@ -184,6 +184,10 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None):
             raise _unknown_key_error(key, sorted(known), config_path)
     defaults = {k: v for k, v in HF_ZERO_TRAINING_DEFAULTS.items() if k in known}
     defaults["output_dir"] = f"runs/{Path(config_path).stem}" if config_path else "runs/default"
+    if "ddp_timeout" in known:  # minutes, not torch's 30: a stuck rank fails the run soon (hf_zero/distributed.py)
+        from .distributed import dist_timeout
+
+        defaults["ddp_timeout"] = dist_timeout()
     parser.set_defaults(**{**defaults, **yaml_values})
     namespace, remaining = parser.parse_known_args(argv)
     if remaining:

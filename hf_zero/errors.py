@@ -35,7 +35,7 @@ def exit_on_user_error(func):
         except UserError as err:
             import os
 
-            if os.environ.get("RANK", "0") == "0":
+            if os.environ.get("RANK", "0") == "0" or getattr(err, "every_rank", False):
                 print(f"hf-zero: error: {err.line()}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USAGE)
 

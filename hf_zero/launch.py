@@ -64,9 +64,17 @@ def ensure_launched(argv: list[str], script: str) -> list[str]:
         raise UserError("--config_file", "a profile given after the script cannot change a running launch",
                         f"run: {right}")
     cmd, env = build_launch_command(profile, script, rest)
+    _prepare_assets(rest)
     print(f"[hf_zero] relaunching under profile {Path(path).stem}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
     os.execvpe(cmd[0], cmd, {**os.environ, **env})
     return rest  # not reached
+
+
+def _prepare_assets(recipe_argv: list[str]) -> None:
+    """The run's offline model and data, built here, once, before any rank starts (hf_zero/assets.py)."""
+    from .assets import prepare_run_assets, recipe_assets
+
+    prepare_run_assets(*recipe_assets(recipe_argv))
 
 
 def add_arguments(parser, name: str) -> None:
@@ -133,5 +141,6 @@ def run(args) -> int:
     if args.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
         return 0
+    _prepare_assets(["--config", args.config, *extra])
     os.execvpe(cmd[0], cmd, {**os.environ, **env})
     return 0

@@ -82,11 +82,11 @@ def count_model(config_or_name, lora=None) -> ModelCount:
             name, config = str(config), get_model_config(str(config))
         from transformers import AutoModel, AutoModelForCausalLM
 
+        # The model class itself, not from_config: inside a ZeRO-3 run from_config would partition it (zero.Init).
+        auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModel  # encoders
         with torch.device("meta"):
-            try:
-                model = AutoModelForCausalLM.from_config(config)
-            except ValueError:  # not a causal LM (e.g. an encoder)
-                model = AutoModel.from_config(config)
+            known = type(config) in auto._model_mapping
+            model = auto._model_mapping[type(config)](config) if known else auto.from_config(config)  # its ValueError
     if lora is not None:
         from peft import LoraConfig, get_peft_model
 

@@ -27,7 +27,10 @@ def build_causal_lm(model_args: ModelArguments, tokenizer):
 
         raise UserError("tokenizer_name_or_path", f"the tokenizer has {len(tokenizer)} tokens but the model only "
                         f"{vocab} embeddings", "use the model's own tokenizer")
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    from .distributed import waiting_for
+
+    with waiting_for("the other ranks to build the model (zero.Init under ZeRO-3)"):
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     if model_args.use_peft:
         model = apply_lora(model, model_args, task_type="CAUSAL_LM")
     return model

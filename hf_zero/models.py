@@ -53,9 +53,9 @@ def _build_tiny_llama(folder: Path, name: str = TINY_LLAMA) -> None:
 def get_tiny_llama_path(name: str = TINY_LLAMA) -> Path:
     """tiny-llama's initial weights, written once. Loading them with from_pretrained (instead of initialising from
     config in every run) makes the start identical under DDP and zero.Init, whose initialisation differs."""
-    from .assets import _build_once, get_cache_dir
+    from .cache import build_once, get_cache_dir, model_folder_problem
 
-    return _build_once(get_cache_dir() / "models" / f"{name}-v1", _build_tiny_llama, name)
+    return build_once(get_cache_dir() / "models" / f"{name}-v1", _build_tiny_llama, name, verify=model_folder_problem)
 
 
 def resolve_model_path(name_or_path: str) -> str:

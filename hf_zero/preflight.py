@@ -4,10 +4,8 @@ before the engine is built, and stops at the first failure."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -15,7 +13,7 @@ from .errors import UserError
 
 __all__ = ["verify_profile_keys", "verify_devices", "verify_precision", "verify_launch", "verify_hostfile",
            "verify_offload", "verify_output", "strategy_of", "count_for", "checkpoint_plan", "output_needs",
-           "check_at_start", "human_bytes"]
+           "check_at_start", "check_launch_at_start", "check_room_at_start", "human_bytes"]
 
 
 def human_bytes(b: float) -> str:
@@ -155,20 +153,18 @@ def verify_offload(profile, nvme_bytes: int | None, build_cpu_adam: bool = True)
     if not profile.uses_deepspeed or not devices:
         return f"none in profile {profile.name}"
     done = []
-    if "nvme" in devices:  # the cheap checks first: a cpu_adam build can take minutes
-        from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
+    if "nvme" in devices:  # the cheap checks first (the path, then a compile for libaio): cpu_adam takes minutes
+        from .ops import libaio_available
 
-        with contextlib.redirect_stderr(sys.__stderr__):  # its compile test needs stderr's real file descriptor
-            linked = AsyncIOBuilder().is_compatible()
-        if not linked:
-            raise UserError("offload", "NVMe offload needs libaio, and no program links against it here",
-                            "apt-get install libaio-dev (and a C compiler)")
         path = Path(profile.nvme_path or "/local_nvme")
         fix = "export HF_ZERO_NVME_PATH=<a writable local NVMe folder>"
         free = _writable_room(path, "HF_ZERO_NVME_PATH", fix)
         if nvme_bytes is not None and free < nvme_bytes:
             raise UserError("HF_ZERO_NVME_PATH", f"{path} has {human_bytes(free)} free, the swap files need "
                             f"{human_bytes(nvme_bytes)}", fix)
+        if not libaio_available():
+            raise UserError("offload", "NVMe offload needs libaio, and no program links against it here",
+                            "apt-get install libaio-dev (and a C compiler)")
         need = f", needs {human_bytes(nvme_bytes)}" if nvme_bytes is not None else ""
         done.append(f"libaio ok, {path} writable ({human_bytes(free)} free{need})")
     if build_cpu_adam:  # the optimizer steps on the CPU for both cpu and nvme offload
@@ -251,6 +247,16 @@ def check_at_start(profile, training_kwargs: dict, parsed: tuple, stages: list, 
                    config: str | None = None, env: dict | None = None) -> None:
     """The cheap checks, inside the recipe before any engine exists; raises the first failure as UserError. Data,
     model and batch errors come from the recipe's own steps; cpu_adam is built by `make install`, not here."""
+    check_launch_at_start(profile, parsed, world, config, env)
+    check_room_at_start(profile, training_kwargs, parsed, stages, world, env)
+
+
+def _nproc(profile, world: int, env: dict) -> int:
+    return int(env.get("LOCAL_WORLD_SIZE") or max(world // max(profile.num_machines, 1), 1))
+
+
+def check_launch_at_start(profile, parsed: tuple, world: int, config: str | None = None, env: dict | None = None):
+    """Launch, profile keys and devices: before any process group exists."""
     from .profiles import gpu_count
 
     env = dict(os.environ if env is None else env)
@@ -258,12 +264,18 @@ def check_at_start(profile, training_kwargs: dict, parsed: tuple, stages: list, 
     ds_fields = env.get("ACCELERATE_CONFIG_DS_FIELDS")  # the profile's deepspeed_config keys, as accelerate read them
     if profile.uses_deepspeed and (ds_fields or profile.raw):
         verify_profile_keys(profile, [k for k in ds_fields.split(",") if k] if ds_fields else None)
-    nproc = int(env.get("LOCAL_WORLD_SIZE") or max(world // max(profile.num_machines, 1), 1))
-    verify_devices(profile, nproc, gpu_count())
+    verify_devices(profile, _nproc(profile, world, env), gpu_count())
+    if not any(hasattr(a, "model_name_or_path") for a in parsed):
+        verify_offload(profile, None, build_cpu_adam=False)
+
+
+def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: list, world: int,
+                        env: dict | None = None) -> None:
+    """NVMe and output room for the model's size: after its offline assets are in the cache (it reads its config)."""
     model = next((a for a in parsed if hasattr(a, "model_name_or_path")), None)
     if model is None:
-        verify_offload(profile, None, build_cpu_adam=False)
         return
+    nproc = _nproc(profile, world, dict(os.environ if env is None else env))
     steps = sum(s.steps or 0 for s in stages)  # epoch-based stages are sized after tokenization: not counted here
     needed, what, est = output_needs(count_for(model), profile, nproc, training_kwargs, steps)
     verify_offload(profile, est["nvme_bytes"], build_cpu_adam=False)

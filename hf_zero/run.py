@@ -59,10 +59,10 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
         training_kwargs, profile, world, has_gpu=gpu_count() > 0,
         global_batch=getattr(curriculum, "global_batch_size", None),
     )
-    from .preflight import check_at_start
+    from .preflight import check_launch_at_start, check_room_at_start
 
-    # `hf-zero check`'s cheap checks (launch, devices, profile keys, NVMe, output room) before any engine exists.
-    check_at_start(profile, kwargs, tuple(parsed), stages, world, config_path)
+    # `hf-zero check`'s cheap checks (launch, devices, profile keys) before any process group exists.
+    check_launch_at_start(profile, tuple(parsed), world, config_path)
     # The curriculum lays samples out in step order itself: a random sampler would mix stages.
     kwargs["train_sampling_strategy"] = "sequential"
     # accelerate refuses a DeepSpeed config next to DeepSpeed fields from its YAML, to stop them being silently
@@ -72,13 +72,37 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     # Touching .device sets up the process group now; zero.Init (model construction under ZeRO-3) reads the
     # world size from it, and would otherwise assume 1 and fail DeepSpeed's batch assertion.
     _ = training_args.device
+    from .distributed import set_dist_timeout
+
+    set_dist_timeout(training_args.ddp_timeout)  # a stuck rank fails the run in minutes (HF_ZERO_DIST_TIMEOUT)
     if profile.uses_deepspeed:
+        from datetime import timedelta
+
         import deepspeed
 
         # With use_cpu the process group comes from accelerate's MULTI_CPU path; DeepSpeed's comm layer must be
         # attached to it too, or zero.Init sees a world of 1.
-        deepspeed.init_distributed(dist_backend="gloo" if gpu_count() == 0 else None)
+        deepspeed.init_distributed(dist_backend="gloo" if gpu_count() == 0 else None,
+                                   timeout=timedelta(seconds=training_args.ddp_timeout))
+    _prepare_assets(training_args, parsed, stages)
+    # NVMe and output room for the model's size, now that its config is in the cache; still before any engine.
+    check_room_at_start(profile, kwargs, tuple(parsed), stages, world)
     return RunContext(tuple(parsed), stages, training_args, profile, plan, config_path)
+
+
+def _prepare_assets(training_args, parsed, stages) -> None:
+    """The run's offline model and data, built (when `hf-zero train` has not already) by local rank 0 alone, in a
+    child process outside the process group and zero.Init, while the other ranks wait at a barrier."""
+    from .assets import prepare_assets_in_worker
+    from .distributed import stall_if_asked, waiting_for
+
+    model = next((a.model_name_or_path for a in parsed if hasattr(a, "model_name_or_path")), None)
+    data = [d for s in stages for d in s.data]
+    builder = training_args.local_process_index == 0
+    stall_if_asked()
+    what = "the other ranks at the offline-asset barrier" if builder else "local rank 0 to build the offline assets"
+    with waiting_for(what), training_args.main_process_first(local=True, desc="offline assets"):
+        prepare_assets_in_worker(model, data, builder)
 
 
 def print_banner(ctx: RunContext, trainable: int, total: int) -> None:
@@ -88,8 +112,11 @@ def print_banner(ctx: RunContext, trainable: int, total: int) -> None:
     device = str(ctx.training_args.device)
     devices = [device]
     if dist.is_available() and dist.is_initialized():
+        from .distributed import waiting_for
+
         devices = [None] * dist.get_world_size()
-        dist.all_gather_object(devices, device)
+        with waiting_for("the other ranks' devices for the banner (they are still building the model or data)"):
+            dist.all_gather_object(devices, device)
     p = ctx.profile
     lines = [
         "=" * 72,

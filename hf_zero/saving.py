@@ -78,9 +78,13 @@ def verify_saved_weights(model, folder: Path, atol: float = 0.0) -> int:
 
 def save_final_model(trainer, folder: Path) -> Path:
     """`Trainer.save_model` (gathering ZeRO-3 shards; only the adapter for LoRA), then verify the result."""
+    from .distributed import waiting_for
+
     folder = Path(folder)
-    trainer.save_model(str(folder))
-    trainer.accelerator.wait_for_everyone()
-    model = trainer.accelerator.unwrap_model(trainer.model_wrapped) if trainer.model_wrapped is not None else trainer.model
-    verify_saved_weights(model, folder)
+    with waiting_for("the other ranks while saving and verifying the final model"):
+        trainer.save_model(str(folder))
+        trainer.accelerator.wait_for_everyone()
+        model = trainer.accelerator.unwrap_model(trainer.model_wrapped) if trainer.model_wrapped is not None else \
+            trainer.model
+        verify_saved_weights(model, folder)
     return folder

@@ -33,6 +33,12 @@ class CurriculumTrainer(SafeCheckpointMixin, Trainer):
             self._created_lr_scheduler = True
         return self.lr_scheduler
 
+    def train(self, *args, **kwargs):
+        from .distributed import waiting_for
+
+        with waiting_for("the other ranks during training (a step's collectives, an evaluation or a checkpoint)"):
+            return super().train(*args, **kwargs)
+
     def log(self, logs: dict, start_time=None) -> None:
         if "loss" in logs:
             logs["stage"] = self.schedule.stage_at(max(0, self.state.global_step - 1)).index

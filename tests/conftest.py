@@ -2,8 +2,10 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_FRESH_CACHE = None
+
+
+def pytest_configure(config):
+    """Every session starts from an empty offline cache, as on a fresh machine: no test may rely on another having
+    built a model first. HF_ZERO_TEST_CACHE=<dir> reuses a folder instead (a developer's quicker reruns)."""
+    global _FRESH_CACHE
+    reuse = os.environ.get("HF_ZERO_TEST_CACHE")
+    if not reuse:
+        _FRESH_CACHE = tempfile.mkdtemp(prefix="hf_zero_test_cache_")
+    os.environ["HF_ZERO_CACHE"] = reuse or _FRESH_CACHE  # subprocesses (launched ranks) inherit it
+
+
+def pytest_unconfigure(config):
+    if _FRESH_CACHE:
+        shutil.rmtree(_FRESH_CACHE, ignore_errors=True)
 
 
 def run_cmd(cmd, timeout=900, cwd=REPO, env=None, check=True):

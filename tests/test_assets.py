@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero import assets
+from hf_zero import assets, cache
 from hf_zero.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def _slow_build(out: Path, log: str) -> None:
 
 
 def _ask(final: str, log: str) -> None:
-    assets._build_once(Path(final), _slow_build, log)
+    cache.build_once(Path(final), _slow_build, log)
 
 
 def test_build_once_two_processes_build_once(tmp_path):
@@ -107,7 +107,7 @@ def test_build_once_two_processes_build_once(tmp_path):
         p.join(60)
     assert [p.exitcode for p in procs] == [0, 0]
     assert log.read_text() == "built\n"
-    assert (final / "payload.txt").read_text() == "done" and (final / assets._MARKER).is_file()
+    assert (final / "payload.txt").read_text() == "done" and (final / cache.MARKER).is_file()
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["asset"]  # no temp dir left behind
 
 
@@ -116,7 +116,7 @@ def test_build_once_replaces_an_incomplete_folder(tmp_path):
     final.mkdir()
     (final / "payload.txt").write_text("half")  # a crash before the marker was written
     (tmp_path / ".asset.tmp-dead").mkdir()  # and a temp dir of a killed builder
-    assets._build_once(final, _slow_build, str(log))
+    cache.build_once(final, _slow_build, str(log))
     assert (final / "payload.txt").read_text() == "done"
     assert not (tmp_path / ".asset.tmp-dead").exists()
 
@@ -127,7 +127,7 @@ def test_build_once_failure_leaves_nothing(tmp_path):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError):
-        assets._build_once(tmp_path / "asset", boom)
+        cache.build_once(tmp_path / "asset", boom)
     assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []
 
 
@@ -179,7 +179,7 @@ def smollm2_path() -> Path:
 def test_smollm2_folder_is_complete(smollm2_path):
     names = {p.name for p in smollm2_path.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-            "chat_template.jinja", assets._MARKER} <= names
+            "chat_template.jinja", cache.MARKER} <= names
     config = json.loads((smollm2_path / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "float32"
     started = time.perf_counter()
