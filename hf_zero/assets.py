@@ -263,7 +263,8 @@ def prepare_assets_in_worker(model: str | None, data, builder: bool) -> None:
                         "see rank 0's error above")
     import subprocess
 
-    cmd = [sys.executable, "-m", "hf_zero.assets", "--model", str(model), *[a for d in data for a in ("--data", d)]]
+    cmd = [sys.executable, "-m", "hf_zero.assets", *(["--model", model] if model else []),
+           *[a for d in data for a in ("--data", d)]]
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith(("ACCELERATE_", "TORCHELASTIC"))}
     code = subprocess.run(cmd, env=env).returncode
     if code == 2:  # a UserError, already printed as its one line by the child

@@ -138,7 +138,7 @@ def _in_distributed_process() -> bool:
     """Inside a process group (or with ZeRO-3's zero.Init armed), building would run collectives, or write nothing
     on a rank other than 0 (transformers' save_pretrained): builds happen before, in a plain process."""
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return True
     ds = sys.modules.get("transformers.integrations.deepspeed")
     return bool(ds and ds.is_deepspeed_zero3_enabled())

@@ -68,7 +68,11 @@ def waiting_for(what: str):
     try:
         yield
     except RuntimeError as err:  # gloo/NCCL raise RuntimeError (torch.distributed.DistError is one)
+        import torch.distributed as dist
+
         text = str(err).lower()
+        if not (isinstance(err, dist.DistError) or "gloo" in text or "nccl" in text):
+            raise  # not a wait between ranks (e.g. a DataLoader's own timeout)
         limit = f"{_timeout_s} s" if _timeout_s else "its timeout"
         if "timed out" in text or "timeout" in text:
             raise DistWaitError(

@@ -66,6 +66,15 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
 
+def libaio_missing_reason() -> str | None:
+    """Why NVMe offload cannot run here (None: it can), asked exactly as the preflight asks."""
+    from hf_zero.ops import libaio_available
+
+    if libaio_available():
+        return None
+    return "libaio not installed (run scripts/system_deps.sh: apt-get install -y libaio-dev)"
+
+
 def slurm_missing_reason() -> str | None:
     """Why a real Slurm cannot run here (None: it can)."""
     if os.geteuid() != 0:

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import PROFILES, RECIPE, REPO, read_summary, run_cmd
-from scale_helpers import write_short_config
+from scale_helpers import libaio_missing_reason, write_short_config
 
 NVME_YAML = REPO / "recipes" / "configs" / "nvme_swap.yaml"
 
@@ -22,11 +22,10 @@ NVME_YAML = REPO / "recipes" / "configs" / "nvme_swap.yaml"
 @pytest.fixture(scope="module")
 def async_io():
     """DeepSpeed's async_io op, built once (a no-op when scripts/system_deps.sh prebuilt it)."""
-    from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
-
-    if not AsyncIOBuilder().is_compatible():
-        pytest.skip("libaio not installed: run scripts/system_deps.sh (apt-get install -y libaio-dev)")
     from hf_zero.ops import build_ops
+
+    if reason := libaio_missing_reason():  # the preflight's own probe
+        pytest.skip(reason)
 
     result = build_ops(("AsyncIOBuilder",))["AsyncIOBuilder"]
     assert result == "ok", f"async_io did not build: {result}"
