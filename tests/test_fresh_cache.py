@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -256,9 +255,9 @@ def test_a_rank_that_never_joins_fails_the_run_with_one_line(tmp_path):
     assert proc.returncode != 0
     errors = [ln for ln in proc.stderr.splitlines() if "hf-zero: error:" in ln]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert errors[0].endswith(textwrap.dedent("""\
-        hf-zero: error: distributed: rank 0 gave up after 20 s waiting for the other ranks at the offline-asset \
-        barrier (a rank is stuck or has died); see that rank's output; if it is only slow, raise \
-        HF_ZERO_DIST_TIMEOUT (seconds) or ddp_timeout""")), errors
+    assert errors[0].endswith(
+        "hf-zero: error: distributed: rank 0 gave up after 20 s waiting for the other ranks at the offline-asset "
+        "barrier (a rank is stuck or has died); see that rank's output; if it is only slow, raise "
+        "HF_ZERO_DIST_TIMEOUT (seconds) or ddp_timeout"), errors
     assert "Timed out waiting" not in proc.stderr  # gloo's own error did not come out as a traceback
     assert not Path(tmp_path / "run" / "summary.json").exists()
