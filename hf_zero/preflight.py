@@ -141,7 +141,7 @@ def _writable_room(path: Path, field: str, fix: str) -> int:
     (deleted at once) is the only thing written: nothing already there is touched."""
     base = _nearest_existing(path)
     if not base.is_dir():
-        raise UserError(field, f"{path} cannot be created: {base} is a file", fix)
+        raise UserError(field, f"{path} cannot be created: {base} is a file", f"point {field} at a folder, not a file")
     try:
         with tempfile.NamedTemporaryFile(dir=base, prefix=".hf_zero_probe_"):
             pass
