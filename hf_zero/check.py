@@ -227,8 +227,9 @@ def _model(st):
 
 
 def _data(st):
-    from .config import Stage
+    from .config import Stage, build_stage
     from .data import load_source, load_stage_data
+    from .validate import yaml_lines
 
     if not st.curriculum:
         return None
@@ -241,10 +242,10 @@ def _data(st):
     keys = {f.name for f in fields(Stage)}
     seq, text, held, seed = (st.value(k, d) for k, d in (("max_seq_length", 128), ("text_field", "text"),
                                                          ("eval_samples", 32), ("seed", 42)))
-    sizes, seen = [], []
-    for s in stages:
+    sizes, seen, lines = [], [], yaml_lines(st.args.config)
+    for i, s in enumerate(stages):
         try:
-            stage = Stage(**{k: v for k, v in s.items() if k in keys})
+            stage = build_stage({k: v for k, v in s.items() if k in keys}, i, st.args.config, lines)
             if st.tokenizer is None or st.light:
                 for j, spec in enumerate(stage.data):
                     load_source(spec, f"stages[{stage.name}].data[{j}]")

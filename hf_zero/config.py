@@ -157,14 +157,27 @@ def load_yaml_config(path: str) -> dict:
     return data
 
 
+def build_stage(item: dict, i: int, where: str | None, lines: dict | None = None) -> Stage:
+    """Stage(**item), its mistakes located: `(in recipe.yaml line 7)`."""
+    from .validate import at_line
+
+    try:
+        return Stage(**item)
+    except TypeError as err:  # a value of the wrong kind, e.g. `steps: ten`
+        raise UserError(f"stages[{item.get('name', i)}]", f"a value has the wrong type ({str(err).splitlines()[0]}) "
+                        f"{at_line(where, lines, f'stages[{i}]')}", "see the README's YAML reference") from None
+    except UserError as err:
+        key = err.field.rsplit(".", 1)[-1]
+        raise UserError(err.field, f"{err.problem} {at_line(where, lines, f'stages[{i}].{key}', f'stages[{i}]')}",
+                        err.fix) from None
+
+
 def parse_stages(raw, where: str, lines: dict | None = None) -> list[Stage]:
     if raw is None:
         return []
     if not isinstance(raw, list) or not raw:
         raise UserError("stages", f"must be a non-empty list in {where}", "see recipes/configs/tiny_curriculum.yaml")
     known = [f.name for f in fields(Stage)]
-    from .validate import at_line
-
     stages, seen = [], set()
     for i, item in enumerate(raw):
         if not isinstance(item, dict) or "name" not in item or "data" not in item:
@@ -175,15 +188,7 @@ def parse_stages(raw, where: str, lines: dict | None = None) -> list[Stage]:
         if item["name"] in seen:
             raise UserError(f"stages[{item['name']}].name", "stage names must be unique", "rename one of them")
         seen.add(item["name"])
-        try:
-            stages.append(Stage(**item))
-        except TypeError as err:  # a value of the wrong kind, e.g. `steps: ten`
-            raise UserError(f"stages[{item['name']}]", f"a value has the wrong type ({str(err).splitlines()[0]}) "
-                            f"{at_line(where, lines, f'stages[{i}]')}", "see the README's YAML reference") from None
-        except UserError as err:
-            key = err.field.rsplit(".", 1)[-1]
-            raise UserError(err.field, f"{err.problem} {at_line(where, lines, f'stages[{i}].{key}', f'stages[{i}]')}",
-                            err.fix) from None
+        stages.append(build_stage(item, i, where, lines))
     return stages
 
 

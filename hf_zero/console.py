@@ -97,13 +97,14 @@ def eval_line(metrics: dict, when: str) -> str:
     return f"eval {when}: " + " | ".join(shown)
 
 
-def console_callback(schedule=None):
-    """The Trainer's progress callback, replaced: see the module docstring."""
+def console_callback(schedule=None, eval_sets: int = 1):
+    """The Trainer's progress callback, replaced: see the module docstring. `eval_sets`: how many held-out sets
+    one evaluation logs separately (their line is printed when the last one is in)."""
     from transformers import TrainerCallback
 
     class ConsoleCallback(TrainerCallback):
         def __init__(self):
-            self.bar, self.done, self.pending, self.pending_step = None, 0, {}, None
+            self.bar, self.done, self.pending, self.pending_step, self.received = None, 0, {}, None, 0
 
         def on_train_begin(self, args, state, control, **kwargs):
             if state.is_world_process_zero and sys.stdout.isatty() and not args.disable_tqdm:
@@ -129,6 +130,9 @@ def console_callback(schedule=None):
                     self._flush(state)
                 self.pending.update(logs)
                 self.pending_step = state.global_step
+                self.received += 1
+                if self.received >= eval_sets:
+                    self._flush(state)
                 return
             self._flush(state)
             if "loss" in logs:
@@ -155,6 +159,6 @@ def console_callback(schedule=None):
                 if step == span.end_step:
                     when += f" (end of stage '{span.name}')"
             say(eval_line(self.pending, when))
-            self.pending, self.pending_step = {}, None
+            self.pending, self.pending_step, self.received = {}, None, 0
 
     return ConsoleCallback()

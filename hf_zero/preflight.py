@@ -259,7 +259,9 @@ def check_at_start(profile, training_kwargs: dict, parsed: tuple, stages: list, 
     if profile.uses_deepspeed and (ds_fields or profile.raw):
         verify_profile_keys(profile, [k for k in ds_fields.split(",") if k] if ds_fields else None)
     nproc = int(env.get("LOCAL_WORLD_SIZE") or max(world // max(profile.num_machines, 1), 1))
-    verify_devices(profile, nproc, gpu_count())
+    gpus = gpu_count()
+    verify_devices(profile, nproc, gpus)
+    verify_precision(profile, profile.mixed_precision, {}, gpus, real_gpus=gpus > 0)
     model = next((a for a in parsed if hasattr(a, "model_name_or_path")), None)
     if model is None:
         verify_offload(profile, None, build_cpu_adam=False)

@@ -26,7 +26,8 @@ class CurriculumTrainer(SafeCheckpointMixin, Trainer):
         super().__init__(*args, **kwargs)
         for noisy in (ProgressCallback, PrinterCallback):  # raw dicts per step; hf_zero.console prints lines
             self.remove_callback(noisy)
-        self.add_callback(console_callback(schedule))  # before the stage-switch line: an eval line comes first
+        sets = len(self.eval_dataset) if isinstance(self.eval_dataset, dict) else 1
+        self.add_callback(console_callback(schedule, sets))  # before the stage-switch line: eval lines come first
         self.add_callback(CurriculumCallback(schedule, has_eval=self.eval_dataset is not None, log=say))
         self.throughput = throughput_callback(self.model)
         self.add_callback(self.throughput)

@@ -19,7 +19,8 @@ _KINDS = {"int": "an integer", "float": "a number", "string_to_bool": "true or f
 
 
 def yaml_lines(path: str | None) -> dict[str, int]:
-    """1-based line of each top-level key, and of `stages[i].key`, so errors can say where a value came from."""
+    """1-based line of each top-level key, of `parent.key` one level down, and of `stages[i].key`, so errors can
+    say where a value came from."""
     if not path:
         return {}
     try:
@@ -29,6 +30,9 @@ def yaml_lines(path: str | None) -> dict[str, int]:
     lines = {}
     for key, value in getattr(root, "value", []) if isinstance(root, yaml.MappingNode) else []:
         lines[str(key.value)] = key.start_mark.line + 1
+        if isinstance(value, yaml.MappingNode):  # e.g. a profile's deepspeed_config.zero_stage
+            for k, _ in value.value:
+                lines[f"{key.value}.{k.value}"] = k.start_mark.line + 1
         if key.value == "stages" and isinstance(value, yaml.SequenceNode):
             for i, item in enumerate(value.value):
                 lines[f"stages[{i}]"] = item.start_mark.line + 1

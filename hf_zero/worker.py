@@ -63,9 +63,17 @@ def _elastic_error_file(message) -> None:
 def report_user_error(err: UserError) -> None:
     """The one line, printed once: by hf_zero's launcher, torchrun's failure report, or rank 0 when alone."""
     line = f"hf-zero: error: {err.line()}"
-    _elastic_error_file({"message": line, "timestamp": int(time.time())})
     write_status(f"error-rank{rank()}.json", {"kind": "user", "rank": rank(), "line": line})
-    if not (os.environ.get(STATUS_ENV) or os.environ.get("TORCHELASTIC_ERROR_FILE")) and rank() == 0:
+    if os.environ.get("TORCHELASTIC_ERROR_FILE") and not os.environ.get(STATUS_ENV):
+        if rank() != 0:
+            # Every rank usually finds the same mistake: let rank 0 fail first, so that torchrun names it as the
+            # root cause and stops this rank before it lists the same line a second time.
+            try:
+                time.sleep(5)
+            except RunInterrupted as stop:  # stopped by torchrun: rank 0's report stands
+                _exit(128 + stop.signum)
+        _elastic_error_file({"message": line, "timestamp": int(time.time())})
+    elif not os.environ.get(STATUS_ENV) and rank() == 0:
         print(line, file=sys.stderr, flush=True)
 
 
@@ -136,10 +144,6 @@ def recipe_entry(func):
             return func(*args, **kwargs)
         except UserError as err:
             report_user_error(err)
-            if rank() != 0 and os.environ.get("TORCHELASTIC_ERROR_FILE"):
-                # Every rank usually finds the same mistake; let rank 0 fail first so torchrun names it as the
-                # root cause instead of listing the line once per rank.
-                time.sleep(2)
             _exit(EXIT_USAGE)
         except RunComplete as done:
             if rank() == 0:
