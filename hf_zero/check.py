@@ -281,6 +281,11 @@ def _output(st):
 
     *_, stages, training = st.parsed
     where = st.args.output_dir or training["output_dir"]
+    if (Path(where) / "summary.json").is_file() and not st.value("fresh_start") and not training.get(
+            "resume_from_checkpoint"):
+        st.args.finished_run = where  # `hf-zero train` says so without launching
+        return (f"{where} holds a finished run: `hf-zero train` will say so and change nothing (--fresh_start true "
+                "trains again, keeping it in previous-run/)")
     if st.count is None:  # the model did not load, or the recipe loads its own: writable is all we can say
         return verify_output(where, 0, "size not estimated")
     if stages and st.pool_sizes is not None:  # epoch-based stages are sized by their data

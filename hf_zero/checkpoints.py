@@ -216,11 +216,13 @@ ARCHIVE_DIR = "previous-run"
 
 
 def archive_checkpoints(output_dir) -> Path | None:
-    """For a fresh start in a folder that holds a run: move everything it wrote (checkpoints, staging area, final
-    model, summary, logs) to previous-run/, so the new run never mixes with it and nothing of it is overwritten.
-    One generation is kept: the run before that is deleted, or repeated fresh starts would fill the disk."""
+    """For a fresh start in a folder that holds a run: move what it wrote (checkpoints, staging area, final model,
+    summary, logs, TensorBoard events) to previous-run/, so the new run never mixes with it and nothing of it is
+    overwritten; other files (a launcher's log) stay. One generation is kept: the run before that is deleted, or
+    repeated fresh starts would fill the disk."""
     output_dir = Path(output_dir)
-    old = [p for p in output_dir.iterdir() if p.name != ARCHIVE_DIR] if output_dir.is_dir() else []
+    names = (STAGING_DIR, LATEST_NAME, "final", "summary.json", "log_history.json", "runs")
+    old = list_checkpoints(output_dir) + [output_dir / n for n in names if (output_dir / n).exists()]
     if not old:
         return None
     archive = output_dir / ARCHIVE_DIR

@@ -123,7 +123,7 @@ def validate_flags(args) -> None:
                         f"machine ranks run from 0 to {args.nodes - 1}")
 
 
-def preflight(args, profile: str, extra: list[str]) -> bool:
+def preflight(args, profile: str, extra: list[str]) -> bool | str:
     """`hf-zero check`'s checks (tokenizing the data and building cpu_adam aside) before any process starts: a
     configuration mistake costs seconds, not a launch. Every failure is one `hf-zero: error:` line."""
     from argparse import Namespace
@@ -135,7 +135,7 @@ def preflight(args, profile: str, extra: list[str]) -> bool:
     failed = [r for r in run_checks(check_args, light=True) if r.ok is False]
     for r in failed:
         print(f"hf-zero: error: {r.error.line() if r.error else f'{r.name}: {r.message}'}", file=sys.stderr)
-    return not failed
+    return not failed and (getattr(check_args, "finished_run", None) or True)
 
 
 def profiles_table(pick: str | None = None) -> list[str]:
@@ -193,8 +193,14 @@ def run(args) -> int:
     if args.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
         return 0
-    if not preflight(args, profile, extra):
+    verdict = preflight(args, profile, extra)
+    if not verdict:
         return EXIT_USAGE
+    if isinstance(verdict, str):  # a finished run: the recipe would say the same after a launch
+        from .resume import complete_message
+
+        print(f"[hf_zero] {complete_message(Path(verdict))}", flush=True)
+        return 0
     from . import launcher
     from .worker import RESUME_ENV
 

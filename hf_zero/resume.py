@@ -19,7 +19,7 @@ from .checkpoints import (STAGING_DIR, _TRASH_DIR, archive_checkpoints, find_res
                           validate_checkpoint)
 from .errors import RunComplete, UserError
 
-__all__ = ["prepare_resume", "convert_to_universal", "Zero3UniversalFix", "UNIVERSAL_SUFFIX"]
+__all__ = ["prepare_resume", "complete_message", "convert_to_universal", "Zero3UniversalFix", "UNIVERSAL_SUFFIX"]
 
 UNIVERSAL_SUFFIX = "_universal"
 
@@ -105,7 +105,7 @@ def _choose(ctx, fresh_start: bool) -> dict:
             _say(f"fresh start: what the previous run wrote moved to {archive}")
         return {"resume": None, "universal": False}
     if (out / "summary.json").is_file() and not ctx.training_args.resume_from_checkpoint:
-        return {"complete": _complete_message(out)}
+        return {"complete": complete_message(out)}
     for leftover in (out / STAGING_DIR, out / _TRASH_DIR):
         if leftover.is_dir():
             if any(leftover.iterdir()):
@@ -135,7 +135,7 @@ def _choose(ctx, fresh_start: bool) -> dict:
     return {"resume": str(checkpoint), "universal": universal}
 
 
-def _complete_message(out: Path) -> str:
+def complete_message(out: Path) -> str:
     import json
 
     try:
@@ -160,7 +160,7 @@ def prepare_resume(ctx, fresh_start: bool = False) -> str | None:
     if int(os.environ.get("RANK", "0")) == 0:
         try:
             decision = _choose(ctx, fresh_start)
-            if decision["universal"]:
+            if decision.get("universal"):
                 convert_to_universal(Path(decision["resume"]))
         except UserError as err:
             decision = {"error": (err.field, err.problem, err.fix)}

@@ -66,10 +66,11 @@ def report_user_error(err: UserError) -> None:
     write_status(f"error-rank{rank()}.json", {"kind": "user", "rank": rank(), "line": line})
     if os.environ.get("TORCHELASTIC_ERROR_FILE") and not os.environ.get(STATUS_ENV):
         if rank() != 0:
-            # Every rank usually finds the same mistake: let rank 0 fail first, so that torchrun names it as the
-            # root cause and stops this rank before it lists the same line a second time.
+            # Every rank usually finds the same mistake: wait for torchrun to stop this rank once rank 0 has failed
+            # (a loaded machine can take seconds to notice), so the line is listed once, as rank 0's root cause.
+            # A mistake only this rank sees (a file missing on one node) is reported after the wait.
             try:
-                time.sleep(5)
+                time.sleep(30)
             except RunInterrupted as stop:  # stopped by torchrun: rank 0's report stands
                 _exit(128 + stop.signum)
         _elastic_error_file({"message": line, "timestamp": int(time.time())})

@@ -160,7 +160,7 @@ def test_console_in_a_log_file(finished):
     assert result == [lines[-1]]  # one result line, the last one
     assert f"eval loss {s['eval_loss_before']:.4f} -> {s['eval_loss_after']:.4f}" in lines[-1]
     assert str(out / "final") in lines[-1]
-    assert lines.count(lines[0]) == 1 and sum("hf_zero | profile zero2" in ln for ln in lines) == 1  # rank 0 only
+    assert sum("hf_zero | profile zero2" in ln for ln in lines) == 1  # rank 0's console only
 
 
 @pytest.mark.multiproc
