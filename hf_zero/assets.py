@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from .cache import build_once, get_cache_dir, model_folder_problem, usable
-from .errors import UserError
+from .errors import EXIT_USAGE, UserError
 
 __all__ = [
     "get_cache_dir", "get_smollm2_path", "get_shakespeare_texts_dir", "prepare_shakespeare_curriculum",
@@ -266,9 +266,15 @@ def prepare_assets_in_worker(model: str | None, data, builder: bool) -> None:
     cmd = [sys.executable, "-m", "hf_zero.assets", *(["--model", model] if model else []),
            *[a for d in data for a in ("--data", d)]]
     env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith(("ACCELERATE_", "TORCHELASTIC"))}
-    code = subprocess.run(cmd, env=env).returncode
-    if code == 2:  # a UserError, already printed as its one line by the child
-        raise SystemExit(2)
+    proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    code = proc.returncode
+    prefix = "hf-zero: error: "
+    lines = proc.stderr.splitlines()
+    sys.stderr.write("".join(f"{ln}\n" for ln in lines if not ln.startswith(prefix)))
+    mistake = next((ln[len(prefix):] for ln in reversed(lines) if ln.startswith(prefix)), None)
+    if code == 2 and mistake:  # the child's one line, raised here so this rank reports it like any other
+        field, _, problem = mistake.partition(": ")
+        raise UserError(field, problem)
     if code:
         raise UserError("cache", f"building {', '.join(missing)} failed (exit code {code})", "see the error above")
 
@@ -276,14 +282,16 @@ def prepare_assets_in_worker(model: str | None, data, builder: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from .errors import exit_on_user_error
-
     parser = argparse.ArgumentParser(prog="python -m hf_zero.assets", description="Build a run's offline model and "
                                      "data into the cache (HF_ZERO_CACHE), once, in this one process.")
     parser.add_argument("--model", help="an offline model name, e.g. tiny-llama or smollm2-135m-instruct")
     parser.add_argument("--data", action="append", default=[], help="a data source, e.g. builtin:shakespeare/lines")
     args = parser.parse_args(argv)
-    exit_on_user_error(prepare_run_assets)(args.model, args.data)
+    try:
+        prepare_run_assets(args.model, args.data)
+    except UserError as err:
+        print(f"hf-zero: error: {err.line()}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     return 0
 
 

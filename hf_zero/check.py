@@ -3,9 +3,11 @@
     hf-zero check --profile zero3 --config recipes/configs/tiny_curriculum.yaml
     hf-zero check --profile h100x8 --gpus 8 --config my.yaml --output-dir /scratch/run1 --per_device_train_batch_size 8
 
-Prints `ok <check>: ...` or `FAIL <check>: ...` per check and exits 0 when all pass, 2 otherwise. Recipe flags after
-the known ones are checked as `hf-zero train` would pass them. The checks themselves live in hf_zero.preflight; the
-cheap ones run again inside the recipe before the engine is built.
+Prints `ok <check>: ...`, `FAIL <check>: ...` or `skip <check>: not checked (...)` (when what it needs failed
+earlier) per check and exits 0 when none fails, 2 otherwise. Recipe flags after the known ones are checked as
+`hf-zero train` would pass them. The checks themselves live in hf_zero.preflight; `hf-zero train` runs them all
+(light: files read but not tokenized, no cpu_adam build) before it starts any process, and the cheapest run again
+inside the recipe before the engine is built.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -29,19 +30,21 @@ ACCEPTS_EXTRA = True  # recipe flags (e.g. --learning_rate 1e-4) are checked wit
 @dataclass
 class CheckResult:
     name: str
-    ok: bool
+    ok: bool | None  # None: not checked, because what it needs failed earlier (reported there, once)
     message: str
     error: UserError | None = None
 
     def line(self) -> str:
-        return f"{'ok' if self.ok else 'FAIL'} {self.name}: {self.message}"
+        return f"{ {True: 'ok', False: 'FAIL', None: 'skip'}[self.ok]} {self.name}: {self.message}"
 
 
 class _State:
     """What earlier checks produced for later ones; None when that check failed."""
 
-    def __init__(self, args):
+    def __init__(self, args, light: bool = False):
         self.args, self.profile, self.raw, self.parsed = args, None, None, None
+        self.light = light
+        self.types = recipe_argument_types(getattr(args, "recipe", None))
         self.tokenizer = self.count = self.pool_sizes = None
         self.hosts = None
         if args.hostfile:  # as `hf-zero train --hostfile` does; a bad file is the hostfile check's to report
@@ -63,11 +66,35 @@ class _State:
     def value(self, key, default=None):
         if self.parsed is None:
             return default
-        model_args, data_args, _, training = self.parsed
-        for source in (training, vars(model_args), vars(data_args)):
+        *instances, _, training = self.parsed
+        for source in (training, *map(vars, instances)):
             if key in source:
                 return source[key]
         return default
+
+    @property
+    def curriculum(self) -> bool:
+        """The model and data checks know the curriculum recipe's loaders; other recipes bring their own."""
+        from .config import CurriculumArguments
+
+        return CurriculumArguments in self.types
+
+
+def recipe_argument_types(recipe: str | None) -> tuple:
+    """The dataclasses a recipe parses (its ARGUMENT_TYPES) plus TrainingArguments, as setup_run gets them."""
+    import importlib.util
+
+    from transformers import TrainingArguments
+
+    from .config import CurriculumArguments, ModelArguments
+
+    types = (ModelArguments, CurriculumArguments)
+    if recipe and Path(recipe).is_file():
+        spec = importlib.util.spec_from_file_location(f"hf_zero_recipe_{Path(recipe).stem}", recipe)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)  # recipes keep their heavy imports inside main()
+        types = getattr(module, "ARGUMENT_TYPES", types)
+    return (*types, TrainingArguments)
 
 
 def _profile(st):
@@ -84,31 +111,24 @@ def _profile(st):
     return message
 
 
-def _parse(yaml_values: dict, name: str, extra: list):
-    """parse_recipe_args on a copy of the YAML holding only known keys (same file name, so the same default
-    output_dir), so that one misspelled key does not hide every other mistake."""
-    import yaml
-    from transformers import TrainingArguments
+def _parse(st, yaml_values: dict, extra: list):
+    """parse_recipe_args on the YAML's known keys only, so that one misspelled key does not hide every other
+    mistake (paths and line numbers still come from the file)."""
+    from .config import parse_recipe_args
 
-    from .config import CurriculumArguments, ModelArguments, parse_recipe_args
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / name
-        path.write_text(yaml.safe_dump(yaml_values))
-        return parse_recipe_args((ModelArguments, CurriculumArguments, TrainingArguments),
-                                 ["--config", str(path), *extra])[:4]
+    return parse_recipe_args(st.types, ["--config", st.args.config, *extra], yaml_values=yaml_values)[:len(st.types) + 1]
 
 
 def _recipe(st):
     import difflib
 
-    from transformers import TrainingArguments
-
-    from .config import CurriculumArguments, ModelArguments, Stage, load_yaml_config
+    from .config import Stage, load_yaml_config
+    from .validate import resolve_recipe_paths
 
     config = st.args.config
-    st.raw = raw = load_yaml_config(config)
-    known = {f.name for t in (ModelArguments, CurriculumArguments, TrainingArguments) for f in fields(t) if f.init}
+    raw = load_yaml_config(config)
+    st.raw = resolve_recipe_paths(raw, config)
+    known = {f.name for t in st.types for f in fields(t) if f.init}
     stage_keys = {f.name for f in fields(Stage)}
     stages = raw.get("stages") if isinstance(raw.get("stages"), list) else []
     unknown = [(k, k, known) for k in raw if k not in known | {"stages"}]
@@ -119,14 +139,15 @@ def _recipe(st):
     problems = [f"unknown keys: {', '.join(hints)}"] if hints else []
     clean = {k: v for k, v in raw.items() if k in known}
     try:
-        st.parsed = _parse({**clean, "stages": [{k: v for k, v in s.items() if k in stage_keys} for s in stages
-                                                if isinstance(s, dict)] or None}, Path(config).name, st.args.extra)
+        st.parsed = _parse(st, {**clean, "stages": [{k: v for k, v in s.items() if k in stage_keys} for s in stages
+                                                    if isinstance(s, dict)] or None}, st.args.extra)
     except UserError as err:
-        problems.append(err.line())
+        if not err.field.startswith("stages"):  # a stage's own mistake is the data check's to report, once
+            problems.append(err.line())
         # Later checks still get values: without the stages (checked one by one under `data`), then without flags.
         for extra in (st.args.extra, []):
             with contextlib.suppress(UserError):
-                st.parsed = st.parsed or _parse(clean, Path(config).name, extra)
+                st.parsed = st.parsed or _parse(st, clean, extra)
     if problems:
         raise UserError(f"--config {config}", "; ".join(problems), "fix the spelling or remove those keys" if hints
                         else "")
@@ -181,110 +202,33 @@ def _hostfile(st):
         "deepspeed_hostfile"), st.nproc)
 
 
-def _model(st):
-    from .models import get_model_config, get_tokenizer, resolve_model_path
-    from .preflight import count_for
-
-    model_args = st.parsed[0]
-    name = model_args.model_name_or_path
-    resolve_model_path(name)
-    config = get_model_config(name)
-    try:
-        st.tokenizer = get_tokenizer(name, model_args.tokenizer_name_or_path)
-    except (OSError, ValueError) as err:
-        raise UserError("tokenizer_name_or_path", f"no tokenizer for {name} ({str(err).splitlines()[0][:120]})",
-                        "point tokenizer_name_or_path at a folder with tokenizer files") from None
-    vocab = getattr(config, "vocab_size", None)
-    if vocab is not None and len(st.tokenizer) > vocab:
-        raise UserError("tokenizer_name_or_path", f"the tokenizer has {len(st.tokenizer)} tokens but the model only "
-                        f"{vocab} embeddings", "use the model's own tokenizer")
-    st.count = c = count_for(model_args)
-    lora = f", LoRA r={model_args.lora_r}: {c.trainable_params:,} trainable" if model_args.use_peft else ""
-    return f"{name}: {type(config).__name__.replace('Config', '')}, {c.total_params:,} parameters{lora}"
-
-
-def _data(st):
-    from .config import Stage
-    from .data import load_source, load_stage_data
-
-    stages = st.raw.get("stages")
-    if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
-        raise UserError("stages", "the recipe needs a non-empty `stages:` list of mappings",
-                        "see recipes/configs/tiny_curriculum.yaml")
-    names = [s.get("name") for s in stages]
-    problems = [f"stage name {n!r} is used {names.count(n)} times" for n in dict.fromkeys(names) if names.count(n) > 1]
-    keys = {f.name for f in fields(Stage)}
-    seq, text, held, seed = (st.value(k, d) for k, d in (("max_seq_length", 128), ("text_field", "text"),
-                                                         ("eval_samples", 32), ("seed", 42)))
-    sizes, seen = [], []
-    for s in stages:
-        try:
-            stage = Stage(**{k: v for k, v in s.items() if k in keys})
-            if st.tokenizer is None:
-                for j, spec in enumerate(stage.data):
-                    load_source(spec, f"stages[{stage.name}].data[{j}]")
-                continue
-            pools = load_stage_data(stage, st.tokenizer, seq, text, held, seed).sources
-            sizes.append(sum(map(len, pools)))
-            seen.append(f"{stage.name} {'+'.join(str(len(p)) for p in pools)}")
-        except (UserError, TypeError) as err:
-            problems.append(err.line() if isinstance(err, UserError) else f"stage {s.get('name')}: {err}")
-    if problems:
-        raise UserError("stages", "; ".join(problems), "fix the stages in the recipe")
-    if st.tokenizer is None:
-        raise UserError("data", "files readable, but not tokenized: the tokenizer did not load (see model)")
-    st.pool_sizes = sizes
-    return f"{len(stages)} stage(s), training samples after tokenization: {', '.join(seen)}"
-
-
-def _offload(st):
-    from .memory import estimate
-    from .preflight import strategy_of, verify_offload
-
-    nvme = None
-    if st.count is not None and "nvme" in (st.profile.offload_optimizer, st.profile.offload_param):
-        nvme = estimate(st.count, strategy_of(st.profile), gpus_per_node=st.nproc, nodes=st.machines,
-                        precision=st.profile.precision)["nvme_bytes"]
-    return verify_offload(st.profile, nvme)
-
-
-def _output(st):
-    from .curriculum import build_schedule
-    from .preflight import output_needs, verify_output
-
-    _, _, stages, training = st.parsed
-    if stages and st.pool_sizes is not None:  # epoch-based stages are sized by their data
-        world = st.nproc * st.machines
-        per_step = max(1, training["per_device_train_batch_size"] * world * training["gradient_accumulation_steps"])
-        steps = build_schedule(stages, st.pool_sizes, per_step, 1.0).total_steps
-    else:
-        steps = sum(int(s.get("steps") or 0) for s in st.raw.get("stages") or [] if isinstance(s, dict))
-    needed, what, _ = output_needs(st.count, st.profile, st.nproc, training, steps)
-    return verify_output(st.args.output_dir or training["output_dir"], needed, what)
-
+from .check_io import _data, _model, _offload, _output  # noqa: E402  (after _State, which they use)
 
 # check -> (function, what it needs from earlier checks)
 _TABLE = {"profile": (_profile, ()), "recipe": (_recipe, ()), "batch": (_batch, ("profile", "parsed")),
           "devices": (_devices, ("profile",)), "precision": (_precision, ("profile",)),
           "launch": (_launch, ("profile",)), "hostfile": (_hostfile, ("profile",)), "model": (_model, ("parsed",)),
           "data": (_data, ("raw",)), "offload": (_offload, ("profile",)),
-          "output": (_output, ("profile", "parsed", "count"))}
+          "output": (_output, ("profile", "parsed"))}
 _WHO = {"profile": "the profile", "parsed": "the recipe", "raw": "the recipe", "count": "the model"}
 
 
-def run_checks(args, on_result=None) -> list[CheckResult]:
-    """Every check in CHECKS order; a check whose inputs failed earlier is reported as not checked."""
-    st, results = _State(args), []
+def run_checks(args, on_result=None, light: bool = False) -> list[CheckResult]:
+    """Every check in CHECKS order; a check whose inputs failed earlier is reported as not checked. `light`: what
+    `hf-zero train` runs before a launch (data files read, not tokenized; cpu_adam not built)."""
+    st, results = _State(args, light), []
     for name in CHECKS:
         func, needs = _TABLE[name]
         missing = [_WHO[n] for n in needs if getattr(st, n) is None]
         if missing:
-            result = CheckResult(name, False, f"not checked: {' and '.join(dict.fromkeys(missing))} did not load "
+            result = CheckResult(name, None, f"not checked: {' and '.join(dict.fromkeys(missing))} did not load "
                                  "(see above)")
         else:
             try:
                 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import
-                    result = CheckResult(name, True, func(st))
+                    message = func(st)
+                result = CheckResult(name, True, message) if message is not None else CheckResult(
+                    name, None, f"not checked: {Path(args.recipe).name} loads its model and data itself")
             except UserError as err:  # "FAIL devices: devices: ..." says it twice
                 line = err.line()[len(name) + 2:] if err.field == name else err.line()
                 result = CheckResult(name, False, line, err)
@@ -298,7 +242,7 @@ def run_checks(args, on_result=None) -> list[CheckResult]:
 
 
 def add_arguments(parser) -> None:
-    from .launch import DEFAULT_CONFIG
+    from .launch import DEFAULT_CONFIG, DEFAULT_RECIPE
 
     parser.add_argument("--profile", help="profile name or accelerate YAML (default: picked from the hardware)")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML")
@@ -307,6 +251,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--output-dir", help="where the run will write (default: the recipe's output_dir)")
     parser.add_argument("--gpus", type=int, help="GPUs per machine to check against (default: this machine's)")
     parser.add_argument("--precision", help="override the profile's precision, as `hf-zero train --precision`")
+    parser.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="recipe script whose arguments the YAML "
+                        "sets (default: the curriculum recipe)")
 
 
 def run(args) -> int:
@@ -316,4 +262,4 @@ def run(args) -> int:
         raise UserError("--gpus", f"cannot be negative, got {args.gpus}")
     args.extra = [a for a in args.extra if a != "--"]
     results = run_checks(args, on_result=lambda r: print(r.line(), flush=True))
-    return 0 if all(r.ok for r in results) else EXIT_USAGE
+    return EXIT_USAGE if any(r.ok is False for r in results) else 0

@@ -84,6 +84,8 @@ def build_checkpoint_metadata(trainer) -> dict:
         "grad_accum": args.gradient_accumulation_steps,
         "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
         "peft": hasattr(trainer.model, "peft_config"),
+        # The adapter names its base model as the user did; this is where that name resolved on this machine.
+        "base_model_path": getattr(getattr(trainer.model, "config", None), "_name_or_path", None),
         "trainable_params": count_parameters(trainer.model)[0],
         "seed": args.seed,
         "versions": _versions(),
@@ -115,9 +117,12 @@ def _stop_on_full_disk(run_dir: Path, staged: Path) -> None:
     shutil.rmtree(staged, ignore_errors=True)
     latest = (run_dir / LATEST_NAME).read_text().strip() if (run_dir / LATEST_NAME).is_file() else None
     kept = f"{latest} and the checkpoints before it are complete" if latest else "no earlier checkpoint was written"
-    print(f"hf-zero: error: output_dir: no space left on device while writing {staged.name} "
-          f"({format_bytes(free)} free in {run_dir}); {kept}: free some space or move --output_dir, then re-run "
-          "the same command to resume", file=sys.stderr, flush=True)
+    from .errors import UserError
+    from .worker import report_user_error
+
+    report_user_error(UserError("output_dir", f"no space left on device while writing {staged.name} "
+                                f"({format_bytes(free)} free in {run_dir}); {kept}",
+                                "free some space or move --output_dir, then re-run the same command to resume"))
     # A hard exit: the other ranks may be blocked in a collective of the same save; the launcher stops them
     # when this process is gone, while a normal interpreter exit could wait for them forever.
     os._exit(2)
@@ -205,6 +210,9 @@ class SafeCheckpointMixin:
                 # The Trainer recorded the staging path as best: point it where the folder is about to live.
                 self.state.best_model_checkpoint = str(run_dir / staged.name)
                 self.state.save_to_json(str(staged / "trainer_state.json"))
+            from .saving import make_shareable
+
+            make_shareable(staged)  # before the manifest: permissions change no size or checksum anyway
             meta = build_checkpoint_metadata(self)
             meta["bytes"] = size_breakdown(file_sizes(staged))
             meta["save_seconds"] = round(time.time() - started, 3)
@@ -226,13 +234,15 @@ class SafeCheckpointMixin:
                 checksums.setdefault(rel, crc32_of(staged / rel, fsync=True))
             manifest = write_manifest(staged, checksums)
             final = publish_checkpoint(staged, run_dir)
+            from .console import say
+
             kept_best = rotate_checkpoints(run_dir, self.args.save_total_limit, self.args.metric_for_best_model,
-                                           bool(self.args.greater_is_better))
+                                           bool(self.args.greater_is_better), log=say)
             best = [str(kept_best) if kept_best is not None else None]
             kinds = size_breakdown({k: v["bytes"] for k, v in manifest["files"].items()})
-            print(f"[hf_zero] {final.name}: {format_bytes(manifest['total_bytes'])} (weights "
-                  f"{format_bytes(kinds['weights'])}, optimizer {format_bytes(kinds['optimizer'])}, other "
-                  f"{format_bytes(kinds['other'])}), complete in {time.time() - started:.1f} s", flush=True)
+            say(f"[hf_zero] {final.name}: {format_bytes(manifest['total_bytes'])} (weights "
+                f"{format_bytes(kinds['weights'])}, optimizer {format_bytes(kinds['optimizer'])}, other "
+                f"{format_bytes(kinds['other'])}), complete in {time.time() - started:.1f} s")
         if world > 1:
             dist.broadcast_object_list(best, src=0)  # every rank agrees on the best (load_best_model_at_end)
         if best[0] is not None:

@@ -216,11 +216,13 @@ ARCHIVE_DIR = "previous-run"
 
 
 def archive_checkpoints(output_dir) -> Path | None:
-    """For a fresh start in a folder that holds checkpoints: move them (and the staging area) to previous-run/,
-    so the new run never mixes with them. One generation is kept: the run before that is deleted, or repeated
-    fresh starts would fill the disk."""
+    """For a fresh start in a folder that holds a run: move what it wrote (checkpoints, staging area, final model,
+    summary, logs, TensorBoard events) to previous-run/, so the new run never mixes with it and nothing of it is
+    overwritten; other files (a launcher's log) stay. One generation is kept: the run before that is deleted, or
+    repeated fresh starts would fill the disk."""
     output_dir = Path(output_dir)
-    old = list_checkpoints(output_dir) + [p for p in (output_dir / STAGING_DIR, output_dir / LATEST_NAME) if p.exists()]
+    names = (STAGING_DIR, LATEST_NAME, "final", "summary.json", "log_history.json", "runs")
+    old = list_checkpoints(output_dir) + [output_dir / n for n in names if (output_dir / n).exists()]
     if not old:
         return None
     archive = output_dir / ARCHIVE_DIR

@@ -32,6 +32,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-zero", description=__doc__, allow_abbrev=False)
+    parser.add_argument("-V", "--version", action="store_true", help="print hf-zero's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not argv or argv[0] in ("-h", "--help"):
             parser.print_help()
+            return 0
+        if argv[0] in ("-V", "--version"):
+            print(f"hf-zero {_version()}")
             return 0
         name = argv[0]
         if name not in COMMANDS:
@@ -59,10 +63,20 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError(f"hf-zero {name}", f"unrecognized arguments: {' '.join(extra)}", f"see `hf-zero {name} --help`")
         args.extra = extra
         args.command = name
+        args.argv = argv  # as typed, for "resume with: hf-zero ..." lines
         return int(module.run(args) or 0)
     except UserError as err:
         print(f"hf-zero: error: {err.line()}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hf_zero")
+    except PackageNotFoundError:  # a checkout used without installing
+        return "unknown (not installed)"
 
 
 def _takes_name(module) -> bool:

@@ -16,7 +16,8 @@ import yaml
 
 from .errors import UserError
 
-__all__ = ["ModelArguments", "CurriculumArguments", "Stage", "parse_recipe_args", "HF_ZERO_TRAINING_DEFAULTS"]
+__all__ = ["ModelArguments", "CurriculumArguments", "Stage", "parse_recipe_args", "HF_ZERO_TRAINING_DEFAULTS",
+           "load_yaml_config"]
 
 
 @dataclass
@@ -100,6 +101,19 @@ class Stage:
                             "give one weight per entry of `data`")
         if self.lr_schedule not in ("cosine", "linear", "constant"):
             raise UserError(f"{where}.lr_schedule", f"unknown schedule {self.lr_schedule!r}", "use cosine, linear or constant")
+        from .validate import positive
+
+        rules = (("learning_rate", self.learning_rate is None or positive(self.learning_rate), "must be a positive "
+                  "number", "e.g. learning_rate: 1.0e-4"),
+                 ("warmup_steps", self.warmup_steps >= 0, "cannot be negative", "e.g. warmup_steps: 0"),
+                 ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be between 0 and 1", "e.g. min_lr_ratio: 0.1"),
+                 ("max_seq_length", self.max_seq_length is None or self.max_seq_length >= 2, "must be at least 2",
+                  "e.g. max_seq_length: 128"),
+                 ("weights", self.weights is None or (min(self.weights) >= 0 and sum(self.weights) > 0),
+                  "must be non-negative with a positive sum", "e.g. weights: [1, 1]"))
+        for key, ok, problem, fix in rules:
+            if not ok:
+                raise UserError(f"{where}.{key}", f"{problem}, got {getattr(self, key)!r}", fix)
 
 
 # What hf_zero changes in TrainingArguments' defaults (the YAML and flags still override them): per-step loss
@@ -112,7 +126,8 @@ HF_ZERO_TRAINING_DEFAULTS = {
     "learning_rate": 1e-3,
     "per_device_train_batch_size": 2,
     "per_device_eval_batch_size": 4,
-    "disable_tqdm": False,
+    "disable_tqdm": None,  # decided at start: a progress bar on a terminal, one line per step in a log file
+    "include_num_input_tokens_seen": "non_padding",  # tokens/s in every logging step
     "save_only_model": False,
     "lr_scheduler_type": "constant",
     "warmup_steps": 0,
@@ -132,13 +147,32 @@ def load_yaml_config(path: str) -> dict:
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as err:
-        raise UserError("--config", f"{path} is not valid YAML ({str(err).splitlines()[0]})") from None
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"--config {path}{where}", f"not valid YAML: {problem}",
+                        "fix the indentation or quoting there") from None
     if not isinstance(data, dict):
         raise UserError("--config", f"{path} must hold a mapping of key: value")
     return data
 
 
-def parse_stages(raw, where: str) -> list[Stage]:
+def build_stage(item: dict, i: int, where: str | None, lines: dict | None = None) -> Stage:
+    """Stage(**item), its mistakes located: `(in recipe.yaml line 7)`."""
+    from .validate import at_line
+
+    try:
+        return Stage(**item)
+    except TypeError as err:  # a value of the wrong kind, e.g. `steps: ten`
+        raise UserError(f"stages[{item.get('name', i)}]", f"a value has the wrong type ({str(err).splitlines()[0]}) "
+                        f"{at_line(where, lines, f'stages[{i}]')}", "see the README's YAML reference") from None
+    except UserError as err:
+        key = err.field.rsplit(".", 1)[-1]
+        raise UserError(err.field, f"{err.problem} {at_line(where, lines, f'stages[{i}].{key}', f'stages[{i}]')}",
+                        err.fix) from None
+
+
+def parse_stages(raw, where: str, lines: dict | None = None) -> list[Stage]:
     if raw is None:
         return []
     if not isinstance(raw, list) or not raw:
@@ -154,26 +188,35 @@ def parse_stages(raw, where: str) -> list[Stage]:
         if item["name"] in seen:
             raise UserError(f"stages[{item['name']}].name", "stage names must be unique", "rename one of them")
         seen.add(item["name"])
-        stages.append(Stage(**item))
+        stages.append(build_stage(item, i, where, lines))
     return stages
 
 
-def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None):
+def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yaml_values: dict | None = None):
     """Parse `--config YAML` plus flags into the given dataclasses (the last one TrainingArguments-like).
 
     Returns (instances..., stages, raw_training_kwargs) where TrainingArguments is *not* yet built: hf_zero first
-    reconciles it with the profile, so it is constructed exactly once.
+    reconciles it with the profile, so it is constructed exactly once. `yaml_values` replaces the file's content
+    (hf-zero check parses a copy without the keys it already reported); paths still resolve against the file.
     """
     from transformers import HfArgumentParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
     config_path, argv = _pop_flag(argv, "--config")
-    yaml_values = load_yaml_config(config_path) if config_path else {}
-    stages = parse_stages(yaml_values.pop("stages", None), config_path or "the command line")
+    if yaml_values is None:
+        yaml_values = load_yaml_config(config_path) if config_path else {}
+    from .validate import at_line, check_values, check_yaml_types, resolve_recipe_paths, yaml_lines
+
+    yaml_values = resolve_recipe_paths(yaml_values, config_path)
+    lines = yaml_lines(config_path)
+    stages = parse_stages(yaml_values.pop("stages", None), config_path or "the command line", lines)
 
     class _Parser(HfArgumentParser):
         def error(self, message):
-            raise UserError("command line", message, "run with --help for the list of flags")
+            # "argument --learning_rate: invalid float value: 'x'" -> field --learning_rate, where it came from
+            flag, _, problem = message.partition(": ") if message.startswith("argument ") else ("", "", message)
+            raise UserError(flag.replace("argument ", "").split("/")[0] or "command line",
+                            f"{problem} (on the command line)", "run with --help for the list of flags")
 
     *model_types, training_type = dataclass_types
     parser = _Parser(dataclass_types)
@@ -182,6 +225,7 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None):
     for key in yaml_values:
         if key not in known:
             raise _unknown_key_error(key, sorted(known), config_path)
+    check_yaml_types(parser, yaml_values, config_path, lines)
     defaults = {k: v for k, v in HF_ZERO_TRAINING_DEFAULTS.items() if k in known}
     defaults["output_dir"] = f"runs/{Path(config_path).stem}" if config_path else "runs/default"
     if "ddp_timeout" in known:  # minutes, not torch's 30: a stuck rank fails the run soon (hf_zero/distributed.py)
@@ -194,6 +238,7 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None):
         flag = next((r for r in remaining if r.startswith("-")), remaining[0])
         raise _unknown_key_error(flag, sorted("--" + k for k in known), "the command line")
     values = vars(namespace)
+    check_values(values, argv, config_path, lines)
     instances = []
     for dtype in model_types:
         names = {f.name for f in fields(dtype) if f.init}

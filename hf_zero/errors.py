@@ -1,11 +1,12 @@
-"""One kind of error for bad input: a single line naming the field and the fix, exit code 2, no traceback."""
+"""One kind of error for bad input: a single line naming the field and the fix, exit code 2, no traceback.
+
+Two more ways a run ends early without being a failure: `RunComplete` (the output folder already holds a finished
+run: nothing to do, exit 0) and `RunInterrupted` (SIGINT/SIGTERM: every rank stopped cleanly, exit 128 + signal).
+"""
 
 from __future__ import annotations
 
-import functools
-import sys
-
-__all__ = ["UserError", "exit_on_user_error", "EXIT_USAGE"]
+__all__ = ["UserError", "RunComplete", "RunInterrupted", "EXIT_USAGE"]
 
 EXIT_USAGE = 2
 
@@ -22,21 +23,14 @@ class UserError(Exception):
         return f"{msg}; {self.fix}" if self.fix else msg
 
 
-def exit_on_user_error(func):
-    """Turn a UserError raised by `func` into one line on stderr and exit code 2.
+class RunComplete(Exception):
+    """The output folder holds a finished run; `message` says where its results are."""
 
-    Only rank 0 of a multi-process launch prints, so a 2-rank run shows the message once.
-    """
 
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        try:
-            return func(*args, **kwargs)
-        except UserError as err:
-            import os
+class RunInterrupted(BaseException):
+    """SIGINT/SIGTERM reached this rank. A BaseException, like KeyboardInterrupt, so no `except Exception` in a
+    library swallows it."""
 
-            if os.environ.get("RANK", "0") == "0" or getattr(err, "every_rank", False):
-                print(f"hf-zero: error: {err.line()}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USAGE)
-
-    return wrapper
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signum)

@@ -167,6 +167,9 @@ def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | 
     config = json.loads((folder / "adapter_config.json").read_text())
     base_path = base_model or config.get("base_model_name_or_path")
     try:
+        from .models import resolve_model_path
+
+        base_path = resolve_model_path(base_path)  # hf_zero's offline names, as adapters record them
         base = _auto_class(config.get("task_type")).from_pretrained(base_path, dtype=torch.float32)
     except (OSError, ValueError) as err:
         raise UserError("--base-model", f"cannot load the base model {base_path!r} ({str(err).splitlines()[0][:120]})",
@@ -215,6 +218,9 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "fp32", merge_lora
     else:
         count = _export_full(folder, tmp, torch_dtype)
     _copy_processor_files(folder, tmp)
+    from .saving import make_shareable
+
+    make_shareable(tmp)
     if target.exists():
         shutil.rmtree(target) if target.is_dir() else target.unlink()
     os.rename(tmp, target)

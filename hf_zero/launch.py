@@ -8,7 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from .errors import UserError
+from .errors import EXIT_USAGE, UserError
 from .profiles import PROFILE_ENV, list_profiles, load_profile, pick_profile, resolve_profile_path
 
 __all__ = ["build_launch_command", "ensure_launched", "add_arguments", "run", "DEFAULT_RECIPE", "DEFAULT_CONFIG"]
@@ -20,10 +20,12 @@ DEFAULT_CONFIG = REPO / "recipes" / "configs" / "smollm2_shakespeare.yaml"
 
 def build_launch_command(profile: str, script: str, script_args: list[str], nproc: int | None = None,
                          precision: str | None = None, nodes: int | None = None, machine_rank: int | None = None,
-                         main_ip: str | None = None, main_port: int | None = None) -> tuple[list[str], dict]:
-    """The `accelerate launch` line (and extra environment) that runs `script` under `profile`."""
+                         main_ip: str | None = None, main_port: int | None = None,
+                         launcher: str = "accelerate.commands.launch") -> tuple[list[str], dict]:
+    """The `accelerate launch` line (and extra environment) that runs `script` under `profile`; `launcher`
+    "hf_zero.launcher" is the same launch with its failures and interruptions told in one line."""
     prof = load_profile(profile)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", prof.path]
+    cmd = [sys.executable, "-m", launcher, "--config_file", prof.path]
     if nodes is not None:
         cmd += ["--num_machines", str(nodes)]
     if nproc is not None:
@@ -63,9 +65,13 @@ def ensure_launched(argv: list[str], script: str) -> list[str]:
         right = f"accelerate launch --config_file {shlex.quote(profile)} {shlex.quote(script)} {shlex.join(rest)}"
         raise UserError("--config_file", "a profile given after the script cannot change a running launch",
                         f"run: {right}")
-    cmd, env = build_launch_command(profile, script, rest)
+    cmd, env = build_launch_command(profile, script, rest, launcher="hf_zero.launcher")
     _prepare_assets(rest)
     print(f"[hf_zero] relaunching under profile {Path(path).stem}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    from .worker import RESUME_ENV
+
+    if RESUME_ENV not in os.environ:  # "resume with: ..." repeats what the user ran
+        env[RESUME_ENV] = shlex.join(["python", script, *argv])
     os.execvpe(cmd[0], cmd, {**os.environ, **env})
     return rest  # not reached
 
@@ -93,6 +99,8 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--hostfile", help="DeepSpeed hostfile (`HOST slots=N` lines): sets --nodes, --nproc, "
                         "--main-ip (first host) and --machine-rank (this host's line) unless given")
     parser.add_argument("--dry-run", action="store_true", help="print the launch command instead of running it")
+    parser.add_argument("--verbose", action="store_true", help="every rank's output and the libraries' warnings, "
+                        "progress bars and launcher logs, unfiltered")
 
 
 ACCEPTS_EXTRA = {"train"}  # train passes unknown flags on to the recipe (e.g. --learning_rate 1e-4)
@@ -109,16 +117,67 @@ def _recipe_model(config: str) -> tuple[str | None, int | None]:
     return data.get("model_name_or_path"), data.get("lora_r", 16) if data.get("use_peft") else None
 
 
+def validate_flags(args) -> None:
+    """`hf-zero train`'s own numbers, before they reach accelerate (which asserts, or launches 0 processes)."""
+    for flag, value, low in (("--nproc", args.nproc, 1), ("--nodes", args.nodes, 1), ("--machine-rank",
+                             args.machine_rank, 0), ("--main-port", args.main_port, 1)):
+        if value is not None and value < low:
+            raise UserError(flag, f"must be at least {low}, got {value}",
+                            "e.g. --nproc 2" if flag == "--nproc" else f"pass {flag} {low} or more")
+    if args.main_port is not None and args.main_port > 65535:
+        raise UserError("--main-port", f"{args.main_port} is not a TCP port", "use a port from 1024 to 65535")
+    if args.nodes is not None and args.machine_rank is not None and args.machine_rank >= args.nodes:
+        raise UserError("--machine-rank", f"{args.machine_rank} with --nodes {args.nodes}",
+                        f"machine ranks run from 0 to {args.nodes - 1}")
+
+
+def preflight(args, profile: str, extra: list[str]) -> bool | str:
+    """`hf-zero check`'s checks (tokenizing the data and building cpu_adam aside) before any process starts: a
+    configuration mistake costs seconds, not a launch. Every failure is one `hf-zero: error:` line."""
+    from argparse import Namespace
+
+    from .check import run_checks
+
+    check_args = Namespace(profile=profile, config=args.config, nproc=args.nproc, hostfile=args.hostfile,
+                           output_dir=None, gpus=None, precision=args.precision, extra=extra, recipe=args.recipe)
+    failed = [r for r in run_checks(check_args, light=True) if r.ok is False]
+    for r in failed:
+        print(f"hf-zero: error: {r.error.line() if r.error else f'{r.name}: {r.message}'}", file=sys.stderr)
+    return not failed and (getattr(check_args, "finished_run", None) or True)
+
+
+def profiles_table(pick: str | None = None) -> list[str]:
+    """One row per profile: processes, strategy, offload, precision and what it is for (its YAML's `# For:`)."""
+    rows = [("profile", "processes", "strategy", "offload (optimizer / params)", "precision", "for")]
+    for name in list_profiles():
+        p = load_profile(name)
+        strategy = f"ZeRO-{p.zero_stage}" if p.uses_deepspeed else {"NO": "none", "MULTI_GPU": "DDP"}.get(
+            p.distributed_type, p.distributed_type)
+        procs = f"{p.num_processes}" + (f" on {p.num_machines} machines" if p.num_machines > 1 else "")
+        offload = " / ".join("-" if d == "none" else d.upper() if d == "cpu" else "NVMe"
+                             for d in (p.offload_optimizer, p.offload_param))
+        uses = next((ln[len("# For:"):].strip() for ln in Path(p.path).read_text().splitlines()
+                     if ln.startswith("# For:")), "")
+        rows.append((("* " if name == pick else "  ") + name, procs, strategy, offload, p.precision, uses))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
 def run(args) -> int:
     if args.command == "profiles":
         name, why = pick_profile()
         if args.pick:
             print(name)
             return 0
-        for p in list_profiles():
-            print(f"{'*' if p == name else ' '} {p}")
+        print("\n".join(profiles_table(name)))
         print(f"this machine: {name} ({why})")
         return 0
+    validate_flags(args)
+    from .launcher import VERBOSE_ENV, quiet_environment
+
+    if args.verbose:
+        os.environ[VERBOSE_ENV] = "1"
+    quiet_environment()  # before the preflight loads data and models: no progress bars there either
     profile = args.profile
     if not profile:
         from .profiles import gpu_count
@@ -137,10 +196,23 @@ def run(args) -> int:
     cmd, env = build_launch_command(
         profile, args.recipe, ["--config", args.config, *extra], nproc=args.nproc, precision=args.precision,
         nodes=args.nodes, machine_rank=args.machine_rank, main_ip=args.main_ip, main_port=args.main_port,
+        launcher="hf_zero.launcher",
     )
     if args.dry_run:
         print(" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
         return 0
+    verdict = preflight(args, profile, extra)
+    if not verdict:
+        return EXIT_USAGE
+    if isinstance(verdict, str):  # a finished run: the recipe would say the same after a launch
+        from .resume import complete_message
+
+        print(f"[hf_zero] {complete_message(Path(verdict))}", flush=True)
+        return 0
     _prepare_assets(["--config", args.config, *extra])
-    os.execvpe(cmd[0], cmd, {**os.environ, **env})
-    return 0
+    from . import launcher
+    from .worker import RESUME_ENV
+
+    env[RESUME_ENV] = shlex.join(["hf-zero", *getattr(args, "argv", ["train"])])
+    os.environ.update(env)
+    return launcher.main(cmd[3:])

@@ -139,7 +139,7 @@ def _writable_room(path: Path, field: str, fix: str) -> int:
     (deleted at once) is the only thing written: nothing already there is touched."""
     base = _nearest_existing(path)
     if not base.is_dir():
-        raise UserError(field, f"{path} cannot be created: {base} is a file", fix)
+        raise UserError(field, f"{path} cannot be created: {base} is a file", f"point {field} at a folder, not a file")
     try:
         with tempfile.NamedTemporaryFile(dir=base, prefix=".hf_zero_probe_"):
             pass
@@ -264,7 +264,9 @@ def check_launch_at_start(profile, parsed: tuple, world: int, config: str | None
     ds_fields = env.get("ACCELERATE_CONFIG_DS_FIELDS")  # the profile's deepspeed_config keys, as accelerate read them
     if profile.uses_deepspeed and (ds_fields or profile.raw):
         verify_profile_keys(profile, [k for k in ds_fields.split(",") if k] if ds_fields else None)
-    verify_devices(profile, _nproc(profile, world, env), gpu_count())
+    gpus = gpu_count()
+    verify_devices(profile, _nproc(profile, world, env), gpus)
+    verify_precision(profile, profile.mixed_precision, {}, gpus, real_gpus=gpus > 0)
     if not any(hasattr(a, "model_name_or_path") for a in parsed):
         verify_offload(profile, None, build_cpu_adam=False)
 

@@ -84,6 +84,7 @@ def load_profile(name_or_path: str) -> Profile:
     except yaml.YAMLError as err:
         raise UserError(f"profile {path.name}", f"is not valid YAML ({str(err).splitlines()[0]})") from None
     _validate_with_accelerate(path)
+    _validate_values(raw, path)
     ds = raw.get("deepspeed_config") or {}
     dist = str(raw.get("distributed_type", "NO"))
     nvme = os.environ.get(NVME_ENV) or ds.get("offload_param_nvme_path") or ds.get("offload_optimizer_nvme_path")
@@ -112,6 +113,38 @@ def _validate_with_accelerate(path: Path) -> None:
         load_config_from_file(str(path))
     except (ValueError, TypeError) as err:
         raise UserError(f"profile {path.name}", str(err).splitlines()[0], "fix or remove those keys") from None
+
+
+def _validate_values(raw: dict, path: Path) -> None:
+    """accelerate's loader checks the keys, not their values: `zero_stage: 7` or `num_processes: 0` would only
+    fail inside DeepSpeed or torchrun, after the launch."""
+    from .validate import at_line, yaml_lines
+
+    lines = yaml_lines(str(path))
+    ds = raw.get("deepspeed_config") or {}
+    rules = [
+        ("num_processes", raw.get("num_processes", 1), lambda v: isinstance(v, int) and v >= 1, "e.g. 2"),
+        ("num_machines", raw.get("num_machines", 1), lambda v: isinstance(v, int) and v >= 1, "e.g. 1"),
+        ("deepspeed_config.zero_stage", ds.get("zero_stage", 0), lambda v: v in (0, 1, 2, 3), "use 0, 1, 2 or 3"),
+        ("deepspeed_config.offload_optimizer_device", str(ds.get("offload_optimizer_device", "none")).lower(),
+         lambda v: v in ("none", "cpu", "nvme"), "use none, cpu or nvme"),
+        ("deepspeed_config.offload_param_device", str(ds.get("offload_param_device", "none")).lower(),
+         lambda v: v in ("none", "cpu", "nvme"), "use none, cpu or nvme"),
+        ("mixed_precision", str(raw.get("mixed_precision", "no")).lower(),
+         lambda v: v in ("no", "fp16", "bf16", "fp8"), "use no, bf16 or fp16"),
+    ]
+    for key, value, ok, fix in rules:
+        if not ok(value):
+            top = key.split(".")[0]
+            raise UserError(f"profile {path.name}: {key}", f"{value!r} is not valid {at_line(str(path), lines, key, top)}",
+                            fix)
+    machines, procs = raw.get("num_machines", 1), raw.get("num_processes", 1)
+    if procs % machines:
+        raise UserError(f"profile {path.name}: num_processes", f"{procs} processes do not divide over {machines} "
+                        "machines (num_processes counts all machines)", f"use a multiple of {machines}")
+    if ds.get("offload_param_device", "none") not in ("none", None) and ds.get("zero_stage") != 3:
+        raise UserError(f"profile {path.name}: deepspeed_config.offload_param_device", "parameter offload needs "
+                        f"ZeRO stage 3, the profile has {ds.get('zero_stage')}", "set zero_stage: 3 or remove it")
 
 
 def profile_from_env(env: dict | None = None) -> Profile:

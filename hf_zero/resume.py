@@ -2,8 +2,9 @@
 checkpoint written with another number of ranks loadable (DeepSpeed's universal checkpoint), or stop with one line
 that says what to do.
 
-Same command again -> resume from the latest complete checkpoint; `--fresh_start true` -> start from step 0 (old
-checkpoints are moved to previous-run-<time>/); `--resume_from_checkpoint DIR` -> that checkpoint.
+Same command again -> resume from the latest complete checkpoint, or, when the run already finished (summary.json
+is written last), say so and touch nothing; `--fresh_start true` -> start from step 0 (everything the previous run
+wrote moves to previous-run/); `--resume_from_checkpoint DIR` -> that checkpoint.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from pathlib import Path
 
 from .checkpoints import (STAGING_DIR, _TRASH_DIR, archive_checkpoints, find_resume_checkpoint, read_metadata,
                           validate_checkpoint)
-from .errors import UserError
+from .errors import RunComplete, UserError
 
-__all__ = ["prepare_resume", "convert_to_universal", "Zero3UniversalFix", "UNIVERSAL_SUFFIX"]
+__all__ = ["prepare_resume", "complete_message", "convert_to_universal", "Zero3UniversalFix", "UNIVERSAL_SUFFIX"]
 
 UNIVERSAL_SUFFIX = "_universal"
 
@@ -96,13 +97,15 @@ def convert_to_universal(checkpoint: Path) -> Path:
 
 
 def _choose(ctx, fresh_start: bool) -> dict:
-    """Rank 0's decision: {"resume": path or None, "universal": bool}."""
+    """Rank 0's decision: {"resume": path or None, "universal": bool}, or {"complete": what to say}."""
     out = Path(ctx.training_args.output_dir)
     if fresh_start:
         archive = archive_checkpoints(out)
         if archive is not None:
-            _say(f"fresh start: earlier checkpoints moved to {archive}")
+            _say(f"fresh start: what the previous run wrote moved to {archive}")
         return {"resume": None, "universal": False}
+    if (out / "summary.json").is_file() and not ctx.training_args.resume_from_checkpoint:
+        return {"complete": complete_message(out)}
     for leftover in (out / STAGING_DIR, out / _TRASH_DIR):
         if leftover.is_dir():
             if any(leftover.iterdir()):
@@ -132,6 +135,21 @@ def _choose(ctx, fresh_start: bool) -> dict:
     return {"resume": str(checkpoint), "universal": universal}
 
 
+def complete_message(out: Path) -> str:
+    import json
+
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {}
+    before, after = summary.get("eval_loss_before"), summary.get("eval_loss_after")
+    result = f"eval loss {before:.4f} -> {after:.4f}; " if isinstance(before, float) and isinstance(after, float) else ""
+    model = summary.get("final_dir") or out / "final"
+    return (f"{out} holds a finished run ({result}model in {model}, summary in {out / 'summary.json'}); nothing was "
+            "changed. To train again: --fresh_start true (this run moves to "
+            f"{out / 'previous-run'}) or another --output_dir")
+
+
 def prepare_resume(ctx, fresh_start: bool = False) -> str | None:
     """The checkpoint this run resumes from (None: start fresh), decided on rank 0 and shared with every rank.
     Call after setup_run and before the Trainer is built: a rank-count change converts the checkpoint and tells
@@ -142,13 +160,15 @@ def prepare_resume(ctx, fresh_start: bool = False) -> str | None:
     if int(os.environ.get("RANK", "0")) == 0:
         try:
             decision = _choose(ctx, fresh_start)
-            if decision["universal"]:
+            if decision.get("universal"):
                 convert_to_universal(Path(decision["resume"]))
         except UserError as err:
             decision = {"error": (err.field, err.problem, err.fix)}
     decision = _broadcast(decision)
     if "error" in decision:
         raise UserError(*decision["error"])
+    if "complete" in decision:
+        raise RunComplete(decision["complete"])
     if decision["universal"]:
         ctx.training_args.hf_deepspeed_config.config["checkpoint"] = {"load_universal": True}
     if dist.is_available() and dist.is_initialized():

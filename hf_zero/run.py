@@ -32,8 +32,9 @@ class RunContext:
 
 
 def main_process_print(*parts) -> None:
-    if os.environ.get("RANK", "0") == "0":
-        print(*parts, flush=True)
+    from .console import say
+
+    say(*parts)  # rank 0 only, through the progress bar when one is on screen
 
 
 def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str | None = None) -> RunContext:
@@ -63,12 +64,23 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
 
     # `hf-zero check`'s cheap checks (launch, devices, profile keys) before any process group exists.
     check_launch_at_start(profile, tuple(parsed), world, config_path)
+    from .interrupt import note_run
+
+    note_run(kwargs["output_dir"])  # for the line an interruption prints
+    if kwargs.get("disable_tqdm") is None:  # a progress bar only where it can redraw itself: not in a log file
+        kwargs["disable_tqdm"] = not sys.stdout.isatty()
     # The curriculum lays samples out in step order itself: a random sampler would mix stages.
     kwargs["train_sampling_strategy"] = "sequential"
     # accelerate refuses a DeepSpeed config next to DeepSpeed fields from its YAML, to stop them being silently
     # dropped. Here nothing is dropped: the config hf_zero built *is* those fields (read back by profile_from_env).
     os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
-    training_args = TrainingArguments(**kwargs)
+    try:
+        training_args = TrainingArguments(**kwargs)
+    except ValueError as err:  # TrainingArguments' own checks of combinations: still a mistake in the recipe
+        from .errors import UserError
+
+        raise UserError("TrainingArguments", str(err).strip().splitlines()[0],
+                        "change the recipe YAML or flags it names") from None
     # Touching .device sets up the process group now; zero.Init (model construction under ZeRO-3) reads the
     # world size from it, and would otherwise assume 1 and fail DeepSpeed's batch assertion.
     _ = training_args.device
@@ -76,14 +88,18 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
 
     set_dist_timeout(training_args.ddp_timeout)  # a stuck rank fails the run in minutes (HF_ZERO_DIST_TIMEOUT)
     if profile.uses_deepspeed:
+        import contextlib
         from datetime import timedelta
 
         import deepspeed
 
+        from .console import verbose
+
         # With use_cpu the process group comes from accelerate's MULTI_CPU path; DeepSpeed's comm layer must be
-        # attached to it too, or zero.Init sees a world of 1.
-        deepspeed.init_distributed(dist_backend="gloo" if gpu_count() == 0 else None,
-                                   timeout=timedelta(seconds=training_args.ddp_timeout))
+        # attached to it too, or zero.Init sees a world of 1. (It prints "... built successfully" per rank.)
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sys.stdout if verbose() else sink):
+            deepspeed.init_distributed(dist_backend="gloo" if gpu_count() == 0 else None,
+                                       timeout=timedelta(seconds=training_args.ddp_timeout))
     _prepare_assets(training_args, parsed, stages)
     # NVMe and output room for the model's size, now that its config is in the cache; still before any engine.
     check_room_at_start(profile, kwargs, tuple(parsed), stages, world)

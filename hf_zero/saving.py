@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["save_final_model", "verify_saved_weights", "SavedModelMismatch"]
+__all__ = ["save_final_model", "verify_saved_weights", "SavedModelMismatch", "make_shareable"]
 
 
 class SavedModelMismatch(RuntimeError):
@@ -76,6 +76,19 @@ def verify_saved_weights(model, folder: Path, atol: float = 0.0) -> int:
     return checked
 
 
+def make_shareable(folder: Path) -> None:
+    """Give files written private (safetensors goes through a 0600 temporary file) the permissions any normal
+    write gets under the umask, so a team can read the model; files already readable by others are left alone."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in [Path(folder), *Path(folder).rglob("*")]:
+        mode = path.stat().st_mode & 0o777
+        if not mode & 0o077:
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def save_final_model(trainer, folder: Path) -> Path:
     """`Trainer.save_model` (gathering ZeRO-3 shards; only the adapter for LoRA), then verify the result."""
     from .distributed import waiting_for
@@ -87,4 +100,6 @@ def save_final_model(trainer, folder: Path) -> Path:
         model = trainer.accelerator.unwrap_model(trainer.model_wrapped) if trainer.model_wrapped is not None else \
             trainer.model
         verify_saved_weights(model, folder)
+    if trainer.is_world_process_zero():
+        make_shareable(folder)
     return folder

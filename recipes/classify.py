@@ -13,13 +13,13 @@ import sys
 
 from hf_zero.classification import ClassificationArguments
 from hf_zero.config import ModelArguments
-from hf_zero.errors import exit_on_user_error
+from hf_zero.worker import recipe_entry
 
 # What the YAMLs of this recipe are checked against (tests/test_config.py); TrainingArguments comes on top.
 ARGUMENT_TYPES = (ModelArguments, ClassificationArguments)
 
 
-@exit_on_user_error
+@recipe_entry  # one line for a mistake, a clean stop on Ctrl-C, rank 0's console only
 def main(argv=None):
     # Parse: YAML + flags, reconciled with the profile before any engine exists.
     from hf_zero.run import setup_run
@@ -83,6 +83,9 @@ def main(argv=None):
 
     # Train: one train() call for all stages (from `resume` when there is one), evaluated at each stage end.
     result = trainer.train(resume_from_checkpoint=resume)
+    from hf_zero.interrupt import raise_if_interrupted
+
+    raise_if_interrupted(trainer)
 
     # Save: HF-format model (adapter for LoRA) with its tokenizer/image processor, verified; summary.json.
     final_dir = save_final_model(trainer, ctx.output_dir / "final")

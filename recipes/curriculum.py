@@ -10,16 +10,19 @@ TrainingArguments field is a flag (--output_dir, --seed, --save_steps, ...).
 import math
 import sys
 
-from hf_zero.errors import exit_on_user_error
+from hf_zero.config import CurriculumArguments, ModelArguments
+from hf_zero.worker import recipe_entry
+
+# What the YAMLs of this recipe are checked against (`hf-zero check`); TrainingArguments comes on top.
+ARGUMENT_TYPES = (ModelArguments, CurriculumArguments)
 
 
-@exit_on_user_error
+@recipe_entry  # one line for a mistake, a clean stop on Ctrl-C, rank 0's console only
 def main(argv=None):
     # Parse: YAML + flags, reconciled with the profile before any engine exists.
-    from hf_zero.config import CurriculumArguments, ModelArguments
     from hf_zero.run import setup_run
 
-    ctx = setup_run((ModelArguments, CurriculumArguments), argv, script=__file__)
+    ctx = setup_run(ARGUMENT_TYPES, argv, script=__file__)
     model_args, data_args = ctx.args
     args = ctx.training_args
 
@@ -28,10 +31,10 @@ def main(argv=None):
     from hf_zero.curriculum import CurriculumDataset, build_sample_order, build_schedule
     from hf_zero.data import build_collator, load_stage_data
     from hf_zero.modeling import build_causal_lm, count_parameters, is_zero3_partitioned
-    from hf_zero.models import get_tokenizer
+    from hf_zero.models import get_tokenizer, resolve_model_path
     from hf_zero.run import main_process_print, print_banner, write_summary
     from hf_zero.saving import save_final_model
-    from hf_zero.trainer import CurriculumTrainer, stage_table, step_losses
+    from hf_zero.trainer import CurriculumTrainer, eval_means, stage_table, step_losses
 
     set_seed(args.seed)
     if not ctx.stages:
@@ -85,21 +88,19 @@ def main(argv=None):
     main_process_print("[hf_zero] stages: " + " | ".join(
         f"{r['stage']}: steps {r['first_step']}-{r['last_step']} lr {r['lr']:g}" for r in schedule.table()))
 
-    # Train: one train() call for all stages (from `resume` when there is one).
+    # Train: one train() call for all stages (from `resume` when there is one); Ctrl-C stops every rank here.
     result = trainer.train(resume_from_checkpoint=resume)
+    from hf_zero.interrupt import raise_if_interrupted
+
+    raise_if_interrupted(trainer)
 
     # Save: HF-format model (adapter for LoRA) read back and compared with the trained weights; summary.json.
     final_dir = save_final_model(trainer, ctx.output_dir / "final")
     stages = stage_table(schedule, trainer.state.log_history)
-    evals = [h for h in trainer.state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
-
-    def mean_eval(h):
-        vals = [h[f"eval_{n}_loss"] for n in eval_sets if f"eval_{n}_loss" in h]
-        return sum(vals) / len(vals) if vals else None
-
-    before, after = (mean_eval(evals[0]), mean_eval(evals[-1])) if evals else (None, None)
-    write_summary(ctx, {
+    before, after = eval_means(trainer.state.log_history, list(eval_sets))  # over every stage's held-out set
+    summary = write_summary(ctx, {
         "model": model_args.model_name_or_path,
+        "model_path": resolve_model_path(model_args.model_name_or_path),
         "use_peft": model_args.use_peft,
         "trainable_params": trainable,
         "total_params": total,
@@ -115,7 +116,9 @@ def main(argv=None):
         "stages": stages,
         "losses": step_losses(trainer.state.log_history),
     }, trainer.state.log_history)
-    main_process_print(f"[hf_zero] done: model in {final_dir}, summary in {ctx.output_dir / 'summary.json'}")
+    result_words = f"eval loss {before:.4f} -> {after:.4f} (perplexity {math.exp(before):,.1f} -> " \
+        f"{math.exp(after):,.1f}), mean over {len(eval_sets)} stages' held-out sets; " if before and after else ""
+    main_process_print(f"[hf_zero] done: {result_words}model in {final_dir}, summary in {summary}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 from hf_zero.check import CHECKS
@@ -24,14 +26,20 @@ def check(capsys, *args, output_dir=None):
     rc = main(["check", *args, *extra])
     lines = capsys.readouterr().out.strip().splitlines()
     assert [ln.split(" ", 2)[1].rstrip(":") for ln in lines] == list(CHECKS), lines
-    assert all(ln.startswith(("ok ", "FAIL ")) for ln in lines), lines
-    results = {ln.split(" ", 2)[1].rstrip(":"): (ln.startswith("ok "), ln.split(": ", 1)[1]) for ln in lines}
-    assert rc == (0 if all(ok for ok, _ in results.values()) else 2)
+    assert all(ln.startswith(("ok ", "FAIL ", "skip ")) for ln in lines), lines
+    # ok: True, FAIL: False, skip (not checked because what it needs failed earlier): None
+    results = {ln.split(" ", 2)[1].rstrip(":"): ({"ok": True, "FAIL": False, "skip": None}[ln.split(" ")[0]],
+                                                 ln.split(": ", 1)[1]) for ln in lines}
+    assert rc == (2 if any(ok is False for ok, _ in results.values()) else 0)
     return rc, results
 
 
 def failed(results) -> set:
-    return {name for name, (ok, _) in results.items() if not ok}
+    return {name for name, (ok, _) in results.items() if ok is False}
+
+
+def skipped(results) -> set:
+    return {name for name, (ok, _) in results.items() if ok is None}
 
 
 def recipe(tmp_path, text=None, **changes) -> str:
@@ -39,6 +47,9 @@ def recipe(tmp_path, text=None, **changes) -> str:
     import yaml
 
     data = yaml.safe_load(text if text is not None else TINY.read_text())
+    for stage in data.get("stages") or []:  # the copy lives elsewhere: its data paths must not move with it
+        specs = stage["data"] if isinstance(stage["data"], list) else [stage["data"]]
+        stage["data"] = [s if s.startswith(("builtin:", "/")) else str((TINY.parent / s).resolve()) for s in specs]
     for key, value in changes.items():
         if value is None:
             data.pop(key, None)
@@ -72,7 +83,8 @@ def test_tiny_recipe_passes_every_check(capsys, tmp_path):
 def test_misspelled_deepspeed_key_in_profile(capsys, tmp_path):
     bad = profile(tmp_path, replace={"  zero_stage: 2": "  zero_stge: 2"})
     rc, res = check(capsys, "--profile", bad, "--config", str(TINY))
-    assert failed(res) == {"profile", "batch", "devices", "precision", "launch", "hostfile", "offload", "output"}
+    assert failed(res) == {"profile"}  # no knock-on FAILs: what needs the profile says "not checked"
+    assert skipped(res) == {"batch", "devices", "precision", "launch", "hostfile", "offload", "output"}
     assert "zero_stge (did you mean zero_stage?)" in res["profile"][1]
     assert res["batch"][1].startswith("not checked: the profile did not load")
 
@@ -103,7 +115,6 @@ def test_unknown_command_line_flag(capsys):
 
 @pytest.mark.parametrize("args,changes,words", [
     ([], {"global_batch_size": 6}, "global_batch_size: 6 is not divisible by micro batch 2 x 2 ranks"),
-    (["--per_device_train_batch_size", "0"], {}, "per_device_train_batch_size: must be >= 1"),
     (["--nproc", "3"], {"global_batch_size": 8}, "8 is not divisible by micro batch 2 x 3 ranks"),
 ])
 def test_batch_arithmetic(capsys, tmp_path, args, changes, words):
@@ -208,7 +219,7 @@ def test_cpu_adam_that_cannot_be_built(tmp_path):
 
 @pytest.mark.parametrize("changes,words", [
     ({"model_name_or_path": "some-org/not-a-model"}, "cannot load 'some-org/not-a-model'"),
-    ({"model_name_or_path": "./no/such/model"}, "./no/such/model does not exist"),
+    ({"model_name_or_path": "./no/such/model"}, "/no/such/model does not exist"),  # resolved from the YAML's folder
     ({"use_peft": True, "lora_target_modules": ["qq_proj"]}, "lora_target_modules"),
 ])
 def test_model_not_resolvable(capsys, tmp_path, monkeypatch, changes, words):
@@ -219,7 +230,7 @@ def test_model_not_resolvable(capsys, tmp_path, monkeypatch, changes, words):
 
 
 @pytest.mark.parametrize("case,words", [
-    ("missing", "stages[short].data[0]: data file recipes/data/tiny/nope.jsonl does not exist"),
+    ("missing", f"stages[short].data[0]: data file {REPO}/recipes/data/tiny/nope.jsonl does not exist"),
     ("duplicate", "stage name 'medium' is used 2 times"),
     ("empty", "has no non-empty text after tokenization"),
     ("column", "has no column 'text'"),
@@ -229,7 +240,7 @@ def test_bad_stage_data(capsys, tmp_path, case, words):
 
     data = yaml.safe_load(TINY.read_text())
     if case == "missing":
-        data["stages"][0]["data"] = "recipes/data/tiny/nope.jsonl"
+        data["stages"][0]["data"] = str(REPO / "recipes/data/tiny/nope.jsonl")
     elif case == "duplicate":
         data["stages"][2]["name"] = "medium"
     else:
@@ -242,10 +253,12 @@ def test_bad_stage_data(capsys, tmp_path, case, words):
     assert failed(res) <= {"data", "recipe"}  # a duplicate name is a recipe error too
 
 
-def test_output_dir_that_cannot_be_created(capsys, tmp_path):
+@pytest.mark.parametrize("where", ["a_file", "a_file/run"])
+def test_output_dir_that_is_or_is_under_a_file(capsys, tmp_path, where):
     (tmp_path / "a_file").write_text("")
-    rc, res = check(capsys, *GOOD, output_dir=tmp_path / "a_file" / "run")
-    assert failed(res) == {"output"} and "cannot be created" in res["output"][1]
+    rc, res = check(capsys, *GOOD, output_dir=tmp_path / where)
+    assert failed(res) == {"output"} and "is a file" in res["output"][1]
+    assert "point output_dir at a folder, not a file" in res["output"][1] and "room" not in res["output"][1]
 
 
 def test_output_dir_without_room_for_the_checkpoints_keeps_what_is_there(capsys, tmp_path):
@@ -329,3 +342,80 @@ def test_readme_commands(capsys, monkeypatch, command, code):
     assert main(shlex.split(command)[1:]) == code
     out = capsys.readouterr().out
     assert ("recommended: " in out) if "estimate" in command else (out.count("\n") == len(CHECKS))
+
+
+# ---------------------------------------------------------------- values, types, where they came from (issue 11)
+
+@pytest.mark.parametrize("changes,args,words", [
+    ({"learning_rate": -1.0}, [], "learning_rate: must be a positive number, got -1.0 (in {config} line"),
+    ({}, ["--learning_rate", "0"], "learning_rate: must be a positive number, got 0.0 (flag --learning_rate)"),
+    ({"per_device_train_batch_size": 0}, [], "per_device_train_batch_size: must be at least 1, got 0 (in {config}"),
+    ({}, ["--per_device_train_batch_size", "0"], "per_device_train_batch_size: must be at least 1, got 0 (flag"),
+    ({"lora_dropout": 1.5}, [], "lora_dropout: must be in [0, 1), got 1.5"),
+    ({"max_seq_length": 1}, [], "max_seq_length: must be at least 2, got 1"),
+    ({"eval_samples": -3}, [], "eval_samples: cannot be negative, got -3"),
+    ({"weight_decay": -0.1}, [], "weight_decay: cannot be negative"),
+    ({"learning_rate": "fast"}, [], "learning_rate: 'fast' is not a number (in {config} line"),
+    ({"lora_r": 2.5}, [], "lora_r: 2.5 is not an integer"),
+    ({"use_peft": "maybe"}, [], "use_peft: 'maybe' is not true or false"),
+    ({"lr_scheduler_type": "cosinee"}, [], "lr_scheduler_type: 'cosinee' is not one of linear, cosine"),
+    ({}, ["--learning_rate", "fast"], "--learning_rate: invalid float value: 'fast' (on the command line)"),
+])
+def test_recipe_values_checked_and_located(capsys, tmp_path, changes, args, words):
+    config = recipe(tmp_path, **changes)
+    rc, res = check(capsys, "--profile", "zero2", "--config", config, *args)
+    assert failed(res) == {"recipe"} and words.format(config=config) in res["recipe"][1], res["recipe"]
+
+
+@pytest.mark.parametrize("stage_changes,words", [
+    ({"learning_rate": -1e-3}, "stages[short].learning_rate: must be a positive number, got -0.001 (in {config} line"),
+    ({"warmup_steps": -1}, "stages[short].warmup_steps: cannot be negative"),
+    ({"min_lr_ratio": 2}, "stages[short].min_lr_ratio: must be between 0 and 1"),
+    ({"steps": 0}, "stages[short].steps: must be positive"),
+])
+def test_stage_values_reported_once_with_their_line(capsys, tmp_path, stage_changes, words):
+    import yaml
+
+    data = yaml.safe_load(TINY.read_text())
+    data["stages"][0].update(stage_changes)
+    config = recipe(tmp_path, yaml.safe_dump(data))
+    rc, res = check(capsys, "--profile", "zero2", "--config", config)
+    assert failed(res) == {"data"}, res  # the stage's mistake, once: not again under `recipe`
+    assert words.format(config=config) in res["data"][1], res["data"]
+
+
+def test_invalid_yaml_names_line_and_column(capsys, tmp_path):
+    config = recipe(tmp_path)
+    Path(config).write_text(Path(config).read_text() + "seed: 1\n  bad: [\n")
+    rc, res = check(capsys, "--profile", "zero2", "--config", config)
+    assert "recipe" in failed(res) and "line " in res["recipe"][1] and ", column " in res["recipe"][1]
+    assert "not valid YAML" in res["recipe"][1]
+    assert {"batch", "output"} <= skipped(res) and "model" not in failed(res)  # not checked, not FAILed
+
+
+@pytest.mark.parametrize("replace,words", [
+    ({"  zero_stage: 2": "  zero_stage: 7"}, "deepspeed_config.zero_stage: 7 is not valid (in {path} line"),
+    ({"num_processes: 2": "num_processes: 0"}, "num_processes: 0 is not valid"),
+    ({"offload_optimizer_device: none": "offload_optimizer_device: disk"}, "offload_optimizer_device: 'disk' is not"),
+    ({"offload_param_device: none": "offload_param_device: cpu"}, "parameter offload needs ZeRO stage 3"),
+    ({"num_processes: 2": "num_processes: 3\nnum_machines: 2"}, "3 processes do not divide over 2 machines"),
+])
+def test_profile_values_checked(capsys, tmp_path, replace, words):
+    bad = profile(tmp_path, replace=replace)
+    rc, res = check(capsys, "--profile", bad, "--config", str(TINY))
+    assert failed(res) == {"profile"} and words.format(path=bad) in res["profile"][1], res["profile"]
+
+
+def test_shipped_config_passes_from_another_directory(capsys, tmp_path, monkeypatch):
+    """Data paths in a YAML are relative to the YAML, not to where you run."""
+    monkeypatch.chdir(tmp_path)
+    rc, res = check(capsys, "--profile", "zero2", "--config", str(TINY))
+    assert rc == 0, res
+    assert not (tmp_path / "runs").exists()  # the output_dir (relative to here) is checked, not created
+
+
+def test_other_recipes_are_checked_with_their_own_arguments(capsys):
+    classify = REPO / "recipes" / "classify.py"
+    rc, res = check(capsys, "--profile", "zero2", "--recipe", str(classify), "--config",
+                    str(REPO / "recipes" / "configs" / "tiny_digits.yaml"))
+    assert rc == 0 and skipped(res) == {"model", "data"}, res

@@ -5,6 +5,7 @@ Runs go through the real `accelerate launch` with 2 CPU ranks on a 24-step tiny 
 checkpoints every 3 steps, global batch 4 whatever the rank count)."""
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -371,12 +372,21 @@ def test_lora_zero3_checkpoints_hold_the_gathered_adapter_only(tmp_path):
         again = load_file(str(tmp_path / f"adapter-{step}" / "adapter_model.safetensors"))
         assert exported["tensors"] == 28 and again.keys() == adapter.keys()
         assert all(torch.equal(again[k], adapter[k]) for k in adapter)
+    umask = os.umask(0)
+    os.umask(umask)
+    for folder in (out / "final", out / "checkpoint-10", tmp_path / "adapter-10"):  # readable by the team
+        assert all(p.stat().st_mode & 0o777 == 0o666 & ~umask for p in folder.rglob("*") if p.is_file()), folder
     final = load_file(str(out / "final" / "adapter_model.safetensors"))
     assert all(torch.equal(final[k], adapter[k]) for k in final)  # the last checkpoint is the end of training
     # Merged export loads without peft and computes what base + adapter computes.
     export_checkpoint(str(out / "checkpoint-10"), str(tmp_path / "merged"), merge_lora=True)
+    from hf_zero.models import resolve_model_path
+
     base = json.loads((out / "checkpoint-10" / "adapter_config.json").read_text())["base_model_name_or_path"]
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(tmp_path / "adapter-10"))
+    assert base == "tiny-llama"  # as the recipe names it, not a path in this machine's cache
+    assert read_metadata(out / "checkpoint-10")["base_model_path"] == resolve_model_path(base)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(resolve_model_path(base)),
+                                           str(tmp_path / "adapter-10"))
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))
     ids = torch.tensor([[3, 17, 42, 99, 7, 250]])
     with torch.no_grad():

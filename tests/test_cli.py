@@ -49,3 +49,32 @@ def test_train_passes_recipe_flags_through(capsys):
     assert main(["train", "--profile", "zero2", "--config", "x.yaml", "--dry-run", "--learning_rate", "1e-4"]) == 0
     line = capsys.readouterr().out
     assert line.rstrip().endswith("--config x.yaml --learning_rate 1e-4")
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"hf-zero {version('hf_zero')}"
+
+
+def test_profiles_table_matches_the_profiles_and_the_readme(capsys):
+    """`hf-zero profiles` reads each profile; its "for" column is the YAML's `# For:` line, which the README's
+    profile table repeats."""
+    import re
+
+    from hf_zero.profiles import list_profiles, load_profile
+
+    assert main(["profiles"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["profile", "processes", "strategy", "offload", "(optimizer", "/", "params)",
+                                "precision", "for"]
+    readme = (REPO / "README.md").read_text()
+    rows = {m[0]: m[1] for m in re.findall(r"^\| `(\w+)` \|.*\| (.*?) \|$", readme, re.M)}
+    for name in list_profiles():
+        p = load_profile(name)
+        uses = next(ln[len("# For:"):].strip() for ln in open(p.path) if ln.startswith("# For:"))
+        row = next(ln for ln in lines[1:] if ln[2:].split()[0] == name)
+        assert row.rstrip().endswith(uses) and f" {p.precision} " in row and f" {p.num_processes} " in row
+        assert rows[name] == uses, name
+    assert lines[-1].startswith("this machine: cpu") and any(ln.startswith("* cpu ") for ln in lines)

@@ -22,7 +22,8 @@ def test_yaml_sets_defaults_and_flags_override():
     assert model.model_name_or_path == "tiny-llama" and model.lora_r == 4
     assert training["learning_rate"] == 0.5 and training["seed"] == 42
     assert data.max_seq_length == 64 and [s.name for s in stages] == ["short", "medium", "long"]
-    assert stages[2].data == ["recipes/data/tiny/long.jsonl", "recipes/data/tiny/medium.jsonl"]
+    tiny = REPO / "recipes" / "data" / "tiny"  # data paths in a YAML are relative to the YAML's folder
+    assert stages[2].data == [str(tiny / "long.jsonl"), str(tiny / "medium.jsonl")]
     assert training["output_dir"] == "runs/tiny_curriculum" and path == str(TINY)
 
 
@@ -98,7 +99,7 @@ def test_every_shipped_recipe_yaml_parses(path):
     for stage in stages:
         for spec in stage.data:
             if not spec.startswith("builtin:"):
-                assert (REPO / spec).is_file(), f"{path.name}: stage {stage.name} data {spec} is missing"
+                assert Path(spec).is_file(), f"{path.name}: stage {stage.name} data {spec} is missing"
 
 
 def _classify_types():

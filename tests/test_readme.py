@@ -3,8 +3,10 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -49,10 +51,25 @@ def test_every_recipe_field_is_documented(field):
 COMMANDS = [c for c in readme_commands() if c not in NOT_RUN_HERE]
 
 
+def _finished_run_of(cmd: str):
+    """The output folder a README training command writes, when an earlier session left a finished run there: the
+    same command would (rightly) find it complete and train nothing."""
+    if not re.match(r"(make train|hf-zero train|accelerate launch)\b", cmd) or re.search(
+            r"--dry-run|--resume_from_checkpoint|--fresh_start", cmd):
+        return None
+    named = re.search(r"--output_dir[ =](\S+)", cmd)
+    config = re.search(r"(?:--config |CONFIG=)(\S+)", cmd)
+    out = REPO / (named.group(1) if named else f"runs/{Path(config.group(1) if config else 'smollm2_shakespeare').stem}")
+    return out if (out / "summary.json").is_file() else None
+
+
 @pytest.mark.parametrize("cmd", COMMANDS)
-def test_readme_command_runs(cmd):
+def test_readme_command_runs(cmd, tmp_path):
     if "zero3_nvme" in cmd and "--dry-run" not in cmd and (reason := libaio_missing_reason()):
         pytest.skip(reason)
+    finished = _finished_run_of(cmd)
+    if finished is not None:  # kept aside (outside the repository), not deleted
+        shutil.move(str(finished), str(tmp_path / finished.name))
     env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}"}
     proc = subprocess.run(cmd, shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"{cmd}\n{(proc.stdout + proc.stderr)[-3000:]}"
@@ -66,6 +83,8 @@ def _check_make_train(proc):
     assert s["eval_loss_after"] < s["eval_loss_before"]
     assert "[hf_zero] profile cpu: no GPU found" in proc.stdout
     assert (REPO / "runs" / "smollm2_shakespeare" / "final" / "adapter_model.safetensors").is_file()
+    last = proc.stdout.strip().splitlines()[-1]  # the result, as the last line
+    assert last.startswith(f"[hf_zero] done: eval loss {s['eval_loss_before']:.4f} -> {s['eval_loss_after']:.4f}")
 
 
 def _check_dry_run(proc):

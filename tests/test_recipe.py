@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 from conftest import RECIPE, REPO, TINY, read_summary, run_cmd
@@ -48,6 +50,18 @@ def test_final_model_loads_without_hf_zero(single_run):
     assert (out / "final" / "model.safetensors").stat().st_size > 100_000
 
 
+def test_final_model_files_are_shareable(single_run):
+    """Written like any file under the umask (safetensors' temporary files are private), with the model path."""
+    import os
+
+    out, _ = single_run
+    umask = os.umask(0)
+    os.umask(umask)
+    assert all(p.stat().st_mode & 0o777 == 0o666 & ~umask for p in (out / "final").iterdir())
+    s = read_summary(out)
+    assert s["model"] == "tiny-llama" and Path(s["model_path"]).is_dir()
+
+
 def test_tensorboard_logs_stage_and_eval(single_run):
     out, _ = single_run
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -57,7 +71,8 @@ def test_tensorboard_logs_stage_and_eval(single_run):
     acc = EventAccumulator(str(events[0].parent))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/learning_rate", "train/stage", "eval/short_loss", "eval/short_perplexity"} <= tags
+    assert {"train/loss", "train/learning_rate", "train/stage", "eval/short_loss", "eval/short_perplexity",
+            "train/tokens_per_second"} <= tags
     stages = [e.value for e in acc.Scalars("train/stage")]
     assert stages == [0] * 5 + [1] * 5 + [2] * 5
 
@@ -96,7 +111,7 @@ def test_bad_stage_data_keeps_existing_output(tmp_path):
     (out / "checkpoint-4").mkdir(parents=True)
     (out / "checkpoint-4" / "keep.txt").write_text("earlier work")
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text(TINY.read_text().replace("recipes/data/tiny/short.jsonl", "recipes/data/tiny/nope.jsonl"))
+    cfg.write_text(TINY.read_text().replace("../data/tiny/short.jsonl", str(REPO / "recipes/data/tiny/nope.jsonl")))
     proc = run_bad("--config", cfg, "--output_dir", out)
     assert proc.returncode == 2 and "stages[short].data[0]" in proc.stderr and "Traceback" not in proc.stderr
     assert (out / "checkpoint-4" / "keep.txt").read_text() == "earlier work"
