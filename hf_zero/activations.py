@@ -62,14 +62,14 @@ def _linears(module, config_layers: int):
     layer = next((m[0] for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == config_layers
                   and config_layers), None)
     if layer is None:
-        return []
+        return None, []
     out = []
     for path, m in layer.named_modules():
         if hasattr(m, "base_layer") and hasattr(m, "lora_A"):  # peft's wrapper: one adapted linear
             out.append((path, m.base_layer, m))
         elif isinstance(m, torch.nn.Linear) and "lora_" not in path and not path.endswith("base_layer"):
             out.append((path, m, None))
-    return out
+    return layer, out
 
 
 def describe_layers(model, config, text) -> LayerShape | None:
@@ -83,7 +83,8 @@ def describe_layers(model, config, text) -> LayerShape | None:
     head_dim = getattr(text, "head_dim", None) or h // heads
     inter = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * h
     roles = {"attn": [], "mlp": []}
-    for path, lin, lora in _linears(model, layers):
+    first, found = _linears(model, layers)
+    for path, lin, lora in found:
         roles["attn" if any(k in path for k in ("attn", "attention")) else "mlp"].append((lin, lora))
     lora = tuple((f"{group}_{'out' if k == len(items) - 1 else 'in'}", lin.in_features)
                  for group, items in roles.items() for k, (lin, wrap) in enumerate(items) if wrap is not None)
@@ -97,7 +98,7 @@ def describe_layers(model, config, text) -> LayerShape | None:
         attn_in=max(len(roles["attn"]) - 1, 1), mlp_in=max(len(mlp_in), 1),
         gated=sum(lin.out_features for lin in mlp_in) >= 2 * inter if mlp_in else True, lora=lora,
         lora_r=int(getattr(lcfg, "r", 0) or 0), lora_dropout=float(getattr(lcfg, "lora_dropout", 0) or 0),
-        layer_linear=sum(lin.weight.numel() for group in roles.values() for lin, _ in group),
+        layer_linear=sum(m.weight.numel() for m in first.modules() if isinstance(m, torch.nn.Linear)) if first else 0,
         linear=sum(m.weight.numel() for m in linears),
         linear_trainable=sum(m.weight.numel() for m in linears if m.weight.requires_grad),
         lm_head=head.weight.numel() if head is not None else 0,
