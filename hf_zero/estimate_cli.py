@@ -1,10 +1,12 @@
 """`hf-zero estimate`: memory per rank for DDP and every ZeRO strategy, before you pay for GPUs.
 
     hf-zero estimate --model smollm2-135m-instruct --gpus-per-node 4 --gpu-memory 48GiB
-    hf-zero estimate --config recipes/configs/my_recipe.yaml --profile l40x4 --json
+    hf-zero estimate --config recipes/configs/my_recipe.yaml --gpus-per-node 1 --gpu-memory 24GiB
 
 Model states follow DeepSpeed's own estimators (`--convention deepspeed`, the default) or the ZeRO paper's formulas
-(`--convention paper`); activations and buffers are added to both (see hf_zero/memory.py for every formula).
+(`--convention paper`); the peak per GPU adds what a step keeps on the device (hf_zero/memory.py,
+hf_zero/activations.py). A recipe is estimated as it will run and `--gpu-memory` plans its launch
+(hf_zero/recipe_memory.py).
 """
 
 from __future__ import annotations
@@ -113,16 +115,14 @@ def _recipe(args):
         raise UserError("--flash-attention", f"contradicts --attn-implementation {args.attn_implementation}",
                         "give one of them")
     use_peft = args.use_peft
-    if not use_peft and (args.lora_r is not None or args.lora_target_modules) and not args.config:
-        raise UserError("--lora-r/--lora-target-modules", "given without LoRA", "add --use-peft")
     flags = {"model_name_or_path": args.model, "use_peft": "true" if use_peft else None,
              "lora_r": _positive(args.lora_r, "--lora-r"),
              "per_device_train_batch_size": _positive(args.micro_batch, "--micro-batch"),
              "gradient_accumulation_steps": _positive(args.gradient_accumulation, "--gradient-accumulation"),
              "gradient_checkpointing": "true" if args.gradient_checkpointing else None,
              "attn_implementation": "flash_attention_2" if args.flash_attention else args.attn_implementation}
+    flags["max_seq_length"] = _positive(args.seq_len, "--seq-len")
     overrides = [str(x) for k, v in flags.items() if v is not None for x in (f"--{k}", v)]
-    _positive(args.seq_len, "--seq-len")
     if args.config:
         recipe = read_recipe(args.config, overrides)
     else:
@@ -141,9 +141,11 @@ def _recipe(args):
     if recipe.lora is not None and args.lora_target_modules:
         recipe = replace(recipe, lora={**recipe.lora, "target_modules": args.lora_target_modules},
                          flags=recipe.flags + (("lora_target_modules", tuple(args.lora_target_modules)),))
-    elif args.lora_target_modules:
-        raise UserError("--lora-target-modules", "given without LoRA", "add --use-peft")
-    return replace(recipe, seq_len=args.seq_len) if args.seq_len else recipe
+    if recipe.lora is None and (args.lora_target_modules or args.lora_r):
+        raise UserError("--lora-r/--lora-target-modules", "given without LoRA", "add --use-peft")
+    if args.seq_len and recipe.seq_len != args.seq_len:  # stages with their own lengths: this estimate only
+        recipe = replace(recipe, seq_len=args.seq_len, stage=None)
+    return recipe
 
 
 def run(args) -> int:
@@ -224,7 +226,8 @@ def _print_table(summary, inputs, convention, estimates, rec) -> None:
                         for i, (c, w) in enumerate(zip(r, widths))), file=out)
     print("peak/GPU = the larger of states@step (+ buffers) and states@fwd + activations (+ buffers): what "
           "torch.cuda.max_memory_allocated reports; activations include the loss's fp32 logits work and autocast's "
-          "16-bit weight copies (see hf_zero/activations.py)", file=out)
+          "16-bit weight copies (see hf_zero/activations.py)"
+          + ("; fits: peak/GPU within 90% of --gpu-memory" if inputs["gpu_memory_bytes"] else ""), file=out)
     if rec is None:
         return
     if not rec["profile"]:
@@ -233,4 +236,5 @@ def _print_table(summary, inputs, convention, estimates, rec) -> None:
     print(f"recommended: profile {rec['profile']}, --nproc {rec['nproc']}, micro-batch {rec['micro_batch']} x "
           f"accumulation {rec['accumulation']} (global batch {rec['global_batch']}): {rec['reason']}; the largest "
           f"micro-batch that fits is {rec['largest_micro_batch']}", file=out)
-    print(f"  {rec['command']}", file=out)
+    if rec["command"]:
+        print(f"  {rec['command']}", file=out)

@@ -122,13 +122,16 @@ def _gib(b) -> str:
     return f"{b / 2**30:.1f} GiB"
 
 
-def _command(recipe: RecipeMemory, profile: str, gpn: int, nodes: int, precision: str, micro: int, accum: int) -> str:
+def _command(recipe: RecipeMemory, profile: str, gpn: int, nodes: int, precision: str, micro: int, accum: int):
+    """The `hf-zero train` line that runs this plan (None without a recipe file to run)."""
     from .profiles import load_profile
 
+    if not recipe.path:
+        return None
     cmd = ["hf-zero", "train", "--profile", profile, "--nproc", str(gpn)]
     cmd += ["--nodes", str(nodes)] if nodes > 1 else []
     cmd += ["--precision", precision] if load_profile(profile).precision != precision else []
-    cmd += ["--config", recipe.path or "RECIPE.yaml"]
+    cmd += ["--config", recipe.path]
     for key, value in recipe.flags:
         if key not in ("per_device_train_batch_size", "gradient_accumulation_steps"):
             cmd += [f"--{key}", *(map(str, value) if isinstance(value, (list, tuple)) else [str(value)])]

@@ -109,6 +109,8 @@ BAD = [
     (["--model", "tiny-llama", "--seq-len", "0"], "--seq-len"),
     (["--model", "tiny-llama", "--use-peft", "--lora-target-modules", "nope_proj"], "--lora-target-modules"),
     (["--config", "does/not/exist.yaml"], "--config"),
+    (["--model", "tiny-llama", "--lora-r", "4"], "--lora-r"),
+    (["--model", "tiny-llama", "--use-peft", "--lora-r", "0"], "--lora-r"),
 ]
 BAD_RECIPES = [
     ("model_name_or_path: tiny-llama\nstages:\n  - {name: a, data: x.jsonl, steps: 1, max_seq_length: long}\n",
