@@ -14,6 +14,7 @@ import shlex
 from dataclasses import dataclass, field, fields, replace
 
 from .errors import UserError
+from .preflight import human_bytes
 
 __all__ = ["HEADROOM", "RecipeMemory", "read_recipe", "lora_fields", "plan", "candidates"]
 
@@ -52,17 +53,24 @@ def lora_fields(model_args) -> dict | None:
 
 
 def _value(where: str, key: str, value, kind: str):
-    """`value` checked as kind "int" (>= 1), "bool" or "name"; strings from the command line converted."""
+    """`value` checked as kind "int" (>= 1), "bool", "number" (>= 0) or "name"; command-line strings converted."""
     from .config import _str_or_bool
 
     if isinstance(value, str) and kind == "bool":
         value = _str_or_bool(value)
     if isinstance(value, str) and kind == "int" and value.strip().isdigit():
         value = int(value)
+    if isinstance(value, str) and kind == "number":
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     ok = {"bool": isinstance(value, bool), "int": type(value) is int and value >= 1,
+          "number": isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
           "name": value is None or isinstance(value, (str, list))}[kind]
     if not ok:
-        want = {"bool": "true or false", "int": "a whole number >= 1", "name": "a name"}[kind]
+        want = {"bool": "true or false", "int": "a whole number >= 1", "name": "a name",
+                "number": "a number >= 0"}[kind]
         raise UserError(f"{where}: {key}", f"unexpected value {value!r}", f"use {want}")
     return value
 
@@ -91,9 +99,10 @@ def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
         if given is not None:
             flags.append((key, given))
         value = given if given is not None else raw.get(key, defaults.get(key))
-        kind = "int" if key in INT_KEYS else "bool" if key in BOOL_KEYS else "name"
+        kind = "int" if key in INT_KEYS else "bool" if key in BOOL_KEYS else \
+            "number" if key in ("lora_alpha", "lora_dropout") else "name"
         value = bool(value) if kind == "bool" and value is None else value
-        values[key] = value if key in ("lora_alpha", "lora_dropout") or value is None else _value(
+        values[key] = value if value is None else _value(
             name if given is None else "command line", key, value, kind)
     for stage in stages:
         if stage.max_seq_length is not None:
@@ -116,10 +125,6 @@ def candidates(world: int) -> list[tuple[str, str]]:
     if world == 1:
         return [("single_gpu", "ddp"), ("zero2", "zero2"), ("zero3_offload", "zero3_offload")]
     return [("zero2", "zero2"), ("zero3", "zero3"), ("zero3_offload", "zero3_offload")]
-
-
-def _gib(b) -> str:
-    return f"{b / 2**30:.1f} GiB"
 
 
 def _command(recipe: RecipeMemory, profile: str, gpn: int, nodes: int, precision: str, micro: int, accum: int):
@@ -186,7 +191,8 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
     peak = est["gpu_bytes_per_rank"]["total"]
     names = [p for p, _ in choices]
     reason = (f"the fastest of {', '.join(names)} that fits: " if len(names) > 1 else f"{profile} fits: ") + (
-              f"peak {_gib(peak)} in {precision} of {_gib(gpu_memory_bytes)} per GPU, {_gib(gpu_memory_bytes - peak)} "
+              f"peak {human_bytes(peak)} in {precision} of {human_bytes(gpu_memory_bytes)} per GPU, "
+              f"{human_bytes(gpu_memory_bytes - peak)} "
               f"({100 * (1 - peak / gpu_memory_bytes):.0f}%) left; {HEADROOM_WHY}")
     return {"profile": profile, "strategy": strategy, "nproc": gpus_per_node, "nodes": nodes, "micro_batch": micro,
             "accumulation": accum, "global_batch": micro * accum * world, "precision": precision,
@@ -206,7 +212,7 @@ def _what_would_fit(count, recipe, world, kw, usable, gpu_memory, cpu_memory, ch
         hit = _first_fit(count, recipe, world, {**kw, "grad_checkpointing": True}, usable, cpu_memory, choices,
                          only_own)
         hint = (f"with gradient_checkpointing: true {hit[0]} fits at micro-batch {hit[2]} "
-                f"({_gib(hit[4]['gpu_bytes_per_rank']['total'])})") if hit else hint
+                f"({human_bytes(hit[4]['gpu_bytes_per_rank']['total'])})") if hit else hint
     return {"profile": None, "need_bytes": need, "need_profile": last, "need_micro_batch": micro, "hint": hint,
-            "reason": f"nothing fits {_gib(gpu_memory)} per GPU less {HEADROOM:.0%} headroom: even {last} at "
-                      f"micro-batch {micro} needs {_gib(need)}; {hint}"}
+            "reason": f"nothing fits {human_bytes(gpu_memory)} per GPU less {HEADROOM:.0%} headroom: even {last} at "
+                      f"micro-batch {micro} needs {human_bytes(need)}; {hint}"}
