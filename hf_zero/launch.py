@@ -106,15 +106,16 @@ def add_arguments(parser, name: str) -> None:
 ACCEPTS_EXTRA = {"train"}  # train passes unknown flags on to the recipe (e.g. --learning_rate 1e-4)
 
 
-def _recipe_model(config: str) -> tuple[str | None, int | None]:
-    """The model (and LoRA rank) a recipe YAML trains, for sizing the profile; (None, None) when unreadable."""
-    import yaml
+def _recipe_memory(config: str, extra: list[str]):
+    """The recipe as it will run (flags after it included), for sizing the profile; None when unreadable: the recipe
+    itself then reports what is wrong."""
+    from .errors import UserError
+    from .recipe_memory import read_recipe
 
     try:
-        data = yaml.safe_load(Path(config).read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return None, None
-    return data.get("model_name_or_path"), data.get("lora_r", 16) if data.get("use_peft") else None
+        return read_recipe(config, extra)
+    except (UserError, OSError):
+        return None
 
 
 def validate_flags(args) -> None:
@@ -183,10 +184,12 @@ def run(args) -> int:
         from .profiles import gpu_count
 
         gpus = gpu_count()
-        model, lora_r = _recipe_model(args.config) if gpus > 1 else (None, None)
-        profile, why = pick_profile(gpus, model=model, lora_r=lora_r)
+        recipe = _recipe_memory(args.config, args.extra) if gpus else None
+        profile, why = pick_profile(gpus, recipe=recipe, precision=args.precision)
         if gpus > 1 and args.nproc is None:
             args.nproc = gpus
+        if recipe is not None and args.precision is None:  # run in the precision it was sized for
+            args.precision = "bf16"
         print(f"[hf_zero] profile {profile}: {why}", flush=True)
     extra = [a for a in args.extra if a != "--"]
     if args.hostfile:

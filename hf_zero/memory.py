@@ -17,9 +17,14 @@ are DeepSpeed's estimate_zero{2,3}_model_states_mem_needs, called directly; the 
 the rest. The fp32 master (4) exists in fp32 too: DeepSpeed clones it (ZeRO-3's alias branch compares a
 torch.device with a str and never fires). CPU per node, as DeepSpeed: 1.5 x GPUs per node x max(each rank loads
 the fp32 model 4Ψ — under zero.Init one layer 4L —, offloaded 16Ψt/N [+ pΨ/N offloaded params]).
-Activations: Korthikanti et al. 2022 (arXiv:2205.05198, eq. 2, no tensor/sequence parallelism) s·b·h·(34 +
-5·a·s/h) bytes per layer in 16-bit (x2 in fp32; flash/SDPA drops the 5as/h score term); full checkpointing keeps
-each layer's input 2·s·b·h plus one layer recomputing; plus logits s·b·V·(p + 4) (fp32 upcast for the loss).
+Peak on a GPU ("total", what torch.cuda.max_memory_allocated reports) = the larger of the optimizer step (model
+states above + buffers) and the forward/backward peak: the states that stay allocated through a step ("resident":
+ddp 4Ψ + 8Ψt, fp32 weights + Adam, gradients freed by zero_grad; ZeRO-1/2 pΨ + 12Ψt/N; ZeRO-3 pΨ/N + its
+gradient buffer pΨt/N + 12Ψt/N + the layers it keeps gathered; offloaded states count on the host only; with
+gradient accumulation the gradients too) + hf_zero/activations.py's saved activations, loss and autocast copies.
+ZeRO-3 keeps a module gathered when it is used again within stage3_max_reuse_distance (1e9) elements: at the turn
+from forward to backward that is the last ~distance/2 elements of the model, p bytes each; at one rank without
+parameter offload "gathering" is a view of the partition (no copy).
 Buffers: DDP gradient buckets (a 4Ψt copy, N > 1); ZeRO-1/2 one reduce bucket (p x reduce_bucket_size; allgather
 is in place); ZeRO-3 reduce + prefetch buckets + persistent params (numel <= threshold), sized as the Trainer fills
 hf_zero's "auto": h², 0.9·h², 10·h (DeepSpeed's defaults 5e8, 5e7, 1e5 when h is unknown).
@@ -58,6 +63,7 @@ class ModelCount:
     vocab_size: int = 0
     param_numels: tuple = ()
     name: str = ""
+    layer: object = None  # hf_zero.activations.LayerShape: what the activation count needs
 
     def persistent_params(self, threshold: int) -> int:  # ZeRO-3 keeps params with numel <= threshold whole
         return sum(n for n in self.param_numels if n <= threshold)
@@ -69,8 +75,11 @@ def _attr(config, *names) -> int:
 
 def count_model(config_or_name, lora=None) -> ModelCount:
     """Counts from a config (or name/path, or an nn.Module) built on the meta device: no weights read. `lora`: a rank,
-    a dict of LoraConfig fields (r, target_modules, ...) or a LoraConfig; the real peft model is built on meta."""
+    a dict of LoraConfig fields (r, target_modules, lora_dropout, ...) or a LoraConfig; the real peft model is built
+    on meta."""
     import torch
+
+    from .activations import describe_layers
 
     if isinstance(config_or_name, torch.nn.Module):
         model, config, name = config_or_name, getattr(config_or_name, "config", None), type(config_or_name).__name__
@@ -104,7 +113,8 @@ def count_model(config_or_name, lora=None) -> ModelCount:
         num_layers=_attr(text, "num_hidden_layers", "n_layer", "num_layers"),
         hidden_size=_attr(text, "hidden_size", "d_model", "n_embd"),
         num_heads=_attr(text, "num_attention_heads", "n_head"), vocab_size=_attr(text, "vocab_size"),
-        param_numels=tuple(p.numel() for p in params), name=name)
+        param_numels=tuple(p.numel() for p in params), name=name,
+        layer=describe_layers(model, getattr(model, "config", config), text) if text is not None else None)
 
 
 def _deepspeed_estimators():
@@ -146,13 +156,17 @@ def _states(s, c: ModelCount, n, mixed, convention):
     return gpu, cpu, (16 * t + p * psi) / n if s == "zero3_nvme" else 0
 
 
-def _activations(c: ModelCount, mixed, micro, seq, ckpt, flash):
-    if not c.hidden_size or not c.num_layers:
-        return 0
-    k, sbh = (1 if mixed else 2), seq * micro * c.hidden_size
-    per_layer = sbh * (34 + (0 if flash else 5 * max(c.num_heads, 1) * seq / c.hidden_size)) * k
-    layers = c.num_layers * 2 * sbh * k + per_layer if ckpt else c.num_layers * per_layer
-    return layers + seq * micro * c.vocab_size * ((2 if mixed else 4) + 4)
+def _resident(s, c: ModelCount, n, mixed, max_reuse_distance):
+    """(states alive through forward and backward, gradients alive during backward) per GPU rank, deepspeed
+    convention: what the forward/backward peak adds activations to."""
+    psi, t, p = c.total_params, c.trainable_params, (2 if mixed else 4)
+    offload_params = s in ("zero3_offload", "zero3_nvme")
+    gathered = p * min(psi, max_reuse_distance / 2) if s.startswith("zero3") and (n > 1 or offload_params) else 0
+    states = {"ddp": 4 * psi + 8 * t, "zero1": p * psi + 12 * t / n, "zero2": p * psi + 12 * t / n,
+              "zero2_offload": p * psi, "zero3": p * psi / n + p * t / n + 12 * t / n,
+              "zero3_offload_optimizer": p * psi / n}.get(s, 0) + gathered
+    grads = {"ddp": 4 * t, "zero1": p * t, "zero2": p * t / n}.get(s, 0)
+    return states, grads
 
 
 def _buffers(s, c: ModelCount, n, mixed, reduce_bucket, prefetch, persistence):
@@ -169,11 +183,18 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
              grad_checkpointing: bool = False, convention: str = "deepspeed", *, gpu_memory_bytes=None,
              cpu_memory_bytes=None, zero_init: bool = True, flash_attention: bool = False, reduce_bucket_size=None,
              prefetch_bucket_size=None, param_persistence_threshold=None, additional_buffer_factor: float = 1.5,
-             use_deepspeed_estimators: bool = True) -> dict:
-    """Bytes per GPU rank, CPU bytes per node, NVMe bytes per node and checkpoint bytes for one strategy."""
+             use_deepspeed_estimators: bool = True, attn_implementation: str | None = None,
+             grad_accumulation: int = 1, max_reuse_distance: float = 1e9) -> dict:
+    """Bytes per GPU rank, CPU bytes per node, NVMe bytes per node and checkpoint bytes for one strategy.
+    `attn_implementation`: eager, sdpa or flash_attention_2 (default: the model's, as transformers picks it);
+    `flash_attention=True` is the same as flash_attention_2."""
+    from .activations import ATTENTION, step_bytes
+
+    attn = "flash_attention_2" if flash_attention else attn_implementation
     if strategy not in STRATEGIES or precision not in PRECISIONS or convention not in CONVENTIONS or \
-            micro_batch < 1 or seq_len < 1:
-        raise ValueError(f"bad {strategy=} / {precision=} / {convention=} / {micro_batch=} / {seq_len=}")
+            micro_batch < 1 or seq_len < 1 or grad_accumulation < 1 or attn not in (None, *ATTENTION):
+        raise ValueError(f"bad {strategy=} / {precision=} / {convention=} / {micro_batch=} / {seq_len=} / "
+                         f"{grad_accumulation=} / {attn=}")
     gpn = int(gpus_per_node or 1)
     nodes = (1 if world_size is None else world_size // gpn) if nodes is None else int(nodes)
     n = gpn * nodes
@@ -198,17 +219,30 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
         source = f"deepspeed estimate_{fn}_model_states_mem_needs"
     gpu = {"params": int(params), "grads": int(grads), "optimizer": int(optim), "gathered": int(gathered)}
     gpu["model_states"] = sum(gpu.values())
-    gpu["activations"] = int(_activations(c, mixed, micro_batch, seq_len, grad_checkpointing, flash_attention))
     gpu["buffers"] = int(_buffers(strategy, c, n, mixed, reduce_bucket_size, prefetch_bucket_size,
                                   param_persistence_threshold))
-    gpu["total"] = gpu["model_states"] + gpu["activations"] + gpu["buffers"]
+    resident, grads_bwd = _resident(strategy, c, n, mixed, max_reuse_distance)
+    if grad_accumulation > 1:  # gradients stay allocated between the micro-batches of one optimizer step
+        resident, grads_bwd = resident + grads_bwd, 0
+    mode = "fp32" if not mixed else "autocast" if strategy == "ddp" else "half"
+    phases = {} if c.layer is None else step_bytes(
+        c.layer, c.num_layers, c.vocab_size, mode, micro_batch, seq_len, grad_checkpointing, attn,
+        full=c.trainable_params == c.total_params)
+    peaks = {name: resident + act + (grads_bwd if name == "recompute" else 0) for name, act in phases.items()}
+    peaks["optimizer step"] = gpu["model_states"]
+    if convention == "paper":  # the textbook sum: every state and the largest activations at once
+        peaks = {"sum": gpu["model_states"] + max(phases.values(), default=0)}
+    phase = max(peaks, key=peaks.get)
+    gpu["resident"] = int(resident)
+    gpu["activations"] = int(phases.get(phase, max(phases.values(), default=0)))
+    gpu["total"] = int(peaks[phase]) + gpu["buffers"]
     # On disk: weights (LoRA: adapter only) + fp32 master and Adam moments over all ranks; DDP: fp32 weights + moments
     saved = c.trainable_params if c.trainable_params < c.total_params else c.total_params
     ckpt = (4 * saved + 8 * c.trainable_params) if strategy == "ddp" else \
         ((2 if mixed else 4) * saved + 12 * c.trainable_params)
     fits = None if gpu_memory_bytes is None else \
         gpu["total"] <= gpu_memory_bytes and (cpu_memory_bytes is None or cpu <= cpu_memory_bytes)
-    return {"name": strategy, "convention": convention, "source": source, "gpu_bytes_per_rank": gpu,
+    return {"name": strategy, "convention": convention, "source": source, "gpu_bytes_per_rank": gpu, "peak": phase,
             "cpu_bytes_per_node": int(cpu), "nvme_bytes": int(gpn * nvme_rank), "checkpoint_bytes": int(ckpt),
             "fits": fits}
 

@@ -147,14 +147,42 @@ def test_largest_micro_batch_is_monotone_in_memory(llama7b):
     assert largest_micro_batch(llama7b, "ddp", 8 * GIB, **kw) == 0
 
 
-def test_activations_follow_korthikanti(llama7b):
-    s, b, h, a, layers, v = 2048, 2, 4096, 32, 32, 32000
-    est = estimate(llama7b, "zero3", micro_batch=b, seq_len=s, precision="bf16")["gpu_bytes_per_rank"]
-    assert est["activations"] == int(layers * s * b * h * (34 + 5 * a * s / h) + s * b * v * (2 + 4))
-    ckpt = estimate(llama7b, "zero3", micro_batch=b, seq_len=s, grad_checkpointing=True)["gpu_bytes_per_rank"]
-    assert ckpt["activations"] == int(layers * 2 * s * b * h + s * b * h * (34 + 5 * a * s / h) + s * b * v * 6)
-    flash = estimate(llama7b, "zero3", micro_batch=b, seq_len=s, flash_attention=True)["gpu_bytes_per_rank"]
-    assert flash["activations"] < est["activations"]
+def test_activations_per_attention_and_checkpointing(llama7b):
+    """Bytes per layer and token in 16-bit DeepSpeed weights, full fine-tune (hf_zero/activations.py): sdpa
+    26h + 8i + 2s (norms 2 x 6h, the shared q/k/v input 2h, q/k/v/output 8h + the kernel's mask copy 2s, o_proj's
+    input 2h, the MLP's input 2h, gate/act/up/product 8i); eager 24h + 8i + 6as (no output saved, fp32 + 16-bit
+    probabilities); the loss 12 bytes per vocabulary entry and token; checkpointing keeps 2h per layer."""
+    s, b, h, i, a, layers, v = 2048, 2, 4096, 11008, 32, 32, 32000
+    tok = s * b
+    head, loss = (4 * h + 2 * h + 2 * h) * tok, 12 * v * tok
+
+    def act(**kw):
+        kw = {"micro_batch": b, "seq_len": s, "gpus_per_node": 8, **kw}
+        return estimate(llama7b, "zero3", **kw)["gpu_bytes_per_rank"]["activations"]
+
+    assert act() == layers * tok * (26 * h + 8 * i + 2 * s) + head + loss
+    assert act(attn_implementation="eager") == layers * tok * (24 * h + 8 * i + 6 * a * s) + head + loss
+    assert act(flash_attention=True) == layers * tok * (26 * h + 8 * i) + head + loss  # no KV repeat (32 KV heads)
+    assert act(grad_checkpointing=True) == layers * 2 * h * tok + head + loss
+    # the Trainer without DeepSpeed keeps fp32 weights: fp32 residual stream, each linear casts its input
+    ddp = estimate(llama7b, "ddp", micro_batch=b, seq_len=s)["gpu_bytes_per_rank"]
+    assert ddp["activations"] == layers * tok * (36 * h + 8 * i + 2 * s) + (4 + 4 + 2) * h * tok + loss + \
+        2 * llama7b.layer.linear  # + the 16-bit copy of every linear weight autocast keeps for backward
+    assert ddp["resident"] == 12 * llama7b.total_params  # fp32 weights + Adam; gradients freed by zero_grad
+
+
+def test_peak_is_the_larger_phase(llama7b):
+    """Short sequences: the optimizer step (all model states) is the peak; long ones: the backward pass."""
+    short = estimate(llama7b, "zero2", gpus_per_node=8, micro_batch=1, seq_len=16)
+    long = estimate(llama7b, "zero2", gpus_per_node=8, micro_batch=4, seq_len=4096)
+    assert short["peak"] == "optimizer step" and long["peak"] == "backward"
+    g = short["gpu_bytes_per_rank"]
+    assert g["total"] == g["model_states"] + g["buffers"]
+    g = long["gpu_bytes_per_rank"]
+    assert g["total"] == g["resident"] + g["activations"] + g["buffers"] > g["model_states"] + g["buffers"]
+    # accumulating gradients keeps them allocated through the next forward
+    accum = estimate(llama7b, "zero2", gpus_per_node=8, micro_batch=4, seq_len=4096, grad_accumulation=2)
+    assert accum["gpu_bytes_per_rank"]["resident"] == g["resident"] + 2 * llama7b.trainable_params // 8
 
 
 def test_cli_json_lists_all_strategies(capsys):
@@ -166,7 +194,7 @@ def test_cli_json_lists_all_strategies(capsys):
     assert out["recommendation"]["strategy"] == "ddp" and out["recommendation"]["micro_batch"] >= 1
     for s in out["strategies"]:
         assert set(s["gpu_bytes_per_rank"]) == {"params", "grads", "optimizer", "gathered", "model_states",
-                                                "activations", "buffers", "total"}
+                                                "resident", "activations", "buffers", "total"}
 
 
 def test_cli_table_profile_and_recipe(capsys, tmp_path):
@@ -179,7 +207,7 @@ def test_cli_table_profile_and_recipe(capsys, tmp_path):
     from hf_zero.profiles import load_profile
 
     prof = load_profile("zero3")  # the profile supplies precision and GPU count
-    assert f"{prof.precision}, 1 node(s) x {prof.num_processes} GPU(s)" in out and "recommended: zero3" in out
+    assert f"{prof.precision}, 1 node(s) x {prof.num_processes} GPU(s)" in out and "recommended: profile zero3," in out
 
 
 def test_cli_bad_memory_is_one_line_exit_2(capsys):

@@ -1,5 +1,7 @@
 """Every shipped profile loads through accelerate's own validator and says what it is for."""
 
+from pathlib import Path
+
 import pytest
 
 from hf_zero.errors import UserError
@@ -89,14 +91,60 @@ def test_profile_from_accelerate_env_without_hf_zero_launcher():
     assert (named.name, named.num_processes) == ("zero2", 4)
 
 
+GIB = 2**30
+LLAMA_1B = str(Path(__file__).parent / "data" / "calibration" / "models" / "llama-1b")
+
+
+def _peaks(recipe, gpus, strategies):
+    """The estimator's peak per GPU for each strategy, as pick_profile sizes them (bf16)."""
+    from hf_zero.memory import count_model, estimate
+    from hf_zero.models import get_model_config
+
+    model = get_model_config(recipe.model) if isinstance(recipe.model, str) else recipe.model
+    count = count_model(model, lora=recipe.lora)
+    return {s: estimate(count, s, world_size=gpus, gpus_per_node=gpus, micro_batch=recipe.micro,
+                        seq_len=recipe.seq_len, grad_checkpointing=recipe.gradient_checkpointing)
+            ["gpu_bytes_per_rank"]["total"] for s in strategies}
+
+
+def _device_between(low, high):
+    """A device size whose usable part (90%) lies between two peaks: the first fits, the second does not."""
+    return int((low + high) / 2 / 0.9)
+
+
+def test_pick_profile_for_one_gpu_follows_the_estimate():
+    """One GPU: single_gpu if it fits, else ZeRO-2 (bf16 weights, smaller activations), else everything offloaded,
+    else a one-line error naming the estimate and a launch that fits (same global batch)."""
+    from hf_zero.recipe_memory import RecipeMemory
+
+    recipe = RecipeMemory(model=LLAMA_1B, micro=8, accumulation=1, seq_len=1024, path="recipe.yaml")
+    peaks = _peaks(recipe, 1, ("ddp", "zero2", "zero3_offload"))
+    assert peaks["zero3_offload"] < peaks["zero2"] < peaks["ddp"]
+    name, why = pick_profile(1, recipe=recipe, gpu_memory_bytes=80 * GIB)
+    assert name == "single_gpu" and "1 GPU found" in why and "GiB" in why and "left" in why
+    assert pick_profile(1, recipe=recipe, gpu_memory_bytes=_device_between(peaks["zero2"], peaks["ddp"]))[0] == "zero2"
+    assert pick_profile(1, recipe=recipe, gpu_memory_bytes=_device_between(peaks["zero3_offload"], peaks["zero2"]))[
+        0] == "zero3_offload"
+    with pytest.raises(UserError) as err:
+        pick_profile(1, recipe=recipe, gpu_memory_bytes=int(peaks["zero3_offload"] * 0.8))
+    line = err.value.line()
+    assert "\n" not in line and "micro-batch 8 x 1024 tokens needs" in line and "zero3_offload" in line
+    assert "accumulation 2" in line and "run: hf-zero train --profile" in line  # micro 4 x 2 keeps the batch of 8
+    assert "--per_device_train_batch_size 4 --gradient_accumulation_steps 2" in line
+
+
 def test_pick_profile_for_several_gpus_uses_the_estimator():
     from transformers import LlamaConfig
 
+    from hf_zero.recipe_memory import RecipeMemory
+
     seven_b = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                           vocab_size=32000)
-    gib = 2**30
-    assert pick_profile(8, model=seven_b, gpu_memory_bytes=80 * gib)[0] == "zero2"  # 2Ψ + 18Ψ/8 ≈ 30 GB fits
-    name, why = pick_profile(8, model=seven_b, gpu_memory_bytes=32 * gib)
-    assert name == "zero3" and "zero2 needs" in why  # ZeRO-2's 14 GB of bf16 weights + shards do not fit 32 GB
-    name, why = pick_profile(2, model=seven_b, gpu_memory_bytes=8 * gib)
-    assert name == "zero3_offload" and "nothing fits" in why
+    assert pick_profile(8, model=seven_b, gpu_memory_bytes=80 * GIB)[0] == "zero2"
+    peaks = _peaks(RecipeMemory(model=seven_b, micro=1, accumulation=1, seq_len=1024), 8,
+                   ("zero2", "zero3", "zero3_offload"))
+    name, why = pick_profile(8, model=seven_b, gpu_memory_bytes=_device_between(peaks["zero3"], peaks["zero2"]))
+    assert name == "zero3" and "8 GPUs found" in why
+    with pytest.raises(UserError) as err:  # nothing fits: the estimate and what would
+        pick_profile(2, model=seven_b, gpu_memory_bytes=4 * GIB)
+    assert "needs" in err.value.line() and "gradient_checkpointing: true" in err.value.line()

@@ -92,10 +92,19 @@ def _check_dry_run(proc):
     assert "h100x8.yaml" in line and "--mixed_precision bf16" in line and "HF_ZERO_PROFILE=" in line
 
 
+def _check_estimate_recipe(proc):
+    """The recipe's longest stage sets the length; the recommendation is a profile and a command that runs."""
+    assert "micro-batch 2 x 192 tokens (stage sonnets" in proc.stdout and "recommended: profile single_gpu" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].strip() == \
+        "hf-zero train --profile single_gpu --nproc 1 --config recipes/configs/smollm2_shakespeare.yaml"
+
+
 CHECKS = {
     "make train": _check_make_train,
     "hf-zero train --profile h100x8 --precision bf16 --config recipes/configs/smollm2_shakespeare.yaml --dry-run":
         _check_dry_run,
+    "hf-zero estimate --config recipes/configs/smollm2_shakespeare.yaml --gpus-per-node 1 --gpu-memory 24GiB":
+        _check_estimate_recipe,
 }
 
 

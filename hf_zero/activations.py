@@ -1,0 +1,160 @@
+"""What a training step keeps on the GPU besides model states: the tensors autograd saves for backward, the loss's
+logits work and the autocast weight copies, counted per decoder layer from the model's real modules.
+
+Modes: "autocast" = the Trainer without DeepSpeed in bf16/fp16 (fp32 weights, so the residual stream and norms stay
+fp32, every matmul casts its input; autocast caches one 16-bit copy of each trainable weight until the forward ends,
+and the matmuls save those copies for backward), "half" = DeepSpeed bf16/fp16 (16-bit weights, fp32 only inside
+the norms), "fp32". Per token and decoder layer, e = 2 (16-bit) or 4 (fp32) bytes, h hidden, q = heads x head_dim,
+i intermediate, s the sequence:
+- each RMS/LayerNorm saves its input upcast to fp32 (4h) and, when its weight trains, its normalised output (the
+  residual dtype: 4h autocast / fp32, 2h half);
+- a trainable linear saves its input: under autocast each linear casts the fp32 norm output anew (q, k and v: three
+  2h copies), otherwise one shared copy; a frozen one saves nothing of its input (only its weight);
+- LoRA on a linear of width n: the dropout mask (1 byte/element on CUDA) + the dropout output in e bytes (without
+  dropout just the input), + e x r for lora_B's input;
+- attention: sdpa with a mask (packed rows or padding; transformers repeats the KV heads then) saves q, k, v and
+  the output (4 e q) and its own 16-bit copy of the mask (e s); eager saves q, k, v (3 e q) and the probabilities
+  twice (fp32 softmax + 16-bit copy: 6 a s; fp32: 4 a s); flash_attention_2 saves q, k, v unrepeated + output;
+- the attention output projection's input (e q) and, gated MLP: gate, act, up outputs (3 e i) + down's input (e i).
+Loss (transformers ForCausalLMLoss): bf16 logits are upcast (.float()), log_softmax keeps its fp32 output; in
+backward nll's gradient, log_softmax's gradient and its saved output are alive together: 12 V bytes per token
+(forward end: 2 + 4 + 4 = 10 V; fp32: 8 V). Gradient checkpointing (non-reentrant) keeps each layer's input
+(r h) and recomputes one layer at a time. Derived from the installed transformers/torch sources, checked against
+the H100 runs in tests/data/calibration (tests/test_estimate_calibration.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["LayerShape", "describe_layers", "step_bytes"]
+
+ATTENTION = ("sdpa", "eager", "flash_attention_2")
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer as the activation count needs it, read from the model built on the meta device."""
+
+    hidden: int
+    q_dim: int
+    kv_dim: int
+    heads: int
+    intermediate: int
+    attn_in: int = 3  # linears reading the attention's input (q, k, v = 3; a fused qkv = 1)
+    mlp_in: int = 2  # linears reading the MLP's input (gate + up = 2)
+    gated: bool = True
+    lora: tuple = ()  # (role, in_features) per LoRA-adapted linear; role: attn_in, attn_out, mlp_in, mlp_out
+    lora_r: int = 0
+    lora_dropout: float = 0.0
+    layer_linear: int = 0  # weight elements of the layer's linears (its autocast copies)
+    linear: int = 0  # weight elements of every linear, tied lm_head included
+    linear_trainable: int = 0
+    lm_head: int = 0
+    lm_head_trainable: bool = True
+    attn_implementation: str = "sdpa"
+
+
+def _linears(module, config_layers: int):
+    """(path, Linear, LoRA wrapper or None) for the first decoder layer, in registration order."""
+    import torch
+
+    layer = next((m[0] for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == config_layers
+                  and config_layers), None)
+    if layer is None:
+        return None, []
+    out = []
+    for path, m in layer.named_modules():
+        if hasattr(m, "base_layer") and hasattr(m, "lora_A"):  # peft's wrapper: one adapted linear
+            out.append((path, m.base_layer, m))
+        elif isinstance(m, torch.nn.Linear) and "lora_" not in path and not path.endswith("base_layer"):
+            out.append((path, m, None))
+    return layer, out
+
+
+def describe_layers(model, config, text) -> LayerShape | None:
+    """The LayerShape of a (meta) model; None when it has no recognisable decoder layers."""
+    import torch
+
+    h, layers = getattr(text, "hidden_size", 0), getattr(text, "num_hidden_layers", 0)
+    heads = getattr(text, "num_attention_heads", 0)
+    if not (h and layers and heads):
+        return None
+    head_dim = getattr(text, "head_dim", None) or h // heads
+    inter = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * h
+    roles = {"attn": [], "mlp": []}
+    first, found = _linears(model, layers)
+    for path, lin, lora in found:
+        roles["attn" if any(k in path for k in ("attn", "attention")) else "mlp"].append((lin, lora))
+    lora = tuple((f"{group}_{'out' if k == len(items) - 1 else 'in'}", lin.in_features)
+                 for group, items in roles.items() for k, (lin, wrap) in enumerate(items) if wrap is not None)
+    lcfg = next(iter(getattr(model, "peft_config", {}).values()), None)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    mlp_in = [lin for lin, _ in roles["mlp"][:-1]]
+    return LayerShape(
+        hidden=h, q_dim=heads * head_dim, heads=heads,
+        kv_dim=(getattr(text, "num_key_value_heads", None) or heads) * head_dim, intermediate=inter,
+        attn_in=max(len(roles["attn"]) - 1, 1), mlp_in=max(len(mlp_in), 1),
+        gated=sum(lin.out_features for lin in mlp_in) >= 2 * inter if mlp_in else True, lora=lora,
+        lora_r=int(getattr(lcfg, "r", 0) or 0), lora_dropout=float(getattr(lcfg, "lora_dropout", 0) or 0),
+        layer_linear=sum(m.weight.numel() for m in first.modules() if isinstance(m, torch.nn.Linear)) if first else 0,
+        linear=sum(m.weight.numel() for m in linears),
+        linear_trainable=sum(m.weight.numel() for m in linears if m.weight.requires_grad),
+        lm_head=head.weight.numel() if head is not None else 0,
+        lm_head_trainable=bool(head is not None and head.weight.requires_grad),
+        attn_implementation=getattr(config, "_attn_implementation", None) or "sdpa")
+
+
+def _layer_bytes(ls: LayerShape, mode: str, seq: int, attn: str, full: bool) -> float:
+    """Bytes one decoder layer saves for backward, per token."""
+    e = 4 if mode == "fp32" else 2  # matmuls and attention
+    r = 2 if mode == "half" else 4  # residual stream and norm outputs
+    h, q, i = ls.hidden, ls.q_dim, ls.intermediate
+
+    def inputs(width: int, role: str, linears: int, low: bool) -> float:
+        """Saved inputs of the linears of one role reading one tensor; `low`: that tensor is already 16-bit."""
+        base = linears if full else 0
+        own_casts = mode == "autocast" and not low  # autocast casts a non-leaf fp32 input once per linear
+        saved = 2 * width * base if own_casts else (e * width if base else 0)
+        shared = bool(base) and not own_casts  # the one shared input is already counted
+        for _ in [n for rl, n in ls.lora if rl == role]:
+            saved += e * ls.lora_r  # lora_B's input
+            if ls.lora_dropout > 0:
+                saved += width + e * width  # bool mask + dropout output (its 16-bit cast under autocast)
+            elif own_casts or not shared:
+                saved, shared = saved + e * width, not own_casts
+        return saved
+
+    norm = 4 * h + (r * h if full else 0)
+    if attn == "eager":
+        core = 3 * e * q + (6 if e == 2 else 4) * ls.heads * seq
+    elif attn == "flash_attention_2":
+        core = e * (2 * q + 2 * ls.kv_dim)
+    else:  # sdpa; flex and others are counted like it
+        core = 4 * e * q + e * seq
+    mlp = (3 if ls.gated else 1) * e * i
+    return (2 * norm + inputs(h, "attn_in", ls.attn_in, False) + core + inputs(q, "attn_out", 1, True)
+            + inputs(h, "mlp_in", ls.mlp_in, False) + mlp + inputs(i, "mlp_out", 1, True))
+
+
+def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, seq: int, checkpointing: bool,
+               attn: str | None = None, full: bool = True) -> dict:
+    """Bytes alive besides model states at each candidate peak of one training step (all tokens of a micro-batch):
+    "backward" (all saved activations + the loss's 12 V per token + autocast copies; with checkpointing the layer
+    inputs instead), and with checkpointing "forward" (the loss forward with every cached autocast copy) and
+    "recompute" (one layer recomputed; the caller adds the gradients accumulated by then)."""
+    attn = attn or ls.attn_implementation
+    tokens = micro * seq
+    e, r = (4, 4) if mode == "fp32" else (2, 2 if mode == "half" else 4)
+    layer = _layer_bytes(ls, mode, seq, attn, full) * tokens
+    head = (4 * ls.hidden + (r * ls.hidden if full else 0) + (e * ls.hidden if ls.lm_head_trainable else 0)) * tokens
+    loss_bwd, loss_fwd = 12 * vocab * tokens, (8 if mode == "fp32" else 10) * vocab * tokens
+    casts = 2 if mode == "autocast" else 0  # bytes per weight element of a 16-bit autocast copy
+    if not checkpointing:
+        return {"backward": layers * layer + head + loss_bwd + casts * ls.linear}
+    kept = layers * r * ls.hidden * tokens  # each layer's input
+    lm_cast = casts * ls.lm_head
+    return {"forward": kept + head + loss_fwd + casts * ls.linear_trainable + (0 if ls.lm_head_trainable else lm_cast),
+            "backward": kept + head + loss_bwd + lm_cast,
+            "recompute": r * ls.hidden * tokens + layer + casts * ls.layer_linear}
