@@ -16,7 +16,7 @@ CONFIG ?= recipes/configs/smollm2_shakespeare.yaml
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-all bench clean
+.PHONY: install train test test-all test-gpu bench clean
 
 install: $(STAMP)
 
@@ -44,6 +44,11 @@ test: install
 # DDP vs ZeRO-1/2/3/offload side by side (time, memory, loss parity, plots) into bench_out/; ~10 min on 2 CPU cores.
 bench: install
 	$(BIN)/hf-zero bench --out bench_out $(ARGS)
+
+# The GPU tests (marker gpu): every profile in bf16 on min(2, GPUs) ranks, estimate vs measured peak, bench, export.
+# Without a GPU every one of them is skipped with the reason.
+test-gpu: install
+	$(BIN)/python -m pytest -m gpu $(PYTEST_ARGS)
 
 # Everything, including the long runs kept out of `make test` (marked slow).
 test-all: install

@@ -3,8 +3,9 @@
 Every strategy runs the real recipe through the real launcher (`accelerate launch`, N ranks). Each rank reports its
 step times, start-up and peak memory (hf_zero.bench_probe) and the bytes it holds in parameters, gradients and
 optimizer state after step 1 (hf_zero.measure); bench adds `hf-zero estimate`'s figure, FLOPs, and the largest loss
-difference against DDP. Then, interleaved A/B/A/B, hf_zero against benchmarks/plain_trainer.py (the same training in
-a plain transformers.Trainer + DeepSpeed script) for the layer's overhead, and one run with sequence packing.
+difference against DDP. Then, interleaved A/B, B/A, ..., hf_zero against benchmarks/plain_trainer.py (the same
+training in a plain transformers.Trainer + DeepSpeed script, checked to be the same) for the layer's overhead, and
+one run with sequence packing switched the other way from the recipe.
 Output in --out: bench.json (everything), bench.csv, bench.md, bench.png (hf_zero.bench_report).
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from .errors import UserError
 
 __all__ = ["add_arguments", "run", "DEFAULT_STRATEGIES", "DEFAULT_BENCH_CONFIG", "PLAIN_SCRIPT", "summarize_run",
-           "model_state_bytes"]
+           "model_state_bytes", "plain_launch_command"]
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BENCH_CONFIG = REPO / "recipes" / "configs" / "bench.yaml"
@@ -45,10 +46,14 @@ def add_arguments(parser) -> None:
                         "(default: the profiles', fp32); loss parity is checked in fp32 only")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of step-time statistics")
     parser.add_argument("--overhead-repeats", type=int, default=3,
-                        help="hf_zero / plain Trainer pairs, interleaved, for the overhead ratios (0: skip)")
+                        help="hf_zero / plain Trainer pairs, interleaved A/B, B/A, ..., for the overhead ratio and its "
+                        "spread (0: skip)")
     parser.add_argument("--overhead-strategy", help="profile for the overhead and packing runs (default: zero2 "
                         "if benchmarked, else the first strategy)")
-    parser.add_argument("--no-packing", action="store_true", help="skip the sequence-packing run")
+    parser.add_argument("--no-packing", action="store_true", help="skip the run with packing switched the other "
+                        "way from the recipe (packed if it does not pack, unpacked if it does)")
+    parser.add_argument("--keep-models", action="store_true", help="let every run write its final model to "
+                        "OUT/runs/*/final (default: none is written)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds before a run is stopped (default 1800)")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile (recorded in the reports)")
 
@@ -121,25 +126,36 @@ def _threads(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
-def _run_hf_zero(profile: str, plan, args, run_dir: Path, measure: bool, packing: bool = False) -> dict:
+def _run_hf_zero(profile: str, plan, args, run_dir: Path, measure: bool, flip_packing: bool = False) -> dict:
+    """One hf_zero run of the bench's recipe; `flip_packing`: with packing switched the other way from the recipe."""
     from .bench_probe import BENCH_ENV
     from .launch import DEFAULT_RECIPE, build_launch_command
 
+    packing = plan.packing != flip_packing
     script_args = ["--config", str(plan.recipe_yaml), "--output_dir", str(run_dir), "--disable_tqdm", "true",
-                   "--fresh_start", "true", *(["--packing", "true"] if packing else []), *args.extra]
+                   "--fresh_start", "true", *args.extra, "--packing", str(packing).lower()]
     cmd, env = build_launch_command(profile, str(DEFAULT_RECIPE), script_args, nproc=args.nproc,
                                     precision=args.precision, main_port=_free_port())
     extra = {BENCH_ENV: "1", **({"HF_ZERO_MEASURE_MEMORY": "1"} if measure else {})}
-    tokens = plan.packed_text_tokens_per_step if packing else plan.text_tokens_per_step
+    tokens = plan.packed_text_tokens_per_step if packing else plan.unpacked_text_tokens_per_step
     return _measure(cmd, _env(_threads(args.nproc), **env, **extra), run_dir, args, tokens, plan.global_batch)
 
 
-def _run_plain(spec: Path, args, run_dir: Path, plan) -> dict:
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(args.nproc),
-           "--num_machines", "1", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-           "--mixed_precision", {"bf16": "bf16", "fp16": "fp16"}.get(args.precision or "", "no"),
-           *(["--multi_gpu"] if args.nproc > 1 else []), str(PLAIN_SCRIPT), "--spec", str(spec),
-           "--output_dir", str(run_dir)]
+def plain_launch_command(profile: str, nproc: int, port: int, spec: Path, run_dir: Path) -> list[str]:
+    """The launcher accelerate itself picks for `profile` (what hf_zero's run goes through): torchrun for DeepSpeed
+    and DDP at any rank count, the plain interpreter for a one-process profile without either. The script takes its
+    precision from the TrainingArguments in the spec, as hf_zero's recipe does."""
+    from .profiles import load_profile
+
+    script = [str(PLAIN_SCRIPT), "--spec", str(spec), "--output_dir", str(run_dir)]
+    if load_profile(profile).distributed_type == "NO" and nproc == 1:
+        return [sys.executable, *script]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(port), *script]
+
+
+def _run_plain(spec: Path, profile: str, args, run_dir: Path, plan) -> dict:
+    cmd = plain_launch_command(profile, args.nproc, _free_port(), spec, run_dir)
     return _measure(cmd, _env(_threads(args.nproc)), run_dir, args, plan.text_tokens_per_step, plan.global_batch)
 
 
@@ -190,6 +206,7 @@ def summarize_run(run_dir: Path, started: float, code: int, warmup: int, tokens_
         "launcher_s": min(p["process_start"] for p in probes) - started,
         "samples_per_s": global_batch / median,
         "tokens_per_s": statistics.median(tokens_per_step[k] / times[k] for k in kept if k < len(tokens_per_step)),
+        "fingerprint": probes[0].get("fingerprint") or {},
         "peak_rss_bytes_by_rank": [p["peak_rss_bytes"] for p in probes],
         "device_peak_bytes_by_rank": [p["device_peak_bytes"] for p in probes],
         "losses": json.loads(summary.read_text())["losses"],
@@ -232,9 +249,36 @@ def model_state_bytes(record: dict, ddp_buckets: int) -> dict:
     return {**parts, "total": total, "total_with_step_temporaries": total - held + record["measured"]["grads"]}
 
 
+def _overhead_pairs(plan, args, overhead: str, out: Path, log) -> list[tuple[dict, dict]]:
+    """hf_zero / plain Trainer pairs, fresh launches in the order A/B, B/A, A/B, ...: a load that drifts on a shared
+    machine, or a first launch that finds cold caches, hits both sides alike."""
+    from . import bench_report
+    from .bench_plan import write_plain_spec
+
+    spec = write_plain_spec(plan, overhead, args.precision, out / "plain")
+    pairs = []
+    for i in range(args.overhead_repeats):
+        def hf(i=i):
+            return _run_hf_zero(overhead, plan, args, out / "runs" / f"overhead_hf_zero_{i + 1}", measure=False)
+
+        def plain(i=i):
+            return _run_plain(spec, overhead, args, out / "runs" / f"overhead_plain_{i + 1}", plan)
+
+        if i % 2 == 0:
+            a = hf()
+            b = plain()
+        else:
+            b = plain()
+            a = hf()
+        pairs.append((a, b))
+        log(bench_report.progress_line(f"hf_zero #{i + 1}", a), flush=True)
+        log(bench_report.progress_line(f"plain #{i + 1}", b), flush=True)
+    return pairs
+
+
 def run(args) -> int:
     from . import bench_report
-    from .bench_plan import build_plan, write_plain_spec
+    from .bench_plan import build_plan
 
     names = _check_args(args)
     extra = [a for a in getattr(args, "extra", []) if a != "--"]
@@ -242,42 +286,35 @@ def run(args) -> int:
     config = args.config or str(DEFAULT_BENCH_CONFIG)
     out = Path(args.out)
     loadavg_start = os.getloadavg()
-    plan = build_plan(config, args.model, args.steps, args.nproc, extra, out, min_steps=args.warmup + 2)
+    plan = build_plan(config, args.model, args.steps, args.nproc, extra, out, min_steps=args.warmup + 2,
+                      keep_models=args.keep_models)
     overhead = args.overhead_strategy or ("zero2" if "zero2" in names else names[0])
     log = print
     log(f"[hf_zero bench] {plan.model}: {plan.count.total_params:,} params, {plan.total_steps} steps x "
-        f"{plan.global_batch} samples ({plan.micro} micro x {plan.accumulation} accum x {args.nproc} ranks); "
-        f"strategies {', '.join(names)}; output in {out}", flush=True)
+        f"{plan.global_batch} {'packed rows' if plan.packing else 'samples'} ({plan.micro} micro x "
+        f"{plan.accumulation} accum x {args.nproc} ranks); strategies {', '.join(names)}; output in {out}", flush=True)
 
     results = {}
-    # The overhead strategy runs last, so that its run opens the hf_zero/plain A/B series (its memory snapshots
-    # fall in step 1, a warm-up step, and cost no measured time): one launch fewer.
-    for name in sorted(names, key=lambda n: n == overhead):
+    for name in names:
         results[name] = _run_hf_zero(name, plan, args, out / "runs" / name, measure=True)
         log(bench_report.progress_line(name, results[name]), flush=True)
 
-    pairs = []
-    if args.overhead_repeats:
-        spec = write_plain_spec(plan, overhead, args.precision, out / "plain")
-        for i in range(args.overhead_repeats):  # A/B/A/B: drifting load on a shared machine hits both alike
-            a = results[overhead] if i == 0 else _run_hf_zero(overhead, plan, args, out / "runs" /
-                                                              f"overhead_hf_zero_{i + 1}", measure=False)
-            b = _run_plain(spec, args, out / "runs" / f"overhead_plain_{i + 1}", plan)
-            pairs.append((a, b))
-            log(bench_report.progress_line(f"hf_zero #{i + 1}", a), flush=True)
-            log(bench_report.progress_line(f"plain #{i + 1}", b), flush=True)
+    pairs = _overhead_pairs(plan, args, overhead, out, log) if args.overhead_repeats else []
 
-    packed = None
+    flipped = None
     if not args.no_packing:
-        packed = _run_hf_zero(overhead, plan, args, out / "runs" / "packing", measure=False, packing=True)
-        log(bench_report.progress_line(f"{overhead} packed", packed), flush=True)
+        flipped = _run_hf_zero(overhead, plan, args, out / "runs" / ("unpacked" if plan.packing else "packing"),
+                               measure=False, flip_packing=True)
+        log(bench_report.progress_line(f"{overhead} {'unpacked' if plan.packing else 'packed'}", flipped), flush=True)
 
     machine = bench_report.machine_info(args.nproc, loadavg_start, args.note)
-    report = bench_report.assemble(plan, args, machine, names, {n: results[n] for n in names}, overhead, pairs,
-                                   packed)
+    report = bench_report.assemble(plan, args, machine, names, results, overhead, pairs, flipped)
     paths = bench_report.write_all(report, out)
     log(bench_report.console_summary(report))
     log(f"[hf_zero bench] wrote {', '.join(str(p) for p in paths)}")
-    failed = [r for r in [*results.values(), *(x for p in pairs for x in p), packed] if r and r["status"] != "ok"]
-    parity = report["checks"].get("loss_parity")
-    return 1 if failed or parity is False else 0
+    failed = [r for r in [*results.values(), *(x for p in pairs for x in p), flipped] if r and r["status"] != "ok"]
+    checks = report["checks"]
+    # fp32 runs of the same training must agree: a difference there is a bug, in hf_zero or in the bench.
+    disagree = checks.get("loss_parity") is False or (
+        report["precision"] == "fp32" and report["plain_trainer"].get("comparable") is False)
+    return 1 if failed or disagree else 0

@@ -89,7 +89,7 @@ def main(argv=None):
     result = trainer.train(resume_from_checkpoint=resume)
 
     # Save: HF-format model (adapter for LoRA) read back and compared with the trained weights; summary.json.
-    final_dir = save_final_model(trainer, ctx.output_dir / "final")
+    final_dir = save_final_model(trainer, ctx.output_dir / "final") if data_args.save_final_model else None
     stages = stage_table(schedule, trainer.state.log_history)
     evals = [h for h in trainer.state.log_history if any(k.startswith("eval_") and k.endswith("_loss") for k in h)]
 
@@ -111,11 +111,12 @@ def main(argv=None):
         "eval_perplexity_before": math.exp(before) if before is not None else None,
         "eval_perplexity_after": math.exp(after) if after is not None else None,
         "resumed_from": resume,
-        "final_dir": str(final_dir),
+        "final_dir": str(final_dir) if final_dir else None,
         "stages": stages,
         "losses": step_losses(trainer.state.log_history),
     }, trainer.state.log_history)
-    main_process_print(f"[hf_zero] done: model in {final_dir}, summary in {ctx.output_dir / 'summary.json'}")
+    model_line = f"model in {final_dir}" if final_dir else "no model written (save_final_model: false)"
+    main_process_print(f"[hf_zero] done: {model_line}, summary in {ctx.output_dir / 'summary.json'}")
 
 
 if __name__ == "__main__":
