@@ -29,6 +29,7 @@ __all__ = ["add_arguments", "run", "DEFAULT_STRATEGIES", "DEFAULT_BENCH_CONFIG",
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BENCH_CONFIG = REPO / "recipes" / "configs" / "bench.yaml"
 PLAIN_SCRIPT = REPO / "benchmarks" / "plain_trainer.py"
+REFERENCE_SCRIPT = REPO / "benchmarks" / "torch_loop.py"
 DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3_offload"
 PARITY_ATOL = 1e-4  # fp32: every strategy's loss within this of DDP's at every step
 ACCEPTS_EXTRA = True  # unknown flags go to the recipe (e.g. --per_device_train_batch_size 4)
@@ -45,9 +46,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="same for every strategy "
                         "(default: the profiles', fp32); loss parity is checked in fp32 only")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of step-time statistics")
-    parser.add_argument("--overhead-repeats", type=int, default=3,
+    parser.add_argument("--overhead-repeats", type=int, default=None,
                         help="hf_zero / plain Trainer pairs, interleaved A/B, B/A, ..., for the overhead ratio and its "
-                        "spread (0: skip)")
+                        "spread (default 3; 0: skip; --preset gpu: 0)")
     parser.add_argument("--overhead-strategy", help="profile for the overhead and packing runs (default: zero2 "
                         "if benchmarked, else the first strategy)")
     parser.add_argument("--no-packing", action="store_true", help="skip the run with packing switched the other "
@@ -56,11 +57,16 @@ def add_arguments(parser) -> None:
                         "OUT/runs/*/final (default: none is written)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds before a run is stopped (default 1800)")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile (recorded in the reports)")
+    from .bench_gpu import add_preset_arguments
+
+    add_preset_arguments(parser)
 
 
 def _check_args(args) -> list[str]:
     from .profiles import list_profiles
 
+    if args.overhead_repeats is None:
+        args.overhead_repeats = 3
     names = [s.strip() for s in str(args.strategies).split(",") if s.strip()]
     known = list_profiles()
     if not names:
@@ -258,25 +264,30 @@ def _overhead_pairs(plan, args, overhead: str, out: Path, log) -> list[tuple[dic
     spec = write_plain_spec(plan, overhead, args.precision, out / "plain")
     pairs = []
     for i in range(args.overhead_repeats):
-        def hf(i=i):
-            return _run_hf_zero(overhead, plan, args, out / "runs" / f"overhead_hf_zero_{i + 1}", measure=False)
-
-        def plain(i=i):
-            return _run_plain(spec, overhead, args, out / "runs" / f"overhead_plain_{i + 1}", plan)
-
-        if i % 2 == 0:
-            a = hf()
-            b = plain()
-        else:
-            b = plain()
-            a = hf()
+        launch = {"hf": lambda: _run_hf_zero(overhead, plan, args, out / "runs" / f"overhead_hf_zero_{i + 1}",
+                                             measure=False),
+                  "plain": lambda: _run_plain(spec, overhead, args, out / "runs" / f"overhead_plain_{i + 1}", plan)}
+        got = {side: launch[side]() for side in (("hf", "plain") if i % 2 == 0 else ("plain", "hf"))}
+        a, b = got["hf"], got["plain"]
         pairs.append((a, b))
         log(bench_report.progress_line(f"hf_zero #{i + 1}", a), flush=True)
         log(bench_report.progress_line(f"plain #{i + 1}", b), flush=True)
     return pairs
 
 
-def run(args) -> int:
+def _run_reference(plan, args, out: Path) -> dict:
+    """The bare PyTorch loop (benchmarks/torch_loop.py) on the same rows, learning rates and precision, one process."""
+    from .bench_plan import write_plain_spec
+
+    spec = write_plain_spec(plan, "single_gpu", args.precision, out / "reference")
+    cmd = [sys.executable, str(REFERENCE_SCRIPT), "--spec", str(spec), "--output_dir", str(out / "runs" / "reference")]
+    return _measure(cmd, _env(_threads(1)), out / "runs" / "reference", args, plan.text_tokens_per_step,
+                    plan.global_batch)
+
+
+def execute(args, reference: bool = False) -> tuple[dict, int]:
+    """Every run of one bench, its report written to --out; (report, exit code). `reference`: also the bare PyTorch
+    loop (GPU preset)."""
     from . import bench_report
     from .bench_plan import build_plan
 
@@ -295,6 +306,9 @@ def run(args) -> int:
         f"{plan.accumulation} accum x {args.nproc} ranks); strategies {', '.join(names)}; output in {out}", flush=True)
 
     results = {}
+    if reference:
+        results["torch_loop"] = _run_reference(plan, args, out)
+        log(bench_report.progress_line("torch loop (reference)", results["torch_loop"]), flush=True)
     for name in names:
         results[name] = _run_hf_zero(name, plan, args, out / "runs" / name, measure=True)
         log(bench_report.progress_line(name, results[name]), flush=True)
@@ -317,4 +331,12 @@ def run(args) -> int:
     # fp32 runs of the same training must agree: a difference there is a bug, in hf_zero or in the bench.
     disagree = checks.get("loss_parity") is False or (
         report["precision"] == "fp32" and report["plain_trainer"].get("comparable") is False)
-    return 1 if failed or disagree else 0
+    return report, 1 if failed or disagree else 0
+
+
+def run(args) -> int:
+    if args.preset:
+        from .bench_gpu import run_preset
+
+        return run_preset(args)
+    return execute(args)[1]

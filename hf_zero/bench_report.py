@@ -10,7 +10,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .bench_compare import TARGETS, loss_agreement, offload_split, overhead
+from .bench_compare import TARGETS, loss_agreement, max_abs_diff, offload_split, overhead
 from .bench_views import mib, table
 
 __all__ = ["machine_info", "assemble", "write_all", "progress_line", "console_summary", "TARGETS"]
@@ -83,6 +83,14 @@ def assemble(plan, args, machine, names, results, overhead_strategy, pairs, flip
                 row["model_state_device_bytes_per_rank"] = max(x["device"] for x in split)
                 row["model_state_host_bytes_per_rank"] = max(x["host"] for x in split)
         rows.append(row)
+    if "torch_loop" in results:  # the GPU preset's bare PyTorch loop: no profile, no engine to measure
+        loop = results["torch_loop"]
+        row = {"name": "torch_loop", **loop, "estimate_device_bytes_per_rank": None, "estimate_host_bytes_per_rank": 0}
+        if loop["status"] == "ok":
+            row["achieved_flops_per_s"] = plan.flops_per_token * loop["tokens_per_s"]
+            row["mfu"] = row["achieved_flops_per_s"] / peak if peak else None
+            row["max_abs_loss_diff_vs_reference"] = max_abs_diff(loop["losses"], ok[ref]["losses"]) if ref else None
+        rows.insert(0, row)
     report = {
         "machine": machine, "nproc": plan.nproc, "precision": precision, "model": plan.model,
         "params": plan.count.total_params, "trainable_params": plan.count.trainable_params,
@@ -94,7 +102,8 @@ def assemble(plan, args, machine, names, results, overhead_strategy, pairs, flip
         "packing_comparison": _packing(plan, overhead_strategy, results.get(overhead_strategy), flipped),
         "targets": TARGETS, "retries": _retries(results, pairs, flipped),
     }
-    report["checks"] = _checks(report, {r["name"]: r for r in rows if r["status"] == "ok"}, precision)
+    report["checks"] = _checks(report, {r["name"]: r for r in rows if r["status"] == "ok" and r["name"] in names},
+                               precision)
     return report
 
 

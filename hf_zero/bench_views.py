@@ -32,7 +32,7 @@ def _cells(r: dict, width: int) -> list[str]:
             mib(r.get("model_state_device_bytes_per_rank")), "-" if not host else mib(host),
             mib(r.get("model_state_peak_bytes_per_rank")),
             f"{mib(r['estimate_device_bytes_per_rank'])} + {mib(r['estimate_host_bytes_per_rank'])}"
-            if r["estimate_host_bytes_per_rank"] else mib(r["estimate_device_bytes_per_rank"]),
+            if r.get("estimate_host_bytes_per_rank") else mib(r.get("estimate_device_bytes_per_rank")),
             "-" if diff is None else f"{diff:.2e}"]
 
 
@@ -97,7 +97,7 @@ def _overhead_line(report) -> str:
 def _notes(report) -> list[str]:
     c, t, pack = report["checks"], report["targets"], report["packing_comparison"]
     ok = {r["name"]: r for r in report["strategies"] if r["status"] == "ok"}
-    sources = "; ".join(sorted({r["estimate_source"] for r in report["strategies"]}))
+    sources = "; ".join(sorted({r["estimate_source"] for r in report["strategies"] if r.get("estimate_source")}))
     out = ["## Targets", "", *_loss_lines(report)]
     if report["nproc"] < 2:
         out.append(f"- At {report['nproc']} rank ZeRO shards nothing (every stage holds all the states, offload "

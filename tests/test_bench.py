@@ -316,6 +316,12 @@ def test_model_state_counts_the_held_gradients_not_the_step_temporaries():
     (["--config", "no/such.yaml"], "--config"),
     (["--config", str(QUICK)], "--steps"),  # its 3 steps leave 1 after the default 2 warm-up steps
     (["--config", str(QUICK), "--learnin_rate", "1"], "--learnin_rate"),
+    (["--preset", "cpu"], "--preset"),
+    (["--preset", "gpu", "--model-config", "no/such/dir"], "--model-config"),
+    (["--preset", "gpu", "--seq-lens", "1024,lots"], "--seq-lens"),
+    (["--preset", "gpu", "--seq-lens", "4"], "--seq-lens"),
+    (["--preset", "gpu", "--micro-batch", "0"], "--micro-batch"),
+    (["--preset", "gpu", "--config", str(QUICK)], "--config"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, field, tmp_path, capsys):
     out = tmp_path / "out"
@@ -323,6 +329,41 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, field, tmp_path, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hf-zero: error: ") and field in err[0], err
     assert not out.exists()
+
+
+@pytest.mark.multiproc
+def test_gpu_preset_writes_its_table_and_falls_back_to_the_cpu(tmp_path):
+    """`hf-zero bench --preset gpu` on a tiny config and one short row length: the bare PyTorch loop and every
+    preset strategy at one rank in bf16, the combined table and each shape's full reports; without a GPU, MFU null."""
+    from hf_zero.bench_compare import FIRST_LOSS_ATOL
+    from hf_zero.bench_gpu import PRESET_STRATEGIES
+    from hf_zero.models import get_model_config
+
+    config = tmp_path / "tiny"
+    get_model_config("tiny-llama").save_pretrained(config)
+    out = tmp_path / "out"
+    proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "bench", "--preset", "gpu", "--model-config", config,
+                    "--seq-lens", "48", "--micro-batch", "2", "--steps", "4", "--warmup", "1", "--out", out],
+                   timeout=1800)
+    summary = json.loads((out / "bench.json").read_text())
+    names = ["torch_loop", *PRESET_STRATEGIES]
+    assert [r["strategy"] for r in summary["table"]] == names and summary["preset"] == "gpu"
+    for r in summary["table"]:
+        assert r["status"] == "ok" and r["seq_len"] == 48 and r["rows"] == 2 and r["tokens_per_s"] > 0
+        assert r["mfu"] is None and r["peak_memory_kind"] == "rss"  # no GPU here: no device peak to divide by
+    by = {r["strategy"]: r for r in summary["table"]}
+    assert by["single_gpu"]["vs_single_gpu"] == 1.0
+    assert by["zero2"]["vs_single_gpu"] == pytest.approx(by["zero2"]["tokens_per_s"] / by["single_gpu"]["tokens_per_s"])
+    md = (out / "bench.md").read_text()
+    assert "| rows x tokens | strategy | s/step | tokens/s | MFU |" in md and "CPU fallback" in md
+    assert md.count("| 2 x 48 |") == len(names)
+    report = json.loads((out / "seq48" / "bench.json").read_text())
+    assert report["precision"] == "bf16" and report["nproc"] == 1 and report["packing"] is True
+    assert report["flops_per_token"] > 0 and (out / "seq48" / "bench.png").is_file()
+    rows = {r["name"]: r for r in report["strategies"]}
+    # The reference loop trains the same rows from the same weights: the first step (no update yet) agrees.
+    assert abs(rows["torch_loop"]["losses"][0] - rows["single_gpu"]["losses"][0]) <= FIRST_LOSS_ATOL["bf16"]
+    assert "wrote" in proc.stdout and not list(out.glob("seq48/runs/*/final"))
 
 
 @pytest.mark.slow

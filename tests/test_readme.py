@@ -68,8 +68,16 @@ def _check_dry_run(proc):
     assert "h100x8.yaml" in line and "--mixed_precision bf16" in line and "HF_ZERO_PROFILE=" in line
 
 
+def _check_test_gpu(proc):
+    from hf_zero.profiles import gpu_count
+
+    if gpu_count() == 0:  # every GPU test skipped, with the reason, and nothing counted as passed
+        assert "no CUDA GPU on this machine" in proc.stdout and " passed" not in proc.stdout, proc.stdout[-2000:]
+
+
 CHECKS = {
     "make train": _check_make_train,
+    "make test-gpu": _check_test_gpu,
     "hf-zero train --profile h100x8 --precision bf16 --config recipes/configs/smollm2_shakespeare.yaml --dry-run":
         _check_dry_run,
 }
