@@ -62,7 +62,8 @@ def main():
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else None
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_rank0.json").write_text(json.dumps({
-        "rank": 0, "world_size": 1, "process_start": psutil.Process().create_time(), "step_begin": begin, "step_end": end,
+        "rank": 0, "world_size": 1, "process_start": psutil.Process().create_time(), "step_begin": begin,
+        "step_end": end,
         "train_end": time.time(), "ddp_bucket_bytes": 0, "device_peak_bytes": peak,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "fingerprint": {"param_dtype": str(next(model.parameters()).dtype),

@@ -12,26 +12,22 @@ Output in --out: bench.json (everything), bench.csv, bench.md, bench.png (hf_zer
 from __future__ import annotations
 
 import os
-import re
-import signal
 import socket
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from .bench_runs import measure_launch, model_state_bytes, root_cause, summarize_run
 from .errors import UserError
 
-__all__ = ["add_arguments", "run", "DEFAULT_STRATEGIES", "DEFAULT_BENCH_CONFIG", "PLAIN_SCRIPT", "summarize_run",
-           "model_state_bytes", "plain_launch_command"]
+# summarize_run, root_cause, model_state_bytes: hf_zero.bench_runs's, re-exported as bench's own.
+__all__ = ["add_arguments", "run", "execute", "DEFAULT_STRATEGIES", "DEFAULT_BENCH_CONFIG", "PLAIN_SCRIPT",
+           "summarize_run", "root_cause", "model_state_bytes", "plain_launch_command"]
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_BENCH_CONFIG = REPO / "recipes" / "configs" / "bench.yaml"
 PLAIN_SCRIPT = REPO / "benchmarks" / "plain_trainer.py"
 REFERENCE_SCRIPT = REPO / "benchmarks" / "torch_loop.py"
 DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3_offload"
-PARITY_ATOL = 1e-4  # fp32: every strategy's loss within this of DDP's at every step
 ACCEPTS_EXTRA = True  # unknown flags go to the recipe (e.g. --per_device_train_batch_size 4)
 
 
@@ -98,27 +94,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(cmd: list[str], env: dict, run_dir: Path, timeout: int) -> tuple[float, int]:
-    """Run one launch to completion; (wall time it started, exit code). Output goes to run_dir/launch.log."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [*run_dir.glob("bench_rank*.json"), *run_dir.glob("memory_rank*.json"), run_dir / "summary.json"]:
-        stale.unlink(missing_ok=True)  # a failed run must not be read as its predecessor's results
-    with open(run_dir / "launch.log", "w") as log:
-        started = time.time()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            return started, proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # the launcher forwards SIGTERM to its workers (killing it would not)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            log.write(f"\n[hf_zero bench] stopped after --timeout {timeout} s\n")
-            return started, -1
-
-
 def _env(threads_per_rank: int, **extra) -> dict:
     """This environment without the switches bench sets per run (a user's export must not leak into the baseline)."""
     switches = ("HF_ZERO_BENCH", "HF_ZERO_MEASURE_MEMORY", "HF_ZERO_PROFILE")
@@ -144,7 +119,7 @@ def _run_hf_zero(profile: str, plan, args, run_dir: Path, measure: bool, flip_pa
                                     precision=args.precision, main_port=_free_port())
     extra = {BENCH_ENV: "1", **({"HF_ZERO_MEASURE_MEMORY": "1"} if measure else {})}
     tokens = plan.packed_text_tokens_per_step if packing else plan.unpacked_text_tokens_per_step
-    return _measure(cmd, _env(_threads(args.nproc), **env, **extra), run_dir, args, tokens, plan.global_batch)
+    return measure_launch(cmd, _env(_threads(args.nproc), **env, **extra), run_dir, args, tokens, plan.global_batch)
 
 
 def plain_launch_command(profile: str, nproc: int, port: int, spec: Path, run_dir: Path) -> list[str]:
@@ -162,97 +137,7 @@ def plain_launch_command(profile: str, nproc: int, port: int, spec: Path, run_di
 
 def _run_plain(spec: Path, profile: str, args, run_dir: Path, plan) -> dict:
     cmd = plain_launch_command(profile, args.nproc, _free_port(), spec, run_dir)
-    return _measure(cmd, _env(_threads(args.nproc)), run_dir, args, plan.text_tokens_per_step, plan.global_batch)
-
-
-def _measure(cmd: list[str], env: dict, run_dir: Path, args, tokens_per_step, global_batch) -> dict:
-    """One launch, summarized; a run that crashed is launched once more, and the first crash is kept in the result.
-
-    A benchmark launches a dozen multi-process jobs in a row; on CPU, gloo's TCP mesh set-up now and then loses a
-    connection. One such crash must not void the other measurements, and must not be hidden either.
-    """
-    started, code = _launch(cmd, env, run_dir, args.timeout)
-    result = summarize_run(run_dir, started, code, args.warmup, tokens_per_step, global_batch)
-    if result["status"] == "ok" or code == -1:  # a timeout would only time out again
-        return result
-    first = result
-    (run_dir / "launch.log").rename(run_dir / "launch.first-attempt.log")
-    started, code = _launch(cmd, env, run_dir, args.timeout)
-    result = summarize_run(run_dir, started, code, args.warmup, tokens_per_step, global_batch)
-    result["retried_after"] = {"exit_code": first["exit_code"], "cause": first["cause"],
-                               "log": str(run_dir / "launch.first-attempt.log")}
-    return result
-
-
-def summarize_run(run_dir: Path, started: float, code: int, warmup: int, tokens_per_step, global_batch) -> dict:
-    """One run's timings, memory and losses from the files its ranks wrote; status "failed" with the log's tail."""
-    import json
-
-    from .measure import read_measurements
-
-    probes = sorted((json.loads(p.read_text()) for p in run_dir.glob("bench_rank*.json")), key=lambda r: r["rank"])
-    summary = run_dir / "summary.json"
-    if code != 0 or not probes or not summary.is_file():
-        lines = (run_dir / "launch.log").read_text(errors="replace").strip().splitlines()
-        return {"status": "failed", "exit_code": code, "log": str(run_dir / "launch.log"),
-                "cause": root_cause(lines), "error": "\n".join(lines[-15:])}
-    begin, end = probes[0]["step_begin"], probes[0]["step_end"]
-    # A step is begin-to-next-begin (forward, backward, optimizer, logging, next batch); the last one ends at its end.
-    times = [b - a for a, b in zip(begin, begin[1:])] + [end[-1] - begin[-1]]
-    kept = list(range(min(warmup, len(times) - 1), len(times)))
-    steady = [times[k] for k in kept]
-    q = statistics.quantiles(steady, n=4) if len(steady) > 1 else [steady[0]] * 3
-    median = statistics.median(steady)
-    out = {
-        "status": "ok", "run_dir": str(run_dir), "steps": len(times), "warmup_steps": kept[0],
-        "step_times_s": [round(t, 5) for t in times], "step_time_median_s": median,
-        "step_time_p25_s": q[0], "step_time_p75_s": q[2], "step_time_min_s": min(steady),
-        "step_time_max_s": max(steady), "startup_s": begin[0] - started, "wall_s": probes[0]["train_end"] - started,
-        # start-up = the launcher starting the workers + a worker's imports and set-up up to its first step
-        "launcher_s": min(p["process_start"] for p in probes) - started,
-        "samples_per_s": global_batch / median,
-        "tokens_per_s": statistics.median(tokens_per_step[k] / times[k] for k in kept if k < len(tokens_per_step)),
-        "fingerprint": probes[0].get("fingerprint") or {},
-        "peak_rss_bytes_by_rank": [p["peak_rss_bytes"] for p in probes],
-        "device_peak_bytes_by_rank": [p["device_peak_bytes"] for p in probes],
-        "losses": json.loads(summary.read_text())["losses"],
-    }
-    out["peak_rss_bytes_per_rank"] = max(out["peak_rss_bytes_by_rank"])
-    device = [b for b in out["device_peak_bytes_by_rank"] if b is not None]
-    # What limits a run: device memory on GPUs, the process's RSS on a CPU machine.
-    out["peak_memory_kind"] = "device" if device else "rss"
-    out["peak_memory_bytes_per_rank"] = max(device) if device else out["peak_rss_bytes_per_rank"]
-    measured = read_measurements(run_dir)
-    if measured:
-        by_rank = [model_state_bytes(m, p.get("ddp_bucket_bytes", 0)) for m, p in zip(measured, probes)]
-        out["model_state_by_rank"] = by_rank
-        out["model_state_bytes_per_rank"] = max(r["total"] for r in by_rank)
-        out["model_state_peak_bytes_per_rank"] = max(r["total_with_step_temporaries"] for r in by_rank)
-    return out
-
-
-def root_cause(lines: list[str]) -> str:
-    """The line that says why a launch failed: a worker's exception, not the launcher's ChildFailedError banner."""
-    for line in reversed(lines):
-        text = line.strip()
-        if re.match(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b.*:", text) and "ChildFailedError" not in text:
-            return text[:300]
-    return next((x.strip()[:300] for x in reversed(lines) if x.strip() and not set(x.strip()) <= set("=-")), "")
-
-
-def model_state_bytes(record: dict, ddp_buckets: int) -> dict:
-    """One rank's model states from hf_zero.measure's snapshots of step 1, counted as the ZeRO paper counts them:
-    parameters and optimizer state after the step, gradients as held through backward (per-parameter gradients,
-    partitions) plus the gradient communication buckets (DDP's are a full second copy). Temporaries of the optimizer
-    step itself (DeepSpeed's flattened fp32 gradient copy, torch Adam's intermediates) are left out for every
-    strategy, as they must be: only DeepSpeed's can be seen. `total_with_step_temporaries` adds DeepSpeed's."""
-    snaps = {k: record.get(k) or {} for k in ("in_backward", "before_step", "after_step")}
-    buckets = max(s.get("buffers", 0) for s in snaps.values()) + ddp_buckets
-    held = max(snaps["in_backward"].get("grads", 0), snaps["after_step"].get("grads", 0))
-    parts = {"params": record["measured"]["params"], "grads": held, "grad_buckets": buckets,
-             "optimizer": record["measured"]["optimizer"]}
-    total = sum(parts.values())
-    return {**parts, "total": total, "total_with_step_temporaries": total - held + record["measured"]["grads"]}
+    return measure_launch(cmd, _env(_threads(args.nproc)), run_dir, args, plan.text_tokens_per_step, plan.global_batch)
 
 
 def _overhead_pairs(plan, args, overhead: str, out: Path, log) -> list[tuple[dict, dict]]:
@@ -281,7 +166,7 @@ def _run_reference(plan, args, out: Path) -> dict:
 
     spec = write_plain_spec(plan, "single_gpu", args.precision, out / "reference")
     cmd = [sys.executable, str(REFERENCE_SCRIPT), "--spec", str(spec), "--output_dir", str(out / "runs" / "reference")]
-    return _measure(cmd, _env(_threads(1)), out / "runs" / "reference", args, plan.text_tokens_per_step,
+    return measure_launch(cmd, _env(_threads(1)), out / "runs" / "reference", args, plan.text_tokens_per_step,
                     plan.global_batch)
 
 

@@ -48,7 +48,8 @@ def machine_info(nproc: int, loadavg_start, note: str = "") -> dict:
 
 def machine_line(m: dict) -> str:
     where = f"{len(m['gpus'])}x {m['gpus'][0]}" if m["gpus"] else f"CPU only, {m['cpu']}, {m['logical_cpus']} cores"
-    return (f"{where}, {m['memory_bytes'] / 2**30:.0f} GiB RAM; {m['ranks']} ranks; torch {m['torch']}, transformers "
+    ranks = f"{m['ranks']} rank{'s' if m['ranks'] != 1 else ''}"
+    return (f"{where}, {m['memory_bytes'] / 2**30:.0f} GiB RAM; {ranks}; torch {m['torch']}, transformers "
             f"{m['transformers']}, accelerate {m['accelerate']}, deepspeed {m['deepspeed']}, peft {m['peft']}")
 
 

@@ -63,7 +63,7 @@ def _loss_lines(report) -> list[str]:
     c, t, agree = report["checks"], report["targets"], report["loss_agreement"]
     if report["precision"] == "fp32":
         return [f"- Loss parity, every strategy within {t['loss_parity_atol']:g} of DDP at every step (fp32): "
-                f"{_yes(c['loss_parity'])}."]
+                f"{_yes(c['loss_parity']) if report['loss_reference'] == 'ddp' else 'not measured (no ddp run)'}."]
     among = agree["zero_max_abs_diff"]
     return [f"- Loss agreement in {report['precision']} (largest per-step difference, column above; not a target): "
             f"ZeRO strategies among themselves {'-' if among is None else f'{among:.2e}'}. ddp/single_gpu keep fp32 "
@@ -83,8 +83,9 @@ def _overhead_line(report) -> str:
     why = f" ({over['verdict_reason']})" if over.get("verdict_reason") else ""
     spread = over["step_time_ratio_spread"]
     return (f"- hf_zero vs a plain Trainer + DeepSpeed script ({over['strategy']}, {over['repeats']} interleaved "
-            f"pairs): step time x{over['step_time_ratio']:.3f}, median of the pair ratios {seq('step_time_ratios', 3)}"
-            f" (spread {'-' if spread is None else f'{spread:.3f}'}); target <= {t['step_time_ratio_max']} with a "
+            f"pair{'s' if over['repeats'] != 1 else ''}): step time x{over['step_time_ratio']:.3f} (median of the "
+            f"pair ratios {seq('step_time_ratios', 3)}; spread {'-' if spread is None else f'{spread:.3f}'}); "
+            f"target <= {t['step_time_ratio_max']} with a "
             f"spread within {t['overhead_spread_max']}: {verdict}{why}. Start-up x{over['startup_ratio']:.3f} "
             f"(target <= {t['startup_ratio_max']}: {_yes(c['startup_ratio_within_target'])}). Median s/step hf_zero "
             f"{seq('hf_zero_step_time_median_s', 3)} vs plain {seq('plain_step_time_median_s', 3)}; start-up s "

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from hf_zero.bench import _env, _measure, model_state_bytes, root_cause, summarize_run
+from hf_zero.bench import _env, model_state_bytes, root_cause, summarize_run
+from hf_zero.bench_runs import measure_launch
 from hf_zero.bench_report import progress_line
 from hf_zero.cli import main
 
@@ -151,7 +152,7 @@ def test_a_baseline_that_trains_something_else_is_not_comparable(bench, tmp_path
     args = type("Args", (), {"timeout": 900, "warmup": 1})()
     run = tmp_path / "plain"
     cmd = plain_launch_command("zero2", 2, free_port(), changed, run)
-    diverged = _measure(cmd, _env(1), run, args, [10] * 3, 4)
+    diverged = measure_launch(cmd, _env(1), run, args, [10] * 3, 4)
     hf = summarize_run(out / "runs" / "overhead_hf_zero_1", 0.0, 0, 1, [10] * 3, 4)
     assert diverged["status"] == hf["status"] == "ok", diverged.get("error")
     assert diverged["losses"][0] == hf["losses"][0] and diverged["losses"][1:] != hf["losses"][1:]
@@ -277,14 +278,14 @@ def test_a_crashed_run_is_launched_once_more_and_the_crash_is_reported(tmp_path)
     run, script = tmp_path / "run", tmp_path / "flaky.py"
     script.write_text(FLAKY_LAUNCH)
     args = type("Args", (), {"timeout": 60, "warmup": 1})()
-    r = _measure([sys.executable, str(script), str(run)], {}, run, args, [10, 10], 4)
+    r = measure_launch([sys.executable, str(script), str(run)], {}, run, args, [10, 10], 4)
     assert r["status"] == "ok" and r["losses"] == [2.0, 1.0]
     assert r["retried_after"]["cause"].startswith("RuntimeError: [../third_party/gloo")
     assert "Connection closed" in (run / "launch.first-attempt.log").read_text()
     assert "launched twice" in progress_line("plain #2", r) and "Connection closed" in progress_line("plain #2", r)
     # A run that crashes every time is still a failure, named by its cause rather than the launcher's banner.
     script.write_text("import sys\nprint('ValueError: bad micro batch')\nprint('=' * 40)\nsys.exit(3)\n")
-    failed = _measure([sys.executable, str(script)], {}, tmp_path / "again", args, [10, 10], 4)
+    failed = measure_launch([sys.executable, str(script)], {}, tmp_path / "again", args, [10, 10], 4)
     assert failed["status"] == "failed" and failed["exit_code"] == 3
     assert failed["cause"] == failed["retried_after"]["cause"] == "ValueError: bad micro batch"
     assert "FAILED (exit 3" in progress_line("zero2", failed) and "bad micro batch" in progress_line("zero2", failed)

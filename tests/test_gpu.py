@@ -138,7 +138,8 @@ def test_bench_compares_like_with_like_on_the_gpu(tmp_path):
         assert all(b > 0 for b in r["device_peak_bytes_by_rank"]) and r["mfu"] is not None and 0 < r["mfu"] < 1
     assert rows["zero3_offload"]["model_state_host_bytes_per_rank"] > 0
     assert rows["zero3"]["model_state_host_bytes_per_rank"] == 0
-    assert rows["zero3_offload"]["model_state_device_bytes_per_rank"] < rows["zero3"]["model_state_device_bytes_per_rank"]
+    device = {n: r["model_state_device_bytes_per_rank"] for n, r in rows.items() if n.startswith("zero3")}
+    assert device["zero3_offload"] < device["zero3"]
     over = report["plain_trainer"]
     assert over["comparable"] is True and over["verdict"] != "not comparable", over.get("verdict_reason")
     assert abs(over["first_step_loss_hf_zero"] - over["first_step_loss_plain"]) <= 1e-3
