@@ -91,6 +91,7 @@ def trained(smol, tmp_path_factory):
     return run
 
 
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("profile", list_profiles())
 def test_every_profile_trains_the_recipe_in_bf16(trained, profile):
     run = trained(profile)
@@ -114,6 +115,7 @@ def _estimate_total(model, profile: str, nproc: int, config) -> int:
     return int(row["gpu_bytes_per_rank"]["total"])
 
 
+@pytest.mark.timeout(1800)  # launches the profile's run when the test above did not
 @pytest.mark.parametrize("profile", list_profiles())
 def test_estimate_is_within_10_percent_of_the_measured_peak(trained, smol, profile):
     run = trained(profile)
@@ -122,6 +124,7 @@ def test_estimate_is_within_10_percent_of_the_measured_peak(trained, smol, profi
     assert abs(estimate - measured) <= ESTIMATE_RTOL * measured, (profile, estimate, measured)
 
 
+@pytest.mark.timeout(3600)  # nine launches; zero3_offload's first builds cpu_adam (~80 s)
 def test_bench_compares_like_with_like_on_the_gpu(tmp_path):
     """The bench on mid-llama in bf16: device memory, MFU, the plain baseline proven the same training (the H100 run
     before the fix had a different first-step loss), device and offloaded bytes apart, no model left behind."""
@@ -150,6 +153,7 @@ def test_bench_compares_like_with_like_on_the_gpu(tmp_path):
     assert not list(out.glob("runs/*/final"))
 
 
+@pytest.mark.timeout(1800)
 def test_zero3_checkpoint_exports_to_a_plain_model(smol, tmp_path):
     """A full fine-tune under ZeRO-3 in bf16 saves sharded checkpoints; `hf-zero export` turns one into a folder
     that plain from_pretrained loads, with the weights the engine gathered at that step."""
