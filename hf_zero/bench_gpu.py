@@ -24,7 +24,7 @@ DATA = "builtin:shakespeare/passages"
 
 
 def add_preset_arguments(parser) -> None:
-    parser.add_argument("--preset", choices=("gpu",), help="gpu: issue 15's one-GPU table (bare PyTorch loop, "
+    parser.add_argument("--preset", choices=("gpu",), help="gpu: the one-GPU speed table (bare PyTorch loop, "
                         "single_gpu, zero2, zero3, zero3_offload; bf16; packed rows) instead of --config/--strategies")
     parser.add_argument("--model-config", help="--preset gpu: folder with the model's config.json (random weights "
                         f"are built from it; default {DEFAULT_MODEL_CONFIG.relative_to(REPO)}, TinyLlama-1.1B's shape)")

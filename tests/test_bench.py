@@ -195,6 +195,20 @@ def test_overhead_verdict_needs_the_same_training_and_a_spread_within_the_target
     assert overhead("zero2", drift, "fp32")["verdict"] == "not comparable"
 
 
+def test_plain_baseline_goes_through_the_launcher_accelerate_picks_for_the_profile(tmp_path):
+    """accelerate runs DeepSpeed and DDP profiles through torchrun even at one process (a plain interpreter there
+    has no process group: DeepSpeed then looks for MPI and the baseline crashed at --nproc 1)."""
+    from hf_zero.bench import PLAIN_SCRIPT, plain_launch_command
+
+    spec, run = tmp_path / "spec.json", tmp_path / "run"
+    single = plain_launch_command("single_gpu", 1, 1234, spec, run)
+    assert single == [sys.executable, str(PLAIN_SCRIPT), "--spec", str(spec), "--output_dir", str(run)]
+    for profile, nproc in (("zero2", 1), ("zero3_offload", 1), ("ddp", 2), ("zero2", 2)):
+        cmd = plain_launch_command(profile, nproc, 1234, spec, run)
+        assert cmd[1:3] == ["-m", "torch.distributed.run"] and cmd[cmd.index("--nproc_per_node") + 1] == str(nproc)
+        assert cmd[cmd.index("--master_port") + 1] == "1234" and cmd[-5:] == single[1:]
+
+
 def test_offloaded_bytes_are_counted_apart_from_the_device():
     from hf_zero.bench_compare import offload_split
 
