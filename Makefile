@@ -16,7 +16,7 @@ CONFIG ?= recipes/configs/smollm2_shakespeare.yaml
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-all bench clean
+.PHONY: install train test test-all test-gpu bench bench-gpu clean
 
 install: $(STAMP)
 
@@ -45,9 +45,19 @@ test: install
 bench: install
 	$(BIN)/hf-zero bench --out bench_out $(ARGS)
 
+# Issue 15's one-GPU table: bare PyTorch loop, single_gpu, zero2, zero3, zero3_offload; llama-1.1B shape, bf16,
+# 8 x 1024 and 8 x 2048 packed tokens; tokens/s and MFU (on a machine without a GPU: the CPU fallback, MFU null).
+bench-gpu: install
+	$(BIN)/hf-zero bench --preset gpu --out bench_gpu_out $(ARGS)
+
+# The GPU tests (marker gpu): every profile in bf16 on min(2, GPUs) ranks, estimate vs measured peak, bench, export.
+# Without a GPU every one of them is skipped with the reason.
+test-gpu: install
+	$(BIN)/python -m pytest -m gpu $(PYTEST_ARGS)
+
 # Everything, including the long runs kept out of `make test` (marked slow).
 test-all: install
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 
 clean:
-	rm -rf runs bench_out .pytest_cache
+	rm -rf runs bench_out bench_gpu_out .pytest_cache

@@ -1,12 +1,14 @@
-"""The same training as hf_zero's recipe, written with nothing but transformers.Trainer + DeepSpeed: the baseline
-`hf-zero bench` measures hf_zero's overhead against. It imports no hf_zero code, on purpose.
+"""The same training as hf_zero's recipe, written with nothing but transformers.Trainer + DeepSpeed (+ peft for LoRA):
+the baseline `hf-zero bench` measures hf_zero's overhead against. It imports no hf_zero code, on purpose.
 
-    accelerate launch --multi_gpu --num_processes 2 benchmarks/plain_trainer.py --spec SPEC.json --output_dir DIR
+    torchrun --nproc_per_node 2 benchmarks/plain_trainer.py --spec SPEC.json --output_dir DIR
 
 SPEC.json (written by `hf-zero bench`) holds what the user of a plain script would have decided for themselves, set
-to exactly what hf_zero used: the model folder, a JSONL of training samples (token ids, in step order), the learning
-rate of every step, the TrainingArguments values, and the path of the DeepSpeed config (the same dict hf_zero hands
-to the Trainer, as JSON). It records the same per-rank timings as hf_zero's bench probe, in the same file format.
+to exactly what hf_zero used: the model folder and its `from_pretrained` arguments (dtype, attention), LoRA's
+settings and the seed, the training rows in step order (packed rows with their position_ids), the learning rate of
+every step, the TrainingArguments values, and the path of the DeepSpeed config (the same dict hf_zero hands to the
+Trainer, as JSON). Written as a competent user would: rows held in memory, no per-step tokenization, one collator.
+It records the same per-rank timings and training fingerprint as hf_zero's bench probe, in the same file format.
 """
 
 import argparse
@@ -17,6 +19,20 @@ import time
 from pathlib import Path
 
 
+def _fingerprint(trainer) -> dict:
+    """What was trained, as the engine holds it after step 1: bench refuses to compare runs that differ here."""
+    import torch
+
+    model = trainer.model_wrapped
+    params = [p for p in model.parameters() if p.requires_grad]
+    state = trainer.accelerator.state
+    return {"param_dtype": str(params[0].dtype) if params else None,
+            "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            "attn_implementation": getattr(trainer.model.config, "_attn_implementation", None),
+            "distributed_type": str(state.distributed_type), "mixed_precision": str(state.mixed_precision),
+            "world_size": state.num_processes, "torch_threads": torch.get_num_threads()}
+
+
 def _callback(output_dir: Path, trainer_ref: list):
     from transformers import TrainerCallback
 
@@ -24,15 +40,18 @@ def _callback(output_dir: Path, trainer_ref: list):
         """Wall time of each step's begin and end, peak memory, DDP's bucket bytes: bench_rank{R}.json."""
 
         def __init__(self):
-            self.begin, self.end, self.buckets = [], [], 0
+            self.begin, self.end, self.buckets, self.fingerprint = [], [], 0, {}
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.begin.append(time.time())
 
         def on_step_end(self, args, state, control, **kwargs):
             self.end.append(time.time())
+            if len(self.end) > 1:
+                return
+            self.fingerprint = _fingerprint(trainer_ref[0])
             get = getattr(trainer_ref[0].model_wrapped, "_get_ddp_logging_data", None)
-            if len(self.end) == 1 and get is not None:
+            if get is not None:
                 data = get()
                 if not int(data.get("gradient_as_bucket_view", 0)):
                     self.buckets = sum(int(b) for b in str(data.get("bucket_sizes", "")).split(",") if b.strip())
@@ -47,11 +66,35 @@ def _callback(output_dir: Path, trainer_ref: list):
                       "process_start": psutil.Process().create_time(), "step_begin": self.begin,
                       "step_end": self.end, "train_end": time.time(), "ddp_bucket_bytes": self.buckets,
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "device_peak_bytes": device}
+                      "device_peak_bytes": device, "fingerprint": self.fingerprint}
             output_dir.mkdir(parents=True, exist_ok=True)
             (output_dir / f"bench_rank{rank}.json").write_text(json.dumps(record))
 
     return StepTimes()
+
+
+def _collate(tokenizer):
+    """Unpacked rows: transformers' seq2seq collator (pads with the pad token, labels with -100, attention mask).
+    Packed rows, whose position_ids restart at every document: stacked without an attention mask and with
+    use_cache=False, so that transformers builds the block-diagonal mask that keeps documents apart."""
+    import torch
+    from transformers import DataCollatorForSeq2Seq
+
+    padded = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True, return_tensors="pt")
+
+    def collate(rows):
+        if "position_ids" not in rows[0]:
+            return padded(rows)
+        width = max(len(r["input_ids"]) for r in rows)
+
+        def stack(key, value):
+            return torch.tensor([r[key] + [value] * (width - len(r[key])) for r in rows])
+
+        positions = [r["position_ids"] + list(range(width - len(r["position_ids"]))) for r in rows]
+        return {"input_ids": stack("input_ids", tokenizer.pad_token_id), "labels": stack("labels", -100),
+                "position_ids": torch.tensor(positions), "use_cache": False}
+
+    return collate
 
 
 def main():
@@ -62,10 +105,8 @@ def main():
     spec = json.loads(Path(cli.spec).read_text())
     output_dir = Path(cli.output_dir)
 
-    import datasets
     import torch
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer,
-                              TrainingArguments)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
     # TrainingArguments first: with a ZeRO-3 config it is what makes from_pretrained build the model under zero.Init.
     args = TrainingArguments(output_dir=str(output_dir), deepspeed=spec["deepspeed_config"],
@@ -78,8 +119,15 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    train = datasets.load_dataset("json", data_files=spec["samples"], split="train")
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    with open(spec["samples"]) as fh:
+        train = [json.loads(line) for line in fh]
+    set_seed(spec["seed"])  # LoRA's initial weights are random
+    load = dict(spec["from_pretrained"], dtype=getattr(torch, spec["from_pretrained"]["dtype"]))
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], **load)
+    if spec["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(**spec["lora"]))
 
     lrs = spec["learning_rates"]
 
@@ -94,8 +142,7 @@ def main():
 
     ref = []
     trainer = PerStepLR(model=model, args=args, train_dataset=train, processing_class=tokenizer,
-                        data_collator=DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True),
-                        callbacks=[_callback(output_dir, ref)])
+                        data_collator=_collate(tokenizer), callbacks=[_callback(output_dir, ref)])
     ref.append(trainer)
     trainer.train()
     if trainer.is_world_process_zero():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .errors import UserError
 
-__all__ = ["BenchPlan", "build_plan", "write_plain_spec", "estimate_bytes", "device_peak_flops"]
+__all__ = ["BenchPlan", "build_plan", "write_plain_spec", "estimate_bytes", "device_peak_flops", "flops_per_token"]
 
 
 @dataclass
@@ -24,13 +24,16 @@ class BenchPlan:
     global_batch: int
     seq_len: int
     learning_rates: list[float]
-    text_tokens_per_step: list[int]
+    packing: bool  # the recipe's own setting: what every strategy run and the plain baseline train
+    text_tokens_per_step: list[int]  # of the rows trained (packed or not, as the recipe says)
+    unpacked_text_tokens_per_step: list[int]
     packed_text_tokens_per_step: list[int]
     padding: dict  # {"unpacked": padding_stats, "packed": padding_stats} over the whole run
     count: object  # hf_zero.memory.ModelCount
     flops_per_token: float
+    model_args: object = field(repr=False, default=None)  # hf_zero.config.ModelArguments
     training_kwargs: dict = field(repr=False, default_factory=dict)
-    samples: list = field(repr=False, default_factory=list)
+    samples: list = field(repr=False, default_factory=list)  # the rows trained, in step order
 
     @property
     def total_steps(self) -> int:
@@ -63,22 +66,25 @@ def _truncate(stages, spans, steps: int | None) -> list[dict]:
 
 
 def build_plan(config: str, model: str | None, steps: int | None, nproc: int, extra: list[str], out: Path,
-               min_steps: int = 1) -> BenchPlan:
+               min_steps: int = 1, keep_models: bool = False) -> BenchPlan:
     """Parse and check the recipe (a UserError before anything is launched or written), fix its steps, lay out its
-    samples."""
+    samples (as the recipe trains them, packed or not, and the other way for the packing comparison)."""
     import yaml
 
     from .config import load_yaml_config, parse_recipe_args, parse_stages
     from .curriculum import build_sample_order, build_schedule
     from .data import load_stage_data
     from .memory import count_model
+    from .modeling import lora_kwargs
     from .models import get_model_config, get_tokenizer, resolve_model_path
     from .packing import padding_stats, real_tokens
     from .reconcile import plan_batch
 
     raw = load_yaml_config(config)
     # A benchmark measures training: evaluation and checkpoints would land inside the timed steps.
-    forced = {"eval_samples": 0, "save_strategy": "no", **({"model_name_or_path": model} if model else {})}
+    # Final models only when asked: four 1.1B runs would leave 13 GB behind.
+    forced = {"eval_samples": 0, "save_strategy": "no", **({} if keep_models else {"save_final_model": False}),
+              **({"model_name_or_path": model} if model else {})}
     argv = ["--config", config, *extra, *[x for k, v in forced.items() for x in (f"--{k}", str(v))]]
     model_args, data_args, stages, kwargs, _ = parse_recipe_args(_recipe_types(), argv)
     if not stages:
@@ -87,7 +93,8 @@ def build_plan(config: str, model: str | None, steps: int | None, nproc: int, ex
     batch = plan_batch(int(kwargs["per_device_train_batch_size"]), int(kwargs["gradient_accumulation_steps"]), nproc,
                        data_args.global_batch_size)
     seed = int(kwargs["seed"])
-    data = [load_stage_data(s, tokenizer, data_args.max_seq_length, data_args.text_field, 0, seed) for s in stages]
+    data = [load_stage_data(s, tokenizer, data_args.max_seq_length, data_args.text_field, 0, seed,
+                            packing=data_args.packing) for s in stages]
     full = build_schedule(stages, [d.pool_size for d in data], batch.global_batch, kwargs["learning_rate"])
     if (steps or full.total_steps) < min_steps:
         raise UserError("--steps", f"the recipe has {full.total_steps} steps, fewer than {min_steps} (warm-up + 2)",
@@ -102,9 +109,12 @@ def build_plan(config: str, model: str | None, steps: int | None, nproc: int, ex
                                    [s.weights for s in stages], seed)
         return [sources_per_stage[st][src][int(i)] for st, src, i in order]
 
-    samples = lay_out([d.sources for d in data])
-    packed = lay_out([load_stage_data(s, tokenizer, data_args.max_seq_length, data_args.text_field, 0, seed,
-                                      packing=True).sources for s in stages])  # as the recipe packs them
+    def other_layout():
+        return lay_out([load_stage_data(s, tokenizer, data_args.max_seq_length, data_args.text_field, 0, seed,
+                                        packing=not data_args.packing).sources for s in stages])
+
+    trained = lay_out([d.sources for d in data])
+    unpacked, packed = (other_layout(), trained) if data_args.packing else (trained, other_layout())
     lengths = [s.max_seq_length or data_args.max_seq_length for s in stages]
     g = batch.global_batch
 
@@ -118,37 +128,45 @@ def build_plan(config: str, model: str | None, steps: int | None, nproc: int, ex
                            f"checkpoints.\n# Launch: hf-zero train --config {recipe_yaml}\n\n"
                            + yaml.safe_dump(derived, sort_keys=False))
     config_obj = get_model_config(model_args.model_name_or_path)
-    lora = {"r": model_args.lora_r, "target_modules": model_args.lora_target_modules} if model_args.use_peft else None
-    count = count_model(config_obj, lora=lora)
+    count = count_model(config_obj, lora=lora_kwargs(model_args, "CAUSAL_LM") if model_args.use_peft else None)
+    seq_len = max(lengths)
     return BenchPlan(
         recipe_yaml=recipe_yaml, model=model_args.model_name_or_path,
         model_path=resolve_model_path(model_args.model_name_or_path), nproc=nproc, micro=batch.micro,
-        accumulation=batch.accumulation, global_batch=g, seq_len=max(lengths),
-        learning_rates=[schedule.lr_at(k) for k in range(schedule.total_steps)],
-        text_tokens_per_step=per_step(samples), packed_text_tokens_per_step=per_step(packed),
-        padding={"unpacked": padding_stats(samples, batch.micro), "packed": padding_stats(packed, batch.micro)},
-        count=count, flops_per_token=_flops_per_token(count, config_obj), training_kwargs=kwargs, samples=samples)
+        accumulation=batch.accumulation, global_batch=g, seq_len=seq_len,
+        learning_rates=[schedule.lr_at(k) for k in range(schedule.total_steps)], packing=bool(data_args.packing),
+        text_tokens_per_step=per_step(trained),
+        unpacked_text_tokens_per_step=per_step(unpacked), packed_text_tokens_per_step=per_step(packed),
+        padding={"unpacked": padding_stats(unpacked, batch.micro), "packed": padding_stats(packed, batch.micro)},
+        count=count, flops_per_token=flops_per_token(count, config_obj, seq_len), model_args=model_args,
+        training_kwargs=kwargs, samples=trained)
 
 
-def _flops_per_token(count, config) -> float:
-    """Forward 2 x matmul params, backward 2 x for input gradients plus 2 x trainable for weight gradients (6N for
-    full fine-tuning, less for LoRA). The input embedding is a lookup, not a matmul: left out unless it is tied to
-    the output layer. Attention's score/value products are left out too (small at these lengths)."""
+def flops_per_token(count, config, seq_len: int) -> float:
+    """Model FLOPs per trained token, 6N + 12·L·h·s as in PaLM's MFU (Chowdhery et al. 2022, appendix B): forward
+    2 x matmul params, backward 2 x for input gradients plus 2 x trainable for weight gradients (6N for full
+    fine-tuning, less for LoRA), and attention's score and value products over rows of s tokens (forward and backward
+    alike for LoRA: nothing in them is trainable). The input embedding is a lookup, not a matmul: left out unless it
+    is tied to the output layer."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     embed = 0 if getattr(text, "tie_word_embeddings", False) else \
         int(getattr(text, "vocab_size", 0) or 0) * int(getattr(text, "hidden_size", 0) or 0)
     matmul = count.total_params - embed
     trainable = count.trainable_params - (embed if count.trainable_params == count.total_params else 0)
-    return float(4 * matmul + 2 * trainable)
+    return float(4 * matmul + 2 * trainable + 12 * count.num_layers * count.hidden_size * seq_len)
 
 
 def write_plain_spec(plan: BenchPlan, profile_name: str, precision: str | None, folder: Path) -> Path:
-    """spec.json, samples.jsonl and ds_config.json for benchmarks/plain_trainer.py: TrainingArguments exactly as
-    hf_zero reconciles them for `profile_name` (only the values that differ from transformers' defaults)."""
+    """spec.json, samples.jsonl and ds_config.json for benchmarks/plain_trainer.py: the training hf_zero runs for
+    `profile_name`, spelled out for a script that imports no hf_zero code: TrainingArguments exactly as hf_zero
+    reconciles them (only the values that differ from transformers' defaults), the model's `from_pretrained` arguments
+    (dtype, attention), LoRA's settings, the seed it is built under, and the rows of every step as hf_zero's
+    collator receives them (packed rows with their position_ids)."""
     import dataclasses
 
     from transformers import TrainingArguments
 
+    from .modeling import causal_lm_load_kwargs, lora_kwargs
     from .profiles import gpu_count, load_profile
     from .reconcile import reconcile_training_kwargs
 
@@ -164,34 +182,38 @@ def write_plain_spec(plan: BenchPlan, profile_name: str, precision: str | None, 
     training_args = {k: v for k, v in kwargs.items()
                      if k in defaults and k != "output_dir" and v != defaults[k]}
     folder.mkdir(parents=True, exist_ok=True)
+    keys = ("input_ids", "labels", "position_ids")
     with open(folder / "samples.jsonl", "w") as fh:
         for s in plan.samples:
-            fh.write(json.dumps({"input_ids": s["input_ids"], "labels": s["labels"]}) + "\n")
+            fh.write(json.dumps({k: s[k] for k in keys if k in s}) + "\n")
     ds_path = None
     if ds:
         ds_path = folder / "ds_config.json"
         ds_path.write_text(json.dumps(ds, indent=2))
+    load = causal_lm_load_kwargs(plan.model_args)
+    load["dtype"] = str(load["dtype"]).removeprefix("torch.")
     spec = {"model": plan.model_path, "samples": str(folder / "samples.jsonl"), "learning_rates": plan.learning_rates,
-            "training_args": training_args, "deepspeed_config": str(ds_path) if ds_path else None}
+            "training_args": training_args, "deepspeed_config": str(ds_path) if ds_path else None,
+            "from_pretrained": load, "seed": int(plan.training_kwargs["seed"]), "packing": plan.packing,
+            "lora": lora_kwargs(plan.model_args, "CAUSAL_LM") if plan.model_args.use_peft else None}
     path = folder / "spec.json"
     path.write_text(json.dumps(spec, indent=2, default=str))
     return path
 
 
-def estimate_bytes(plan: BenchPlan, profile_name: str, precision: str) -> tuple[int, str]:
+def estimate_bytes(plan: BenchPlan, profile_name: str, precision: str) -> dict:
     """`hf-zero estimate`'s model states per rank for this profile (params, grads, optimizer, gathered layer and the
-    communication buffers, as bench measures them), wherever they live (device + offloaded, both host memory on a
-    CPU machine), and the estimate's source."""
+    communication buffers, as bench measures them): {"device", "host" (offloaded, per rank), "source"}."""
     from .estimate_cli import _strategy_of
     from .memory import estimate
 
     (strategy,), _ = _strategy_of(profile_name)
     e = estimate(plan.count, strategy, world_size=plan.nproc, gpus_per_node=plan.nproc, precision=precision,
                  micro_batch=plan.micro, seq_len=plan.seq_len, additional_buffer_factor=1.0)
-    total = e["gpu_bytes_per_rank"]["model_states"] + e["gpu_bytes_per_rank"]["buffers"]
-    if "offload" in strategy:  # the states moved to host RAM, per rank (no load-time buffer factor)
-        total += e["cpu_bytes_per_node"] // plan.nproc
-    return int(total), e["source"]
+    device = e["gpu_bytes_per_rank"]["model_states"] + e["gpu_bytes_per_rank"]["buffers"]
+    # the states moved to host RAM, per rank (no load-time buffer factor)
+    host = e["cpu_bytes_per_node"] // plan.nproc if "offload" in strategy else 0
+    return {"device": int(device), "host": int(host), "source": e["source"]}
 
 
 # Dense peak FLOP/s per device (vendor data sheets), by precision; tf32 tensor cores for fp32 where they exist.

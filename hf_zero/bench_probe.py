@@ -16,7 +16,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-__all__ = ["BENCH_ENV", "bench_requested", "BenchProbeCallback", "ddp_bucket_bytes", "peak_memory"]
+__all__ = ["BENCH_ENV", "bench_requested", "BenchProbeCallback", "ddp_bucket_bytes", "peak_memory",
+           "training_fingerprint"]
 
 BENCH_ENV = "HF_ZERO_BENCH"
 
@@ -36,6 +37,21 @@ def ddp_bucket_bytes(wrapped) -> int:
     return sum(int(b) for b in str(data.get("bucket_sizes", "")).split(",") if b.strip())
 
 
+def training_fingerprint(trainer) -> dict:
+    """What was trained, as the engine holds it after step 1 (weights' dtype, trainable count, attention, precision,
+    launcher's world and threads): `hf-zero bench` refuses to compare an hf_zero run with a baseline that differs here.
+    benchmarks/plain_trainer.py computes the same dict with its own copy (it imports no hf_zero code)."""
+    import torch
+
+    params = [p for p in trainer.model_wrapped.parameters() if p.requires_grad]
+    state = trainer.accelerator.state
+    return {"param_dtype": str(params[0].dtype) if params else None,
+            "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+            "attn_implementation": getattr(trainer.model.config, "_attn_implementation", None),
+            "distributed_type": str(state.distributed_type), "mixed_precision": str(state.mixed_precision),
+            "world_size": state.num_processes, "torch_threads": torch.get_num_threads()}
+
+
 def peak_memory() -> dict:
     import resource
 
@@ -50,7 +66,7 @@ def peak_memory() -> dict:
 class BenchProbeCallback(TrainerCallback):
     def __init__(self, output_dir, trainer=None):
         self.output_dir, self.trainer = Path(output_dir), trainer
-        self.begin, self.end, self.buckets = [], [], 0
+        self.begin, self.end, self.buckets, self.fingerprint = [], [], 0, {}
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.begin.append(time.time())
@@ -59,6 +75,7 @@ class BenchProbeCallback(TrainerCallback):
         self.end.append(time.time())
         if len(self.end) == 1 and self.trainer is not None:
             self.buckets = ddp_bucket_bytes(self.trainer.model_wrapped)
+            self.fingerprint = training_fingerprint(self.trainer)
 
     def on_train_end(self, args, state, control, **kwargs):
         rank = int(os.environ.get("RANK", "0"))
@@ -66,7 +83,8 @@ class BenchProbeCallback(TrainerCallback):
 
         record = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
                   "process_start": psutil.Process().create_time(), "step_begin": self.begin,
-                  "step_end": self.end, "train_end": time.time(), "ddp_bucket_bytes": self.buckets, **peak_memory()}
+                  "step_end": self.end, "train_end": time.time(), "ddp_bucket_bytes": self.buckets, **peak_memory(),
+                  "fingerprint": self.fingerprint}
         self.output_dir.mkdir(parents=True, exist_ok=True)
         path = self.output_dir / f"bench_rank{rank}.json"
         tmp = path.with_suffix(".json.tmp")

@@ -62,6 +62,11 @@ class CurriculumArguments:
         metadata={"help": "Pack each stage's documents whole into rows of max_seq_length tokens (less padding); "
                           "document boundaries are kept (positions restart, no attention or loss across them)."},
     )
+    save_final_model: bool = field(
+        default=True,
+        metadata={"help": "Write the trained model (or LoRA adapter) to output_dir/final and verify it; false for "
+                          "benchmarks and sweeps that only need the logs."},
+    )
     measure_memory: bool = field(
         default=False,
         metadata={"help": "Write the parameter/gradient/optimizer bytes each rank holds at step 1 to "

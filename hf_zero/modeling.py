@@ -5,7 +5,19 @@ from __future__ import annotations
 from .config import ModelArguments
 from .models import get_model_config, resolve_model_path
 
-__all__ = ["build_causal_lm", "apply_lora", "count_parameters", "is_zero3_partitioned"]
+__all__ = ["build_causal_lm", "causal_lm_load_kwargs", "apply_lora", "lora_kwargs", "count_parameters",
+           "is_zero3_partitioned"]
+
+
+def causal_lm_load_kwargs(model_args: ModelArguments) -> dict:
+    """`from_pretrained` keyword arguments of every causal LM hf_zero trains (the bench's plain baseline loads its model
+    with exactly these): fp32 weights, and the attention implementation only when the recipe names one."""
+    import torch
+
+    kwargs = {"dtype": torch.float32}
+    if model_args.attn_implementation:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    return kwargs
 
 
 def build_causal_lm(model_args: ModelArguments, tokenizer):
@@ -14,12 +26,9 @@ def build_causal_lm(model_args: ModelArguments, tokenizer):
     TrainingArguments must already exist: its DeepSpeed config is what makes transformers wrap construction in
     `deepspeed.zero.Init` under ZeRO-3 (pain-points #8).
     """
-    import torch
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": torch.float32}
-    if model_args.attn_implementation:
-        kwargs["attn_implementation"] = model_args.attn_implementation
+    kwargs = causal_lm_load_kwargs(model_args)
     path = resolve_model_path(model_args.model_name_or_path)
     vocab = getattr(get_model_config(path), "vocab_size", None)
     if vocab is not None and len(tokenizer) > vocab:
@@ -36,18 +45,18 @@ def build_causal_lm(model_args: ModelArguments, tokenizer):
     return model
 
 
+def lora_kwargs(model_args: ModelArguments, task_type: str | None,
+                modules_to_save: list[str] | None = None) -> dict:
+    """peft `LoraConfig` arguments from the recipe (JSON-serialisable: the bench's plain baseline reads them)."""
+    return {"r": model_args.lora_r, "lora_alpha": model_args.lora_alpha, "lora_dropout": model_args.lora_dropout,
+            "target_modules": model_args.lora_target_modules, "task_type": task_type,
+            "modules_to_save": modules_to_save}
+
+
 def apply_lora(model, model_args: ModelArguments, task_type: str, modules_to_save: list[str] | None = None):
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(
-        r=model_args.lora_r,
-        lora_alpha=model_args.lora_alpha,
-        lora_dropout=model_args.lora_dropout,
-        target_modules=model_args.lora_target_modules,
-        task_type=task_type,
-        modules_to_save=modules_to_save,
-    )
-    model = get_peft_model(model, config)
+    model = get_peft_model(model, LoraConfig(**lora_kwargs(model_args, task_type, modules_to_save)))
     # peft records the folder the weights were read from (for offline models a path in this machine's cache); the
     # adapter names the model as the user did, so it loads wherever that name resolves (the resolved path is in
     # summary.json and each checkpoint's hf_zero_checkpoint.json).

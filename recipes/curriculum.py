@@ -95,7 +95,7 @@ def main(argv=None):
     raise_if_interrupted(trainer)
 
     # Save: HF-format model (adapter for LoRA) read back and compared with the trained weights; summary.json.
-    final_dir = save_final_model(trainer, ctx.output_dir / "final")
+    final_dir = save_final_model(trainer, ctx.output_dir / "final") if data_args.save_final_model else None
     stages = stage_table(schedule, trainer.state.log_history)
     before, after = eval_means(trainer.state.log_history, list(eval_sets))  # over every stage's held-out set
     summary = write_summary(ctx, {
@@ -112,13 +112,14 @@ def main(argv=None):
         "eval_perplexity_before": math.exp(before) if before is not None else None,
         "eval_perplexity_after": math.exp(after) if after is not None else None,
         "resumed_from": resume,
-        "final_dir": str(final_dir),
+        "final_dir": str(final_dir) if final_dir else None,
         "stages": stages,
         "losses": step_losses(trainer.state.log_history),
     }, trainer.state.log_history)
     result_words = f"eval loss {before:.4f} -> {after:.4f} (perplexity {math.exp(before):,.1f} -> " \
         f"{math.exp(after):,.1f}), mean over {len(eval_sets)} stages' held-out sets; " if before and after else ""
-    main_process_print(f"[hf_zero] done: {result_words}model in {final_dir}, summary in {summary}")
+    model_line = f"model in {final_dir}" if final_dir else "no model written (save_final_model: false)"
+    main_process_print(f"[hf_zero] done: {result_words}{model_line}, summary in {summary}")
 
 
 if __name__ == "__main__":

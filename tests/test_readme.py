@@ -99,8 +99,16 @@ def _check_estimate_recipe(proc):
         "hf-zero train --profile single_gpu --nproc 1 --config recipes/configs/smollm2_shakespeare.yaml"
 
 
+def _check_test_gpu(proc):
+    from hf_zero.profiles import gpu_count
+
+    if gpu_count() == 0:  # every GPU test skipped, with the reason, and nothing counted as passed
+        assert "no CUDA GPU on this machine" in proc.stdout and " passed" not in proc.stdout, proc.stdout[-2000:]
+
+
 CHECKS = {
     "make train": _check_make_train,
+    "make test-gpu": _check_test_gpu,
     "hf-zero train --profile h100x8 --precision bf16 --config recipes/configs/smollm2_shakespeare.yaml --dry-run":
         _check_dry_run,
     "hf-zero estimate --config recipes/configs/smollm2_shakespeare.yaml --gpus-per-node 1 --gpu-memory 24GiB":
