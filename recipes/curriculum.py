@@ -72,6 +72,7 @@ def main(argv=None):
         data_collator=build_collator(tokenizer, packing=data_args.packing),
         processing_class=tokenizer,
         schedule=schedule,
+        fused_cross_entropy=data_args.fused_cross_entropy,
     )
     from hf_zero.measure import MemoryMeasureCallback, measure_requested
 
@@ -82,6 +83,7 @@ def main(argv=None):
     if bench_requested():  # step times, start-up and peak memory per rank, for `hf-zero bench`
         trainer.add_callback(BenchProbeCallback(ctx.output_dir, trainer))
     print_banner(ctx, trainable, total)
+    main_process_print(f"[hf_zero] cross-entropy: {trainer.fused_ce_status}")
     main_process_print("[hf_zero] stages: " + " | ".join(
         f"{r['stage']}: steps {r['first_step']}-{r['last_step']} lr {r['lr']:g}" for r in schedule.table()))
 
