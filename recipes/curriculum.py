@@ -60,7 +60,7 @@ def main(argv=None):
     args.eval_on_start = bool(eval_sets)  # the "before" eval loss, measured with the real engine
 
     # Model: under ZeRO-3 built with zero.Init; LoRA through peft.
-    model = build_causal_lm(model_args, tokenizer)
+    model = build_causal_lm(model_args, tokenizer, packing=data_args.packing, half=args.bf16 or args.fp16)
     trainable, total = count_parameters(model)
     partitioned = is_zero3_partitioned(model)
 
@@ -69,7 +69,7 @@ def main(argv=None):
         args=args,
         train_dataset=train_dataset,
         eval_dataset=eval_sets or None,
-        data_collator=build_collator(tokenizer, packing=data_args.packing),
+        data_collator=build_collator(tokenizer, packing=data_args.packing, model=model),
         processing_class=tokenizer,
         schedule=schedule,
         fused_cross_entropy=data_args.fused_cross_entropy,

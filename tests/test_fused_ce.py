@@ -204,3 +204,22 @@ def test_large_vocabulary_peak_memory_is_a_fraction_of_the_standard_path():
     logits = standard["logits_bytes"]
     assert standard["peak_bytes"] >= 2 * logits  # the fp32 logits and their log-softmax at least
     assert fused["peak_bytes"] <= 0.25 * standard["peak_bytes"]
+
+
+@pytest.mark.multiproc
+def test_zero3_two_ranks_same_losses_with_and_without(tmp_path):
+    """Under ZeRO-3 the lm_head weight is a partition outside its module's call; the loss is computed inside that
+    call, so DeepSpeed gathers it there (and again for backward). With gradient accumulation, so the token count of
+    the whole accumulated batch on both ranks (num_items_in_batch) sets the normalisation."""
+    from conftest import launch_recipe, read_summary
+
+    losses = {}
+    for mode in ("true", "false"):
+        proc = launch_recipe("zero3", tmp_path / mode, "--fused_cross_entropy", mode, "--gradient_accumulation_steps",
+                             "2", nproc=2)
+        assert ("cross-entropy: on" in proc.stdout) == (mode == "true")
+        s = read_summary(tmp_path / mode)
+        assert (s["zero_stage"], s["world_size"], s["grad_accum"]) == (3, 2, 2)
+        losses[mode] = s["losses"]
+    assert len(losses["true"]) == len(losses["false"]) == 15
+    torch.testing.assert_close(torch.tensor(losses["true"]), torch.tensor(losses["false"]), atol=1e-5, rtol=0)
