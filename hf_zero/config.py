@@ -72,6 +72,19 @@ class CurriculumArguments:
         metadata={"help": "Write the parameter/gradient/optimizer bytes each rank holds at step 1 to "
                           "output_dir/memory_rank{R}.json (also HF_ZERO_MEASURE_MEMORY=1)."},
     )
+    fused_cross_entropy: str | bool = field(
+        default="auto",
+        metadata={"help": "Training loss without the full logits (chunks of tokens; Liger's kernel on CUDA when "
+                          "installed): auto = on for models where it is exact, true = on or an error, false = off."},
+    )
+
+    def __post_init__(self):
+        # A YAML gives a bool or "auto"; a flag gives a string.
+        value = self.fused_cross_entropy
+        mode = {"true": True, "false": False, "auto": "auto"}.get(value.lower()) if isinstance(value, str) else value
+        if mode not in ("auto", True, False):
+            raise UserError("fused_cross_entropy", f"{value!r} is not auto, true or false", "e.g. fused_cross_entropy: auto")
+        self.fused_cross_entropy = mode
 
 
 @dataclass

@@ -98,14 +98,18 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
     return StageData(sources, held_out)
 
 
-def build_collator(tokenizer, packing: bool = False):
+def build_collator(tokenizer, packing: bool = False, model=None):
     """Pads input_ids with the pad token and labels with -100, so padding never counts in the loss; packed rows
-    keep their position_ids and get no attention_mask (see hf_zero.packing)."""
+    keep their position_ids and get no attention_mask, and for a model using flash attention they are flattened
+    into one row of documents for its varlen path (see hf_zero.packing)."""
     from transformers import DataCollatorForSeq2Seq
 
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True, return_tensors="pt")
     if packing:
+        from transformers.utils.generic import is_flash_attention_requested
+
         from .packing import PackedCollator
 
-        return PackedCollator(collator, tokenizer.pad_token_id)
+        varlen = model is not None and is_flash_attention_requested(config=model.config)
+        return PackedCollator(collator, tokenizer.pad_token_id, varlen=varlen)
     return collator

@@ -5,30 +5,48 @@ from __future__ import annotations
 from .config import ModelArguments
 from .models import get_model_config, resolve_model_path
 
-__all__ = ["build_causal_lm", "causal_lm_load_kwargs", "apply_lora", "lora_kwargs", "count_parameters",
-           "is_zero3_partitioned"]
+__all__ = ["build_causal_lm", "causal_lm_load_kwargs", "pick_attention", "apply_lora", "lora_kwargs",
+           "count_parameters", "is_zero3_partitioned"]
 
 
-def causal_lm_load_kwargs(model_args: ModelArguments) -> dict:
+def causal_lm_load_kwargs(model_args: ModelArguments, packing: bool = False, half: bool = False) -> dict:
     """`from_pretrained` keyword arguments of every causal LM hf_zero trains (the bench's plain baseline loads its model
-    with exactly these): fp32 weights, and the attention implementation only when the recipe names one."""
+    with exactly these): fp32 weights, and the attention implementation from `pick_attention`."""
     import torch
 
     kwargs = {"dtype": torch.float32}
-    if model_args.attn_implementation:
-        kwargs["attn_implementation"] = model_args.attn_implementation
+    attention = pick_attention(model_args, packing, half)
+    if attention:
+        kwargs["attn_implementation"] = attention
     return kwargs
 
 
-def build_causal_lm(model_args: ModelArguments, tokenizer):
-    """A causal LM in fp32 (DeepSpeed casts to the profile's precision itself).
+def pick_attention(model_args: ModelArguments, packing: bool, half: bool) -> str | None:
+    """The recipe's attention implementation; if it names none, flash_attention_2 for packed rows on a GPU in bf16
+    or fp16 with flash-attn installed (packed rows then take its varlen path instead of a materialised block mask,
+    which keeps sdpa off its flash kernel); else the model's default. Flash attention has no fp32 kernel."""
+    if model_args.attn_implementation or not (packing and half):
+        return model_args.attn_implementation
+    import torch
+    from transformers.utils import is_flash_attn_2_available
+
+    if not (torch.cuda.is_available() and is_flash_attn_2_available()):
+        return None
+    from .run import main_process_print
+
+    main_process_print("[hf_zero] attention: flash_attention_2 (found flash-attn; packed rows take its varlen path)")
+    return "flash_attention_2"
+
+
+def build_causal_lm(model_args: ModelArguments, tokenizer, packing: bool = False, half: bool = False):
+    """A causal LM in fp32 (DeepSpeed casts to the profile's precision itself, the Trainer autocasts to `half`).
 
     TrainingArguments must already exist: its DeepSpeed config is what makes transformers wrap construction in
     `deepspeed.zero.Init` under ZeRO-3 (pain-points #8).
     """
     from transformers import AutoModelForCausalLM
 
-    kwargs = causal_lm_load_kwargs(model_args)
+    kwargs = causal_lm_load_kwargs(model_args, packing, half)
     path = resolve_model_path(model_args.model_name_or_path)
     vocab = getattr(get_model_config(path), "vocab_size", None)
     if vocab is not None and len(tokenizer) > vocab:

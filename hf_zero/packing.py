@@ -9,13 +9,19 @@ context in the second row, which changes what the model is trained on. Boundarie
   even in training, which silently turns the detection off: the collator passes use_cache=False with every batch;
 - the label of every document's first token is -100: in a row it would be predicted from the previous document.
 tests/test_packing.py proves it: per-token losses of a packed row equal those of its documents run one by one.
+
+With flash attention (`attn_implementation: flash_attention_2`, or hub flash kernels) there is no mask at all: the
+rows of a micro-batch become one row of their documents, padding dropped, and the documents' cumulative lengths
+(`cu_seq_lens_*`, as transformers' DataCollatorWithFlattening writes them) send attention down flash's varlen path.
+It must be one row: transformers reads packing from position_ids only for a batch of one, so rows stacked as they
+are would let flash attend across documents.
 """
 
 from __future__ import annotations
 
 import bisect
 
-__all__ = ["pack_documents", "PackedCollator", "padding_stats", "real_tokens"]
+__all__ = ["pack_documents", "PackedCollator", "padding_stats", "real_tokens", "documents_of"]
 
 IGNORE = -100
 
@@ -63,18 +69,33 @@ def real_tokens(sample: dict) -> int:
     return int(sample.get("real_tokens", len(sample["input_ids"])))
 
 
+def documents_of(row: dict) -> list[dict]:
+    """The documents of a packed row (input_ids, labels), where its position_ids restart; padding dropped."""
+    used, pos = real_tokens(row), row["position_ids"]
+    starts = [i for i in range(used) if pos[i] == 0] + [used]
+    return [{"input_ids": row["input_ids"][a:b], "labels": row["labels"][a:b]} for a, b in zip(starts, starts[1:])]
+
+
 class PackedCollator:
     """Packed rows are stacked as they are, with use_cache=False and without an attention_mask (either would switch
-    off transformers' packed-sequence detection); unpacked samples (e.g. held-out eval samples) go to `fallback`."""
+    off transformers' packed-sequence detection); with `varlen` (flash attention) they are flattened into one row
+    with its documents' boundaries instead. Unpacked samples (e.g. held-out eval samples) go to `fallback`."""
 
-    def __init__(self, fallback, pad_id: int):
+    def __init__(self, fallback, pad_id: int, varlen: bool = False):
         self.fallback, self.pad_id = fallback, pad_id
+        self.flatten = None
+        if varlen:
+            from transformers import DataCollatorWithFlattening
+
+            self.flatten = DataCollatorWithFlattening(return_flash_attn_kwargs=True, separator_id=IGNORE)
 
     def __call__(self, features: list[dict]) -> dict:
         import torch
 
         if "position_ids" not in features[0]:
             return self.fallback(features)
+        if self.flatten is not None:
+            return {**self.flatten([doc for f in features for doc in documents_of(f)]), "use_cache": False}
         width = max(len(f["input_ids"]) for f in features)  # rows of one stage share a length; be safe anyway
 
         def padded(key, value):

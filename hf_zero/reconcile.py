@@ -62,9 +62,10 @@ def _profile_precision(profile: Profile, kwargs: dict) -> dict:
 
 
 def reconcile_training_kwargs(
-    kwargs: dict, profile: Profile, world: int, has_gpu: bool, global_batch: int | None
+    kwargs: dict, profile: Profile, world: int, has_gpu: bool, global_batch: int | None, model_args=None
 ) -> tuple[dict, BatchPlan]:
-    """Return TrainingArguments kwargs that agree with the profile, and the checked batch plan."""
+    """Return TrainingArguments kwargs that agree with the profile, and the checked batch plan. `model_args` (the
+    recipe's model and LoRA fields) sizes ZeRO-3's gather settings."""
     out = dict(kwargs)
     out.update(_profile_precision(profile, kwargs))
     if not has_gpu:
@@ -88,9 +89,53 @@ def reconcile_training_kwargs(
         if out.get("deepspeed"):
             raise UserError("deepspeed", "the recipe sets a DeepSpeed config but the profile already owns it",
                             "remove `deepspeed` from the recipe and pick the profile instead")
-        out["deepspeed"] = build_deepspeed_config(profile, on_cpu=not has_gpu)
+        shape = _model_shape(model_args) if profile.zero_stage == 3 else {}
+        out["deepspeed"] = build_deepspeed_config(profile, on_cpu=not has_gpu, **shape)
+    _liger_kernels(out, has_gpu)
     if out.get("gradient_checkpointing"):
         # Reentrant checkpointing breaks with LoRA under ZeRO-3 (recomputed gathered shapes differ,
         # transformers#47254) and needs input grads with frozen embeddings; non-reentrant works everywhere.
         out["gradient_checkpointing_kwargs"] = {"use_reentrant": False, **(out.get("gradient_checkpointing_kwargs") or {})}
     return out, plan
+
+
+def _model_shape(model_args) -> dict:
+    """The model's config and the modules LoRA will adapt (peft's defaults for the model type when not named;
+    unknown: any linear), for `zero3_speed_settings`."""
+    if model_args is None or not getattr(model_args, "model_name_or_path", None):
+        return {}
+    from .models import get_model_config
+
+    config = get_model_config(model_args.model_name_or_path)
+    targets = None
+    if getattr(model_args, "use_peft", False):
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        targets = model_args.lora_target_modules or DEFAULTS.get(config.model_type) or ["all-linear"]
+    return {"model_config": config, "lora_targets": targets}
+
+
+def _liger_kernels(out: dict, has_gpu: bool) -> None:
+    """`use_liger_kernel` (Liger's Triton RMSNorm, SwiGLU and RoPE) runs where it can: on CPU the recipe runs
+    without it (one line), on a GPU without liger-kernel it is an error. The loss stays hf_zero's
+    (`fused_cross_entropy`, Liger's kernel on CUDA too, but called inside the lm_head's own forward where ZeRO-3 has
+    gathered the weight); Liger's own fused loss reads the weight outside it and would see an empty partition."""
+    if not out.get("use_liger_kernel"):
+        return
+    config = dict(out.get("liger_kernel_config") or {})
+    for key in ("fused_linear_cross_entropy", "cross_entropy"):
+        if config.get(key):
+            raise UserError(f"liger_kernel_config.{key}", "hf_zero computes the loss itself (fused_cross_entropy, "
+                            "with Liger's kernel on CUDA)", f"remove {key} from liger_kernel_config")
+    if not has_gpu:
+        from .run import main_process_print
+
+        out["use_liger_kernel"] = False
+        main_process_print("[hf_zero] use_liger_kernel: Liger's kernels need a CUDA GPU; running without them here")
+        return
+    from transformers.utils import is_liger_kernel_available
+
+    if not is_liger_kernel_available():
+        raise UserError("use_liger_kernel", "liger-kernel is not installed",
+                        "pip install liger-kernel (or hf_zero[gpu]), or set use_liger_kernel: false")
+    out["liger_kernel_config"] = {**config, "fused_linear_cross_entropy": False, "cross_entropy": False}

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .profiles import Profile, gpu_count, profile_from_env
+from .profiles import Profile, gpu_count, one_rank_note, profile_from_env
 from .reconcile import BatchPlan, reconcile_training_kwargs
 
 __all__ = ["RunContext", "setup_run", "print_banner", "write_summary", "main_process_print"]
@@ -59,6 +59,7 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     kwargs, plan = reconcile_training_kwargs(
         training_kwargs, profile, world, has_gpu=gpu_count() > 0,
         global_batch=getattr(curriculum, "global_batch_size", None),
+        model_args=next((a for a in parsed if hasattr(a, "model_name_or_path")), None),
     )
     from .preflight import check_launch_at_start, check_room_at_start
 
@@ -138,6 +139,7 @@ def print_banner(ctx: RunContext, trainable: int, total: int) -> None:
         "=" * 72,
         f"hf_zero | profile {p.name} | {'DeepSpeed ZeRO-' + str(p.zero_stage) if p.uses_deepspeed else p.distributed_type}",
         f"  offload: optimizer={p.offload_optimizer} params={p.offload_param} | precision: {p.precision}",
+        *one_rank_note(p, ctx.plan.world),
         f"  world size {ctx.plan.world} | ranks -> devices: {', '.join(f'{i}:{d}' for i, d in enumerate(devices))}",
         f"  batch: {ctx.plan.line()}",
         f"  parameters: {trainable:,} trainable / {total:,} total ({100 * trainable / max(total, 1):.2f}%)",

@@ -1,5 +1,5 @@
 """`CurriculumTrainer`: a thin `transformers.Trainer` subclass. Public hooks only: the scheduler follows the
-curriculum, logs carry the stage index and eval perplexity."""
+curriculum, logs carry the stage index and eval perplexity, the causal-LM loss skips the full logits (fused_ce.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ from transformers import Trainer
 
 from .checkpoint_saving import SafeCheckpointMixin
 from .curriculum import CurriculumCallback, CurriculumSchedule
+from .fused_ce import FusedCrossEntropyMixin
 
 __all__ = ["CurriculumTrainer", "stage_table", "step_losses", "eval_rounds", "eval_means"]
 
 
-class CurriculumTrainer(SafeCheckpointMixin, Trainer):
+class CurriculumTrainer(FusedCrossEntropyMixin, SafeCheckpointMixin, Trainer):
+    # FusedCrossEntropyMixin: compute_loss without full logits, `fused_cross_entropy=` auto|True|False (fused_ce.py).
     # SafeCheckpointMixin: staged, verified checkpoints with a manifest, rotation keeping the best (checkpoints.py).
     def __init__(self, *args, schedule: CurriculumSchedule, **kwargs):
         from transformers import PrinterCallback, ProgressCallback

@@ -63,7 +63,7 @@ def main(argv=None):
     args.eval_on_start = bool(eval_sets)  # the "before" eval loss, measured with the real engine
 
     # Model: under ZeRO-3 built with zero.Init; LoRA through peft.
-    model = build_causal_lm(model_args, tokenizer)
+    model = build_causal_lm(model_args, tokenizer, packing=data_args.packing, half=args.bf16 or args.fp16)
     trainable, total = count_parameters(model)
     partitioned = is_zero3_partitioned(model)
 
@@ -72,9 +72,10 @@ def main(argv=None):
         args=args,
         train_dataset=train_dataset,
         eval_dataset=eval_sets or None,
-        data_collator=build_collator(tokenizer, packing=data_args.packing),
+        data_collator=build_collator(tokenizer, packing=data_args.packing, model=model),
         processing_class=tokenizer,
         schedule=schedule,
+        fused_cross_entropy=data_args.fused_cross_entropy,
     )
     from hf_zero.measure import MemoryMeasureCallback, measure_requested
 
@@ -85,6 +86,7 @@ def main(argv=None):
     if bench_requested():  # step times, start-up and peak memory per rank, for `hf-zero bench`
         trainer.add_callback(BenchProbeCallback(ctx.output_dir, trainer))
     print_banner(ctx, trainable, total)
+    main_process_print(f"[hf_zero] cross-entropy: {trainer.fused_ce_status}")
     main_process_print("[hf_zero] stages: " + " | ".join(
         f"{r['stage']}: steps {r['first_step']}-{r['last_step']} lr {r['lr']:g}" for r in schedule.table()))
 

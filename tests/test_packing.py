@@ -160,3 +160,83 @@ def test_recipe_trains_with_packing(tmp_path):
     s = read_summary(out)
     assert len(s["losses"]) == s["total_steps"] == 15 and all(math.isfinite(x) for x in s["losses"])
     assert s["eval_loss_after"] < s["eval_loss_before"]
+
+
+# --- flash attention: one flattened row, no mask, the varlen path ------------------------------------------------------
+
+def test_varlen_collator_flattens_the_documents_of_every_row(tiny_docs):
+    """For flash attention the micro-batch's rows become one row of their documents: no padding, no attention mask,
+    positions restarting per document and the documents' cumulative lengths for flash's varlen kernel."""
+    docs, pad = tiny_docs
+    rows = pack_documents(docs, 128, pad)[:3]
+    batch = PackedCollator(None, pad, varlen=True)(rows)
+    assert set(batch) == {"input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                          "max_length_k", "use_cache"} and batch["use_cache"] is False
+    segments = [seg for row in rows for seg in _segments(row)]
+    lengths = [len(s) for s in segments]
+    total = sum(real_tokens(r) for r in rows)
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["position_ids"].shape == (1, total)
+    assert batch["input_ids"][0].tolist() == [t for s in segments for t in s]
+    assert batch["position_ids"][0].tolist() == [i for n in lengths for i in range(n)]
+    assert batch["cu_seq_lens_q"].tolist() == batch["cu_seq_lens_k"].tolist() == [sum(lengths[:i]) for i in
+                                                                                   range(len(lengths) + 1)]
+    assert batch["cu_seq_lens_q"].dtype == torch.int32 and batch["max_length_q"] == max(lengths)
+    # the first token of every document is no target; every other token is
+    assert batch["labels"][0].tolist() == [IGNORE if i == 0 else t for s in segments for i, t in enumerate(s)]
+    # the same targets as the stacked rows: the loss is normalised over the same tokens
+    stacked = PackedCollator(None, pad)(rows)
+    assert int((batch["labels"] != IGNORE).sum()) == int((stacked["labels"] != IGNORE).sum())
+
+
+def test_the_collator_flattens_for_flash_attention_only():
+    from types import SimpleNamespace
+
+    from hf_zero.data import build_collator
+    from hf_zero.models import get_tokenizer
+
+    tok = get_tokenizer("tiny-llama")
+    for attn, flat in (("sdpa", False), ("eager", False), ("flash_attention_2", True),
+                       ("kernels-community/flash-attn2", True)):
+        model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn))
+        assert (build_collator(tok, packing=True, model=model).flatten is not None) == flat, attn
+
+
+def _flat_losses_equal_documents_alone(model, docs, pad, atol):
+    rows = pack_documents(docs, 128, pad)
+    batch = PackedCollator(None, pad, varlen=True)(rows)
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    with torch.no_grad():
+        flat = _per_token(model(**batch).logits[:, :-1].float(), batch["labels"][:, 1:])[0]
+        offset = 0
+        for seg in [s for row in rows for s in _segments(row)]:
+            alone = model(input_ids=torch.tensor([seg], device=device)).logits.float()
+            want = _per_token(alone[:, :-1], torch.tensor([seg[1:]], device=device))[0]
+            torch.testing.assert_close(flat[offset:offset + len(seg) - 1], want, atol=atol, rtol=0)
+            offset += len(seg)
+    assert offset == batch["input_ids"].shape[1]
+
+
+def test_flattened_row_losses_equal_documents_alone_on_cpu(tiny_docs):
+    """The flattened layout itself, on CPU: sdpa reads the restarting positions of a one-row batch (and ignores the
+    flash kwargs), so every token's loss equals its document's run alone."""
+    docs, pad = tiny_docs
+    _flat_losses_equal_documents_alone(_model("sdpa"), docs, pad, atol=1e-5)
+
+
+def _flash_available() -> bool:
+    from transformers.utils import is_flash_attn_2_available
+
+    return torch.cuda.is_available() and is_flash_attn_2_available()
+
+
+@pytest.mark.skipif(not _flash_available(), reason="flash varlen path: needs a CUDA GPU with flash-attn installed")
+def test_flash_varlen_losses_equal_documents_alone(tiny_docs):
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero.models import get_tiny_llama_path
+
+    docs, pad = tiny_docs
+    model = AutoModelForCausalLM.from_pretrained(get_tiny_llama_path(), attn_implementation="flash_attention_2",
+                                                 dtype=torch.bfloat16).cuda().train()
+    _flat_losses_equal_documents_alone(model, docs, pad, atol=2e-2)  # bf16: flash has no fp32 kernel

@@ -46,11 +46,12 @@ def test_profile_loads_and_is_documented(name):
         assert ds["train_batch_size"] == ds["gradient_accumulation_steps"] == "auto"
 
 
-def test_zero3_on_cpu_removes_reuse_stall_and_offload_sections():
+def test_zero3_without_a_model_removes_reuse_stall_and_has_offload_sections():
     z3 = build_deepspeed_config(load_profile("zero3_offload"), on_cpu=True)["zero_optimization"]
     assert z3["stage3_max_reuse_distance"] == 0
     assert z3["offload_optimizer"]["device"] == "cpu" and z3["offload_param"]["device"] == "cpu"
-    assert "stage3_max_reuse_distance" not in build_deepspeed_config(load_profile("zero3"), on_cpu=False)["zero_optimization"]
+    # the reuse walk is Python work, the same on a GPU machine (model-sized settings: tests/test_speed.py)
+    assert build_deepspeed_config(load_profile("zero3"), on_cpu=False)["zero_optimization"]["stage3_max_reuse_distance"] == 0
 
 
 def test_nvme_path_comes_from_env(monkeypatch):
