@@ -25,6 +25,7 @@ def main(argv=None):
 
     from transformers import set_seed
 
+    from hf_zero.chat import FormatOptions
     from hf_zero.curriculum import CurriculumDataset, build_sample_order, build_schedule
     from hf_zero.data import build_collator, load_stage_data
     from hf_zero.modeling import build_causal_lm, count_parameters, is_zero3_partitioned
@@ -47,7 +48,7 @@ def main(argv=None):
     tokenizer = get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)
     stage_data = [
         load_stage_data(s, tokenizer, data_args.max_seq_length, data_args.text_field, data_args.eval_samples, args.seed,
-                        packing=data_args.packing)
+                        packing=data_args.packing, formats=FormatOptions.from_args(data_args))
         for s in ctx.stages
     ]
     schedule = build_schedule(ctx.stages, [d.pool_size for d in stage_data], ctx.plan.global_batch, args.learning_rate)
