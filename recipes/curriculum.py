@@ -82,6 +82,11 @@ def main(argv=None):
 
     if bench_requested():  # step times, start-up and peak memory per rank, for `hf-zero bench`
         trainer.add_callback(BenchProbeCallback(ctx.output_dir, trainer))
+    from hf_zero.samples import SampleCallback, exact_match_summary
+
+    prompts = {i: d.eval_prompts[: data_args.sample_prompts] for i, d in enumerate(stage_data) if d.eval_prompts}
+    if data_args.sample_prompts > 0 and prompts:  # held-out prompts answered at the start and at each stage end
+        trainer.add_callback(SampleCallback(trainer, schedule, prompts, ctx.output_dir, data_args.sample_max_new_tokens))
     print_banner(ctx, trainable, total)
     main_process_print("[hf_zero] stages: " + " | ".join(
         f"{r['stage']}: steps {r['first_step']}-{r['last_step']} lr {r['lr']:g}" for r in schedule.table()))
@@ -111,6 +116,7 @@ def main(argv=None):
         "eval_loss_after": after,
         "eval_perplexity_before": math.exp(before) if before is not None else None,
         "eval_perplexity_after": math.exp(after) if after is not None else None,
+        **exact_match_summary(trainer.state.log_history),
         "resumed_from": resume,
         "final_dir": str(final_dir),
         "stages": stages,
