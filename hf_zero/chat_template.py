@@ -85,8 +85,18 @@ def grow_embeddings(model, tokenizer, vocab_size: int | None) -> bool:
     """Resize the embeddings for tokens a template added (ZeRO-3 aware: transformers gathers the shards)."""
     if not added_template_tokens(tokenizer) or vocab_size is None or len(tokenizer) <= vocab_size:
         return False
-    # mean_resizing samples new rows from the old rows' statistics; every rank holds the same RNG state here.
     model.resize_token_embeddings(len(tokenizer))
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        # transformers builds the resized layers whole on every rank; partition them again (rank 0's values are
+        # broadcast first), so no rank keeps a full embedding matrix. mem_efficient_linear would patch F.linear for
+        # good: an Init used on a module is never exited.
+        import deepspeed
+        from transformers.integrations.deepspeed import deepspeed_config
+
+        for layer in {id(m): m for m in (model.get_input_embeddings(), model.get_output_embeddings())}.values():
+            deepspeed.zero.Init(module=layer, config_dict_or_path=deepspeed_config(), mem_efficient_linear=False)
     return True
 
 
