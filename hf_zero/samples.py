@@ -64,7 +64,10 @@ class SampleCallback(_callback_base()):
         if state.is_world_process_zero:
             self._write(rows, state.global_step, span.name)
         if scored:
+            # Trainer.log clears control.should_log, which would drop this step's own loss log: keep it.
+            control, keep = self.trainer.control, self.trainer.control.should_log
             self.trainer.log({f"samples_{span.name}_exact_match": sum(scored) / len(scored)})
+            control.should_log = self.trainer.control.should_log = keep
 
     def _write(self, rows: list[dict], step: int, stage: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
