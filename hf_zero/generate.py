@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .errors import UserError
 
-__all__ = ["add_arguments", "run", "load_for_generation", "generate_answers", "exact_match"]
+__all__ = ["add_arguments", "run", "load_for_generation", "generate_answers", "exact_match", "contains"]
 
 
 def add_arguments(parser) -> None:
@@ -87,6 +87,12 @@ def _normal(text: str) -> str:
 def exact_match(answer: str, reference: str) -> bool:
     """Equal after case, surrounding quotes and final punctuation are set aside ("Hamlet." matches "hamlet")."""
     return _normal(answer) == _normal(reference)
+
+
+def contains(answer: str, reference: str) -> bool:
+    """The reference appears in the answer (same normalisation), e.g. 'It is from "Hamlet".' for Hamlet."""
+    words = re.sub(r"[\"“”.,;:!?()]", " ", answer)
+    return f" {_normal(reference)} " in f" {_normal(words)} "
 
 
 def run(args) -> int:

@@ -1,6 +1,7 @@
 """What training did, in words: before the first step and at each stage end, the model answers a few held-out prompts
 of the stage (greedy, `sample_max_new_tokens` at most). The answers go to `samples.jsonl` and TensorBoard (text), and
-their exact match with the data's reference answers is logged as `samples_<stage>_exact_match`.
+their exact match with the data's reference answers is logged as `samples_<stage>_exact_match` (and how often the
+answer contains the reference at all, `samples_<stage>_contains_reference`).
 
 The prompts are shared out across ranks and the answers gathered on every rank. When the weights are sharded
 (ZeRO-3, FSDP) every forward pass is collective, so generation runs with `synced_gpus=True`: a rank that has
@@ -36,7 +37,7 @@ class SampleCallback(_callback_base()):
         import torch.distributed as dist
         from transformers.integrations import is_deepspeed_zero3_enabled
 
-        from .generate import exact_match, generate_answers
+        from .generate import contains, exact_match, generate_answers
 
         prompts = self.prompts.get(span.index) or []
         if not prompts:
@@ -59,14 +60,17 @@ class SampleCallback(_callback_base()):
                    "answer": answer, "reference": p["reference"]}
             if p["reference"] is not None:
                 row["exact_match"] = exact_match(answer, p["reference"])
+                row["contains_reference"] = contains(answer, p["reference"])  # right, if not in the asked-for form
             rows.append(row)
         scored = [r["exact_match"] for r in rows if "exact_match" in r]
+        named = [r["contains_reference"] for r in rows if "exact_match" in r]
         if state.is_world_process_zero:
             self._write(rows, state.global_step, span.name)
         if scored:
             # Trainer.log clears control.should_log, which would drop this step's own loss log: keep it.
             control, keep = self.trainer.control, self.trainer.control.should_log
-            self.trainer.log({f"samples_{span.name}_exact_match": sum(scored) / len(scored)})
+            self.trainer.log({f"samples_{span.name}_exact_match": sum(scored) / len(scored),
+                              f"samples_{span.name}_contains_reference": sum(named) / len(named)})
             control.should_log = self.trainer.control.should_log = keep
 
     def _write(self, rows: list[dict], step: int, stage: str) -> None:

@@ -220,3 +220,17 @@ def test_bad_row_names_file_and_row(tmp_path, bad, words):
     line = err.value.line()
     assert line.startswith(f"stages[s].data[0]: {path} row 3: ") and words in line, line
     assert "\n" not in line
+
+
+@pytest.mark.parametrize("answer,reference,exact,contained", [
+    ("Hamlet", "Hamlet", True, True),
+    ("hamlet.", "Hamlet", True, True),
+    ('"The Tempest"', "The Tempest", True, True),
+    ('This is from "The Merchant of Venice" by', "The Merchant of Venice", False, True),
+    ("Hamletish", "Hamlet", False, False),
+    ("Macbeth", "Hamlet", False, False),
+])
+def test_exact_match_and_contains(answer, reference, exact, contained):
+    from hf_zero.generate import contains, exact_match
+
+    assert (exact_match(answer, reference), contains(answer, reference)) == (exact, contained)
