@@ -10,7 +10,7 @@ import pytest
 
 from hf_zero.cli import main
 
-from conftest import RECIPE, launch_recipe, read_summary, run_cmd
+from conftest import RECIPE, REPO, launch_recipe, read_summary, run_cmd
 
 REPLY = "I am a tiny model."
 
@@ -150,3 +150,31 @@ def test_bad_chat_row_stops_recipe_and_check(tmp_path, capsys):
     assert main(["check", "--profile", "zero2", "--config", str(config)]) == 2
     fail = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("FAIL data:")]
     assert len(fail) == 1 and want in fail[0]
+
+
+@pytest.mark.multiproc
+def test_chat_demo_config_on_the_tiny_model(tmp_path):
+    """recipes/configs/smollm2_chat.yaml as `make train CONFIG=...` runs it (hf-zero train: the cpu profile, 2 ranks),
+    with the tiny model and 3 steps instead of SmolLM2 and the full run (the README's slow test runs that)."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "recipes" / "configs" / "smollm2_chat.yaml").read_text())
+    out = tmp_path / "run"
+    config.update(model_name_or_path="tiny-llama", max_seq_length=512, eval_samples=8, sample_prompts=4,
+                  output_dir=str(out))
+    config["stages"][0]["steps"] = 3
+    path = tmp_path / "smollm2_chat.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "train", "--config", path, "--disable_tqdm", "true"])
+    s = read_summary(out)
+    assert (s["profile"], s["world_size"], s["use_peft"], s["total_steps"]) == ("cpu", 2, True, 3)
+    assert 0 <= s["exact_match_before"] <= 1 and 0 <= s["exact_match_after"] <= 1
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["when"]) for r in rows] == [(0, "start")] * 4 + [(3, "end")] * 4
+    # the held-out questions are the eval_data file's, answered by plays' titles
+    from hf_zero.assets import WHICH_PLAY_TITLES
+
+    titles = set(WHICH_PLAY_TITLES.values())
+    assert all(r["reference"] in titles and r["question"].endswith("Answer with the title only.") for r in rows)
+    assert (out / "final" / "chat_template.jinja").is_file() and (out / "final" / "adapter_model.safetensors").is_file()
+    assert "stage 1/1 'which_play' starts at step 1" in proc.stdout
