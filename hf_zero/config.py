@@ -47,6 +47,34 @@ class CurriculumArguments:
 
     max_seq_length: int = field(default=128, metadata={"help": "Tokens per sample unless a stage sets its own."})
     text_field: str = field(default="text", metadata={"help": "Column holding the text in every data file."})
+    dataset_format: str = field(
+        default="auto",
+        metadata={"help": "auto (from the columns), text, prompt_completion or conversational (TRL's formats)."},
+    )
+    prompt_field: str = field(default="prompt", metadata={"help": "Column holding the prompt (string or messages)."})
+    completion_field: str = field(
+        default="completion", metadata={"help": "Column holding the completion (string or messages)."}
+    )
+    messages_field: str = field(
+        default="messages", metadata={"help": "Column holding a conversation: a list of {role, content} messages."}
+    )
+    assistant_only_loss: bool = field(
+        default=True, metadata={"help": "Conversations: loss on the assistant replies only (false: every token)."}
+    )
+    completion_only_loss: bool = field(
+        default=True, metadata={"help": "Prompt/completion data: loss on the completion only (false: every token)."}
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={"help": "A .jinja file, `chatml`, or a model whose template to use; default: the tokenizer's own, "
+                          "else ChatML. Saved with the model or adapter."},
+    )
+    sample_prompts: int = field(
+        default=4,
+        metadata={"help": "Held-out prompts answered (greedy) at the start and at each stage end, logged to "
+                          "samples.jsonl and TensorBoard with exact match (0: none)."},
+    )
+    sample_max_new_tokens: int = field(default=32, metadata={"help": "Longest generated answer, in tokens."})
     eval_samples: int = field(
         default=32, metadata={"help": "Samples held out per stage for per-stage eval loss/perplexity (0: none)."}
     )
@@ -105,10 +133,16 @@ class Stage:
     lr_schedule: str = field(default="cosine", metadata={"help": "Decay within the stage: cosine, linear or constant."})
     min_lr_ratio: float = field(default=0.1, metadata={"help": "LR at the end of the stage, as a fraction of its peak."})
     max_seq_length: int | None = field(default=None, metadata={"help": "Tokens per sample in this stage."})
+    eval_data: list[str] | None = field(
+        default=None, metadata={"help": "Held-out data of the stage (its first eval_samples rows) instead of a slice "
+                                        "of `data`."}
+    )
 
     def __post_init__(self):
         if isinstance(self.data, str):
             self.data = [self.data]
+        if isinstance(self.eval_data, str):
+            self.eval_data = [self.eval_data]
         where = f"stages[{self.name}]"
         if (self.epochs is None) == (self.steps is None):
             raise UserError(f"{where}.steps", "give exactly one of `steps` or `epochs`", "e.g. steps: 10")

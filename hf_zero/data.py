@@ -3,7 +3,7 @@ tokenized per stage with the stage's own sequence length, a held-out slice per s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import Stage
@@ -43,44 +43,99 @@ def load_source(spec: str, where: str):
 class StageData:
     sources: list[list[dict]]  # per source: tokenized training samples
     eval_samples: list[dict]  # held-out samples of the stage (may be empty)
+    reports: list = field(default_factory=list)  # per source: hf_zero.chat.SourceReport
+    eval_prompts: list[dict] = field(default_factory=list)  # held-out {prompt, question, reference} to generate from
 
     @property
     def pool_size(self) -> int:
         return sum(len(s) for s in self.sources)
 
 
-def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str) -> list[dict]:
+def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str, spec: str = ""):
+    from .chat import SourceReport
+
     if text_field not in ds.column_names:
         raise UserError(where, f"has no column {text_field!r} (columns: {', '.join(ds.column_names)})",
                         "set text_field in the recipe")
+    report = SourceReport(spec, "text", "all tokens")
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out = []
     for text in ds[text_field]:
+        report.rows += 1
         if not text or not str(text).strip():
+            report.empty += 1
             continue
-        ids = tokenizer(str(text), add_special_tokens=False)["input_ids"][: max_len - len(eos)] + eos
+        ids = tokenizer(str(text), add_special_tokens=False)["input_ids"]
+        report.truncated += len(ids) > max_len - len(eos)
+        ids = ids[: max_len - len(eos)] + eos
         if len(ids) > 1:
             # Labels are the inputs: the causal LM shifts them itself; padding gets -100 in the collator.
             out.append({"input_ids": ids, "labels": list(ids)})
-    return out
+            report.lengths.append(len(ids))
+            report.loss_tokens += len(ids) - 1
+    return out, report
+
+
+def _load_tokenized(spec: str, where: str, tokenizer, max_len: int, opts):
+    """One source as training samples, whatever its format (hf_zero.chat), and its report."""
+    from .chat import detect_format, encode_rows
+
+    ds = load_source(spec, where)
+    fmt = detect_format(ds.column_names, ds[0] if len(ds) else None, opts, where, spec)
+    if fmt != "text" or opts.chat_template:
+        from .chat_template import prepare_chat_template
+
+        prepare_chat_template(tokenizer, opts.chat_template)
+    if fmt == "text":
+        samples, report = _tokenize(ds, tokenizer, max_len, opts.text_field, where, spec)
+    else:
+        samples, report = encode_rows(ds, tokenizer, fmt, opts, max_len, where, spec)
+    if not samples:
+        what = "answer left within max_seq_length" if report.dropped else "non-empty text after tokenization"
+        raise UserError(where, f"{spec} has no {what}", "check the file, its columns and max_seq_length")
+    return samples, report
+
+
+def _check_mix(stage: Stage, reports: list) -> None:
+    """Sources of one stage are drawn into the same batches: they must agree on which tokens carry the loss."""
+    kinds = {r.trains for r in reports}
+    if len(kinds) > 1:
+        a = next(r for r in reports if r.trains == "all tokens")
+        b = next(r for r in reports if r.trains != "all tokens")
+        raise UserError(f"stages[{stage.name}].data", f"mixes {a.spec} ({a.format}: loss on all tokens) with {b.spec} "
+                        f"({b.format}: loss on answers only)", "put them in separate stages, or set "
+                        "assistant_only_loss / completion_only_loss: false to train every token")
+
+
+def _split_gen(samples: list[dict]) -> list[dict]:
+    """Generation prompts of samples, which lose that key (the collator takes token lists only)."""
+    prompts = [s.pop("_gen") for s in samples if "_gen" in s]
+    return [p for p in prompts if p.get("prompt") is not None]
 
 
 def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: str, eval_samples: int,
-                    seed: int, packing: bool = False) -> StageData:
-    """Tokenize every source of a stage; hold out `eval_samples` drawn across its sources (fixed by the seed);
-    with `packing`, the training documents of each source go whole into rows of the stage's length."""
+                    seed: int, packing: bool = False, formats=None) -> StageData:
+    """Tokenize every source of a stage; hold out `eval_samples` drawn across its sources (fixed by the seed), or
+    take them from the stage's `eval_data`; with `packing`, the training documents of each source go whole into rows
+    of the stage's length. `formats` (hf_zero.chat.FormatOptions) says how to read chat and prompt data."""
     import numpy as np
 
+    from .chat import FormatOptions
+
+    opts = formats or FormatOptions(text_field=text_field)
     max_len = stage.max_seq_length or default_max_len
-    sources = []
+    sources, reports = [], []
     for j, spec in enumerate(stage.data):
-        where = f"stages[{stage.name}].data[{j}]"
-        samples = _tokenize(load_source(spec, where), tokenizer, max_len, text_field, where)
-        if not samples:
-            raise UserError(where, f"{spec} has no non-empty text after tokenization", "check the file and text_field")
+        samples, report = _load_tokenized(spec, f"stages[{stage.name}].data[{j}]", tokenizer, max_len, opts)
         sources.append(samples)
+        reports.append(report)
+    _check_mix(stage, reports)
     held_out = []
-    if eval_samples:
+    if stage.eval_data:
+        for j, spec in enumerate(stage.eval_data):
+            held_out += _load_tokenized(spec, f"stages[{stage.name}].eval_data[{j}]", tokenizer, max_len, opts)[0]
+        held_out = held_out[:eval_samples] if eval_samples else []
+    elif eval_samples:
         rng = np.random.default_rng([seed, 7919])
         per_source = max(1, eval_samples // len(sources))
         for j, samples in enumerate(sources):
@@ -88,6 +143,9 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
             idx = set(rng.permutation(len(samples))[:take].tolist())
             held_out += [s for i, s in enumerate(samples) if i in idx]
             sources[j] = [s for i, s in enumerate(samples) if i not in idx]
+    eval_prompts = _split_gen(held_out)
+    for samples in sources:
+        _split_gen(samples)
     if packing:  # held-out eval samples stay one per row
         from .packing import pack_documents
 
@@ -95,7 +153,7 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
         # far tighter (short documents fill the rows of long ones). With weights, per source, so they still apply.
         pools = [[s for src in sources for s in src]] if stage.weights is None else sources
         sources = [pack_documents(s, max_len, tokenizer.pad_token_id) for s in pools]
-    return StageData(sources, held_out)
+    return StageData(sources, held_out, reports, eval_prompts)
 
 
 def build_collator(tokenizer, packing: bool = False, model=None):

@@ -49,7 +49,10 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, packing: bool = False
     kwargs = causal_lm_load_kwargs(model_args, packing, half)
     path = resolve_model_path(model_args.model_name_or_path)
     vocab = getattr(get_model_config(path), "vocab_size", None)
-    if vocab is not None and len(tokenizer) > vocab:
+    from .chat_template import added_template_tokens, grow_embeddings, train_embeddings
+
+    # Tokens a chat template added (hf_zero.chat_template) get new embedding rows; any other surplus is a mismatch.
+    if vocab is not None and len(tokenizer) - len(added_template_tokens(tokenizer)) > vocab:
         from .errors import UserError
 
         raise UserError("tokenizer_name_or_path", f"the tokenizer has {len(tokenizer)} tokens but the model only "
@@ -58,8 +61,11 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, packing: bool = False
 
     with waiting_for("the other ranks to build the model (zero.Init under ZeRO-3)"):
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    grown = grow_embeddings(model, tokenizer, vocab)
     if model_args.use_peft:
         model = apply_lora(model, model_args, task_type="CAUSAL_LM")
+        if grown:
+            train_embeddings(model)
     return model
 
 

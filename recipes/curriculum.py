@@ -28,6 +28,7 @@ def main(argv=None):
 
     from transformers import set_seed
 
+    from hf_zero.chat import FormatOptions
     from hf_zero.curriculum import CurriculumDataset, build_sample_order, build_schedule
     from hf_zero.data import build_collator, load_stage_data
     from hf_zero.modeling import build_causal_lm, count_parameters, is_zero3_partitioned
@@ -50,7 +51,7 @@ def main(argv=None):
     tokenizer = get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)
     stage_data = [
         load_stage_data(s, tokenizer, data_args.max_seq_length, data_args.text_field, data_args.eval_samples, args.seed,
-                        packing=data_args.packing)
+                        packing=data_args.packing, formats=FormatOptions.from_args(data_args))
         for s in ctx.stages
     ]
     schedule = build_schedule(ctx.stages, [d.pool_size for d in stage_data], ctx.plan.global_batch, args.learning_rate)
@@ -85,6 +86,11 @@ def main(argv=None):
 
     if bench_requested():  # step times, start-up and peak memory per rank, for `hf-zero bench`
         trainer.add_callback(BenchProbeCallback(ctx.output_dir, trainer))
+    from hf_zero.samples import SampleCallback, exact_match_summary
+
+    prompts = {i: d.eval_prompts[: data_args.sample_prompts] for i, d in enumerate(stage_data) if d.eval_prompts}
+    if data_args.sample_prompts > 0 and prompts:  # held-out prompts answered at the start and at each stage end
+        trainer.add_callback(SampleCallback(trainer, schedule, prompts, ctx.output_dir, data_args.sample_max_new_tokens))
     print_banner(ctx, trainable, total)
     main_process_print(f"[hf_zero] cross-entropy: {trainer.fused_ce_status}")
     main_process_print("[hf_zero] stages: " + " | ".join(
@@ -113,6 +119,7 @@ def main(argv=None):
         "eval_loss_after": after,
         "eval_perplexity_before": math.exp(before) if before is not None else None,
         "eval_perplexity_after": math.exp(after) if after is not None else None,
+        **exact_match_summary(trainer.state.log_history),
         "resumed_from": resume,
         "final_dir": str(final_dir) if final_dir else None,
         "stages": stages,
