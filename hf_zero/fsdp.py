@@ -1,0 +1,118 @@
+"""FSDP2 (torch's `fully_shard`) under accelerate and the Trainer: the one correction accelerate needs on a machine
+without GPUs, the layer class each shard group is built around, and a Hugging Face folder written from a sharded
+model (full weights, or only the adapter for LoRA) without any rank holding more than it must.
+
+Checkpoints are the Trainer's own FSDP2 ones: torch distributed checkpoints (`pytorch_model_fsdp_0/`,
+`optimizer_0/`) that reshard on load, so a run may resume on another number of ranks without conversion.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["FSDP_MODEL_DIR", "enable_fsdp_on_cpu", "announce_layers", "is_fsdp_checkpoint", "layer_classes", "is_dtensor",
+           "full_tensor", "gathered_state_dict", "save_pretrained_gathered"]
+
+FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # where accelerate's save_fsdp_model puts the model's distributed checkpoint
+
+
+def enable_fsdp_on_cpu(trainer) -> bool:
+    """Turn the Trainer's accelerator into the FSDP one the launcher asked for, on a machine without GPUs.
+
+    accelerate 1.15 only honours ACCELERATE_USE_FSDP for GPU-like backends: on CPU it builds a MULTI_CPU state and
+    trains plain DDP without a word (measured here: the "FSDP" run's losses equal DDP's because it *is* DDP).
+    FSDP2 itself runs on CPU over gloo, so the state gets the FSDP plugin accelerate would have given it, before
+    the model is prepared. Returns True when it changed something.
+    """
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = trainer.accelerator.state
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or \
+            state.distributed_type != DistributedType.MULTI_CPU:
+        return False
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables, as accelerate does
+    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
+        # Pinned host memory needs an accelerator ("Cannot access accelerator device"); with none, the shards
+        # already live in ordinary CPU memory.
+        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
+    if state.mixed_precision != "no":
+        plugin.set_mixed_precision(state.mixed_precision)
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    trainer.is_fsdp_enabled = True
+    return True
+
+
+def announce_layers(trainer) -> list[str]:
+    """Resolve, check and print the layer classes FSDP2 will shard around (before any engine exists): a model
+    without one would be gathered whole for every forward, which is what sharding is for avoiding."""
+    from .errors import UserError
+
+    plugin = trainer.accelerator.state.fsdp_plugin
+    named = plugin.transformer_cls_names_to_wrap
+    named = ",".join(named) if isinstance(named, (list, tuple)) else named
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    found = layer_classes(model, named)
+    if not found:
+        said = f"names {named!r}, which" if named else "names no layer class and the model's _no_split_modules"
+        raise UserError("profile: fsdp_transformer_layer_cls_to_wrap",
+                        f"the profile {said} matches no module of {type(model).__name__}, so FSDP2 would gather "
+                        "the whole model for every forward", "name the model's decoder layer class there, e.g. "
+                        "LlamaDecoderLayer")
+    count = sum(type(m).__name__ in found for m in model.modules())
+    if trainer.args.should_save:
+        print(f"[hf_zero] FSDP2: one shard group per {', '.join(found)} ({count} in all), plus the embeddings and "
+              f"the output head; {plugin.cpu_offload.__class__.__name__}", flush=True)
+    return found
+
+
+def is_fsdp_checkpoint(folder) -> bool:
+    return (Path(folder) / FSDP_MODEL_DIR).is_dir()
+
+
+def layer_classes(model, named: str | None = None) -> list[str]:
+    """The module classes FSDP2 gives a shard group of their own: the profile's `fsdp_transformer_layer_cls_to_wrap`
+    if it names one, else the model's `_no_split_modules` (what accelerate reads), keeping only classes present."""
+    wanted = [c.strip() for c in named.split(",")] if named else list(getattr(model, "_no_split_modules", None) or [])
+    present = {type(m).__name__ for m in model.modules()}
+    return [c for c in wanted if c in present]
+
+
+def is_dtensor(tensor) -> bool:
+    return type(tensor).__name__ == "DTensor" or hasattr(tensor, "full_tensor")
+
+
+def full_tensor(tensor):
+    """The whole tensor of an FSDP2 shard (a collective: every rank must call it), or the tensor itself."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
+
+
+def gathered_state_dict(model, trainable_only: bool) -> dict:
+    """The whole state dict on rank 0 (CPU), {} elsewhere; collective. `trainable_only` (LoRA) gathers only the
+    adapter, so no rank ever assembles the frozen base model."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(model, options=options)
+
+
+def save_pretrained_gathered(trainer, folder, weights: bool = True) -> None:
+    """A from_pretrained-loadable folder from the sharded model: config and tokenizer always; with `weights`, the
+    gathered full model (LoRA: the adapter only). Collective: every rank calls it, rank 0 writes."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    peft = hasattr(model, "peft_config")
+    state = gathered_state_dict(model, trainable_only=peft) if (weights or peft) else {}
+    if trainer.args.should_save:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        if weights or peft:
+            # PeftModel.save_pretrained keeps only the adapter's keys of the state dict it is given.
+            model.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
+        if not peft:
+            model.config.save_pretrained(str(folder))
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(str(folder))
+    trainer.accelerator.wait_for_everyone()
