@@ -76,6 +76,7 @@ def build_checkpoint_metadata(trainer) -> dict:
         "metrics": metrics,
         "world_size": args.world_size,
         "profile": profile.name,
+        "engine": profile.engine,
         "zero_stage": int(ds.get("stage", 0)) if ds else 0,
         "offload_optimizer": profile.offload_optimizer,
         "offload_param": profile.offload_param,

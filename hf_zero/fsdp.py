@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 __all__ = ["FSDP_MODEL_DIR", "enable_fsdp_on_cpu", "announce_layers", "is_fsdp_checkpoint", "layer_classes", "is_dtensor",
-           "full_tensor", "gathered_state_dict", "save_pretrained_gathered"]
+           "full_tensor", "gathered_state_dict", "save_pretrained_gathered", "lazy_dcp_state"]
 
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # where accelerate's save_fsdp_model puts the model's distributed checkpoint
 
@@ -116,3 +116,36 @@ def save_pretrained_gathered(trainer, folder, weights: bool = True) -> None:
         if trainer.processing_class is not None:
             trainer.processing_class.save_pretrained(str(folder))
     trainer.accelerator.wait_for_everyone()
+
+
+class _DcpTensor:
+    """One tensor of a distributed checkpoint, read from disk only when asked for (`contiguous()`), so an export
+    holds at most the shard it is writing."""
+
+    def __init__(self, folder: str, key: str, meta):
+        self.folder, self.key = folder, key
+        self.shape, self.dtype = meta.size, meta.properties.dtype
+
+    def contiguous(self):
+        import warnings
+
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        box = {self.key: torch.empty(self.shape, dtype=self.dtype)}
+        with warnings.catch_warnings():  # "torch.distributed is disabled ... assuming ... a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(box, storage_reader=dcp.FileSystemReader(self.folder), no_dist=True)
+        return box[self.key]
+
+
+def lazy_dcp_state(checkpoint) -> dict:
+    """name -> lazily read tensor of the model in an FSDP2 checkpoint, named as in the model's own state dict
+    (accelerate saves it under a top-level "model" key)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = str(Path(checkpoint) / FSDP_MODEL_DIR)
+    entries = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    return {key.split(".", 1)[1]: _DcpTensor(folder, key, meta) for key, meta in entries.items()
+            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}

@@ -108,7 +108,8 @@ def _ctx(tmp_path, world=1, global_batch=4, stage=2, fresh=False):
     from hf_zero.reconcile import BatchPlan
 
     plan = BatchPlan(micro=global_batch // world, accumulation=1, world=world)
-    profile = SimpleNamespace(name=f"zero{stage}", zero_stage=stage, uses_deepspeed=stage > 0)
+    profile = SimpleNamespace(name=f"zero{stage}", zero_stage=stage, uses_deepspeed=stage > 0, uses_fsdp=False,
+                              engine="deepspeed" if stage else "ddp")
     args = SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint=None)
     return SimpleNamespace(profile=profile, plan=plan, training_args=args)
 
