@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 __all__ = ["FSDP_MODEL_DIR", "enable_fsdp_on_cpu", "announce_layers", "is_fsdp_checkpoint", "layer_classes", "is_dtensor",
-           "full_tensor", "gathered_state_dict", "save_pretrained_gathered", "lazy_dcp_state"]
+           "full_tensor", "gathered_state_dict", "save_pretrained_gathered", "lazy_dcp_state", "verify_fsdp"]
 
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # where accelerate's save_fsdp_model puts the model's distributed checkpoint
 
@@ -46,22 +46,25 @@ def enable_fsdp_on_cpu(trainer) -> bool:
     return True
 
 
+def _no_layer_error(where: str, named: str | None, model: str):
+    from .errors import UserError
+
+    said = f"names {named!r}, which" if named else "names no layer class and the model's _no_split_modules"
+    return UserError(f"{where}: fsdp_transformer_layer_cls_to_wrap", f"the profile {said} matches no module of "
+                     f"{model}, so FSDP2 would gather the whole model for every forward",
+                     "name the model's decoder layer class there, e.g. LlamaDecoderLayer")
+
+
 def announce_layers(trainer) -> list[str]:
     """Resolve, check and print the layer classes FSDP2 will shard around (before any engine exists): a model
     without one would be gathered whole for every forward, which is what sharding is for avoiding."""
-    from .errors import UserError
-
     plugin = trainer.accelerator.state.fsdp_plugin
     named = plugin.transformer_cls_names_to_wrap
     named = ",".join(named) if isinstance(named, (list, tuple)) else named
     model = trainer.accelerator.unwrap_model(trainer.model)
     found = layer_classes(model, named)
     if not found:
-        said = f"names {named!r}, which" if named else "names no layer class and the model's _no_split_modules"
-        raise UserError("profile: fsdp_transformer_layer_cls_to_wrap",
-                        f"the profile {said} matches no module of {type(model).__name__}, so FSDP2 would gather "
-                        "the whole model for every forward", "name the model's decoder layer class there, e.g. "
-                        "LlamaDecoderLayer")
+        raise _no_layer_error("profile", named, type(model).__name__)
     count = sum(type(m).__name__ in found for m in model.modules())
     if trainer.args.should_save:
         print(f"[hf_zero] FSDP2: one shard group per {', '.join(found)} ({count} in all), plus the embeddings and "
@@ -149,3 +152,57 @@ def lazy_dcp_state(checkpoint) -> dict:
     entries = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
     return {key.split(".", 1)[1]: _DcpTensor(folder, key, meta) for key, meta in entries.items()
             if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+
+
+def _meta_model(config):
+    """The model's module tree on the meta device (no memory, no weights): enough to see its layer classes."""
+    import torch
+    from transformers import AutoModel
+
+    with torch.device("meta"):
+        return AutoModel.from_config(config)
+
+
+def verify_fsdp(profile, recipe_kwargs: dict, gpus: int, model_config=None) -> str:
+    """FSDP2's constraints as one-line errors, before any process starts (`hf-zero check`) and again in the recipe
+    before the engine is built. `recipe_kwargs`: the TrainingArguments the recipe asks for."""
+    from .errors import UserError
+
+    if recipe_kwargs.get("fsdp") or recipe_kwargs.get("fsdp_config"):
+        raise UserError("fsdp", "the recipe sets FSDP options but the profile owns the sharding engine",
+                        "remove fsdp/fsdp_config from the recipe and pick profile fsdp2 or fsdp2_offload")
+    if not profile.uses_fsdp:
+        return f"not used by profile {profile.name}"
+    where = f"profile {profile.name}"
+    if profile.raw.get("deepspeed_config"):
+        raise UserError(f"{where}: deepspeed_config", "an FSDP profile ignores DeepSpeed settings",
+                        "remove the deepspeed_config section, or use distributed_type: DEEPSPEED")
+    if profile.fsdp_version != 2:
+        raise UserError(f"{where}: fsdp_version", f"is {profile.fsdp_version}; hf_zero runs FSDP2 only (FSDP1 is "
+                        "deprecated in PyTorch, and hf_zero's checkpoints, resume and export are built for FSDP2)",
+                        "set fsdp_version: 2")
+    if profile.fsdp_state_dict_type != "SHARDED_STATE_DICT":
+        raise UserError(f"{where}: fsdp_state_dict_type", f"{profile.fsdp_state_dict_type} gathers the whole model "
+                        "and optimizer on rank 0 at every checkpoint", "use SHARDED_STATE_DICT (the final model is "
+                        "gathered into safetensors either way, and `hf-zero export` reads sharded checkpoints)")
+    if str(profile.raw.get("use_cpu", False)).lower() == "true" and gpus > 0:
+        raise UserError(f"{where}: use_cpu", f"true makes accelerate drop FSDP and train on the CPU although this "
+                        f"machine has {gpus} GPU(s)", "set use_cpu: false (without GPUs hf_zero uses the CPU itself)")
+    checkpointing = recipe_kwargs.get("gradient_checkpointing") or recipe_kwargs.get("activation_checkpointing")
+    if checkpointing and str((profile.raw.get("fsdp_config") or {}).get(
+            "fsdp_activation_checkpointing", False)).lower() == "true":
+        raise UserError("gradient_checkpointing", f"the recipe turns it on and {where} sets "
+                        "fsdp_activation_checkpointing: true (the Trainer refuses both)",
+                        "keep one: remove gradient_checkpointing from the recipe or set the profile's to false")
+    if recipe_kwargs.get("save_only_model"):
+        raise UserError("save_only_model", "FSDP2 checkpoints are sharded: the Trainer cannot save the model "
+                        "alone into them", "remove save_only_model (final/ holds the whole model either way)")
+    layers = "the model's layer class"
+    if model_config is not None:
+        found = layer_classes(_meta_model(model_config), profile.fsdp_layer_cls)
+        if not found:
+            raise _no_layer_error(where, profile.fsdp_layer_cls, model_config.model_type)
+        layers = ", ".join(found)
+    offload = "parameters, gradients and Adam on the CPU" if profile.offload_param == "cpu" else "no offload"
+    reshard = "resharded after forward" if profile.reshard_after_forward else "kept gathered until backward"
+    return f"FSDP2: one shard group per {layers}, {reshard}, {offload}"

@@ -79,8 +79,8 @@ class Profile:
             return f"DeepSpeed ZeRO-{self.zero_stage}"
         if self.uses_fsdp:
             when = "reshard after forward" if self.reshard_after_forward else "kept gathered until backward"
-            layers = self.fsdp_layer_cls or "the model's layer class"
-            return f"FSDP{self.fsdp_version or 1} full shard, one group per {layers}, {when}"
+            layers = f" per {self.fsdp_layer_cls}" if self.fsdp_layer_cls else ""
+            return f"FSDP{self.fsdp_version or 1} full shard{layers}, {when}"
         return "none (every rank holds the whole model)" if self.engine == "ddp" else "none"
 
     @property

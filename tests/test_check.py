@@ -72,7 +72,8 @@ def test_tiny_recipe_passes_every_check(capsys, tmp_path):
 def test_misspelled_deepspeed_key_in_profile(capsys, tmp_path):
     bad = profile(tmp_path, replace={"  zero_stage: 2": "  zero_stge: 2"})
     rc, res = check(capsys, "--profile", bad, "--config", str(TINY))
-    assert failed(res) == {"profile", "batch", "devices", "precision", "launch", "hostfile", "offload", "output"}
+    assert failed(res) == {"profile", "batch", "devices", "precision", "launch", "hostfile", "offload", "fsdp",
+                           "output"}
     assert "zero_stge (did you mean zero_stage?)" in res["profile"][1]
     assert res["batch"][1].startswith("not checked: the profile did not load")
 
