@@ -291,7 +291,7 @@ def test_sigkill_and_resume_gives_the_uninterrupted_weights_zero2(tmp_path, refe
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("profile", ["zero2", "zero3", "zero3_offload"])
+@pytest.mark.parametrize("profile", ["zero2", "zero3", "zero3_offload", "fsdp2", "fsdp2_offload"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sigkill_and_resume_several_seeds(tmp_path_factory, profile, seed, config):
     root = tmp_path_factory.mktemp(f"kill-{profile}-{seed}")
