@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["FSDP_MODEL_DIR", "enable_fsdp_on_cpu", "announce_layers", "is_fsdp_checkpoint", "layer_classes", "is_dtensor",
+__all__ = ["FSDP_MODEL_DIR", "enable_fsdp_on_cpu", "announce_layers", "is_fsdp_checkpoint", "layer_classes",
            "full_tensor", "gathered_state_dict", "save_pretrained_gathered", "lazy_dcp_state", "verify_fsdp"]
 
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # where accelerate's save_fsdp_model puts the model's distributed checkpoint
@@ -59,6 +59,8 @@ def announce_layers(trainer) -> list[str]:
     """Resolve, check and print the layer classes FSDP2 will shard around (before any engine exists): a model
     without one would be gathered whole for every forward, which is what sharding is for avoiding."""
     plugin = trainer.accelerator.state.fsdp_plugin
+    if getattr(plugin.auto_wrap_policy, "__name__", "") != "transformer_auto_wrap_policy":
+        return []  # size-based wrapping: verify_fsdp has already refused no wrapping at all
     named = plugin.transformer_cls_names_to_wrap
     named = ",".join(named) if isinstance(named, (list, tuple)) else named
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -84,13 +86,9 @@ def layer_classes(model, named: str | None = None) -> list[str]:
     return [c for c in wanted if c in present]
 
 
-def is_dtensor(tensor) -> bool:
-    return type(tensor).__name__ == "DTensor" or hasattr(tensor, "full_tensor")
-
-
 def full_tensor(tensor):
-    """The whole tensor of an FSDP2 shard (a collective: every rank must call it), or the tensor itself."""
-    return tensor.full_tensor() if is_dtensor(tensor) else tensor
+    """The whole tensor of an FSDP2 shard (a DTensor; a collective: every rank must call it), or the tensor itself."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def gathered_state_dict(model, trainable_only: bool) -> dict:
@@ -188,17 +186,20 @@ def verify_fsdp(profile, recipe_kwargs: dict, gpus: int, model_config=None) -> s
     if str(profile.raw.get("use_cpu", False)).lower() == "true" and gpus > 0:
         raise UserError(f"{where}: use_cpu", f"true makes accelerate drop FSDP and train on the CPU although this "
                         f"machine has {gpus} GPU(s)", "set use_cpu: false (without GPUs hf_zero uses the CPU itself)")
+    if profile.fsdp_wrap not in ("TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"):
+        raise UserError(f"{where}: fsdp_auto_wrap_policy", f"is {profile.fsdp_wrap}: every decoder layer would share "
+                        "the model's one shard group, gathered whole for every forward",
+                        "set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP (one group per decoder layer)")
     checkpointing = recipe_kwargs.get("gradient_checkpointing") or recipe_kwargs.get("activation_checkpointing")
-    if checkpointing and str((profile.raw.get("fsdp_config") or {}).get(
-            "fsdp_activation_checkpointing", False)).lower() == "true":
+    if checkpointing and profile.fsdp_activation_checkpointing:
         raise UserError("gradient_checkpointing", f"the recipe turns it on and {where} sets "
                         "fsdp_activation_checkpointing: true (the Trainer refuses both)",
                         "keep one: remove gradient_checkpointing from the recipe or set the profile's to false")
     if recipe_kwargs.get("save_only_model"):
         raise UserError("save_only_model", "FSDP2 checkpoints are sharded: the Trainer cannot save the model "
                         "alone into them", "remove save_only_model (final/ holds the whole model either way)")
-    layers = "the model's layer class"
-    if model_config is not None:
+    layers = "the model's layer class" if profile.fsdp_wrap == "TRANSFORMER_BASED_WRAP" else "size-based group"
+    if model_config is not None and profile.fsdp_wrap == "TRANSFORMER_BASED_WRAP":
         found = layer_classes(_meta_model(model_config), profile.fsdp_layer_cls)
         if not found:
             raise _no_layer_error(where, profile.fsdp_layer_cls, model_config.model_type)

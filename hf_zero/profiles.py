@@ -51,7 +51,9 @@ class Profile:
     fsdp_version: int | None = None
     reshard_after_forward: bool = True
     fsdp_layer_cls: str | None = None  # None: the model's own `_no_split_modules` (read by accelerate)
+    fsdp_wrap: str | None = None  # accelerate's fsdp_auto_wrap_policy
     fsdp_state_dict_type: str | None = None
+    fsdp_activation_checkpointing: bool = False
     path: str | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -152,7 +154,9 @@ def _fsdp_fields(cfg: dict, dist: str, world: int, precision: str) -> dict:
                 fsdp_version=int(cfg.get("fsdp_version", 1)), offload_optimizer=offload, offload_param=offload,
                 reshard_after_forward=flag("fsdp_reshard_after_forward", True),
                 fsdp_layer_cls=str(layer) if layer else None,
-                fsdp_state_dict_type=str(cfg.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")))
+                fsdp_wrap=str(cfg.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper(),
+                fsdp_state_dict_type=str(cfg.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")),
+                fsdp_activation_checkpointing=flag("fsdp_activation_checkpointing", False))
 
 
 def _validate_with_accelerate(path: Path) -> None:

@@ -55,6 +55,7 @@ def test_check_passes_fsdp2_and_names_the_layer_class(capsys, tmp_path):
     ({"SHARDED_STATE_DICT": "FULL_STATE_DICT"}, "", [], "fsdp_state_dict_type", "whole model and optimizer"),
     ({"  fsdp_offload_params: false": "  fsdp_transformer_layer_cls_to_wrap: GPT2Block"}, "", [],
      "fsdp_transformer_layer_cls_to_wrap", "names 'GPT2Block', which matches no module of llama"),
+    ({"TRANSFORMER_BASED_WRAP": "NO_WRAP"}, "", [], "fsdp_auto_wrap_policy", "gathered whole for every forward"),
     ({"fsdp_activation_checkpointing: false": "fsdp_activation_checkpointing: true"}, "",
      ["--gradient_checkpointing", "true"], "gradient_checkpointing", "the Trainer refuses both"),
     ({}, "", ["--save_only_model", "true"], "save_only_model", "sharded"),
