@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["FSDP_MODEL_DIR", "enable_fsdp_on_cpu", "announce_layers", "is_fsdp_checkpoint", "layer_classes",
-           "full_tensor", "gathered_state_dict", "save_pretrained_gathered", "lazy_dcp_state", "verify_fsdp"]
+__all__ = ["FSDP_MODEL_DIR", "enable_fsdp_on_cpu", "shard_layers", "announce_layers", "is_fsdp_checkpoint",
+           "layer_classes", "full_tensor", "gathered_state_dict", "save_pretrained_gathered", "lazy_dcp_state",
+           "verify_fsdp"]
 
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # where accelerate's save_fsdp_model puts the model's distributed checkpoint
 
@@ -46,31 +47,45 @@ def enable_fsdp_on_cpu(trainer) -> bool:
     return True
 
 
-def _no_layer_error(where: str, named: str | None, model: str):
+def shard_layers(model, named: str | None, transformer_wrap: bool, where: str = "profile") -> list[str]:
+    """The layer classes FSDP2 gives a shard group each, checked against what accelerate 1.15's preparation can do:
+    it shards the input embeddings in a group of their own (so a layer class holding them, like BERT's
+    BertEmbeddings, is left out: sharding it twice crashes in fully_shard) and fails outright for a model without
+    input embeddings; a transformer-based wrap that matches no layer would gather the whole model every forward."""
     from .errors import UserError
 
-    said = f"names {named!r}, which" if named else "names no layer class and the model's _no_split_modules"
-    return UserError(f"{where}: fsdp_transformer_layer_cls_to_wrap", f"the profile {said} matches no module of "
-                     f"{model}, so FSDP2 would gather the whole model for every forward",
-                     "name the model's decoder layer class there, e.g. LlamaDecoderLayer")
+    kind = type(model).__name__
+    try:
+        embed = model.get_input_embeddings()
+    except NotImplementedError:
+        raise UserError(where, f"{kind} has no input embeddings, and accelerate 1.15's FSDP2 preparation fails "
+                        "without them (get_input_embeddings)", "train this model with ddp or a zero profile") from None
+    holders = {type(m).__name__ for m in model.modules() if m is not embed and any(x is embed for x in m.modules())}
+    found = [c for c in layer_classes(model, named) if c not in holders]
+    if transformer_wrap and not found:
+        said = f"names {named!r}, which" if named else "names no layer class and the model's _no_split_modules"
+        raise UserError(f"{where}: fsdp_transformer_layer_cls_to_wrap", f"the profile {said} matches no layer of "
+                        f"{kind}, so FSDP2 would gather the whole model for every forward",
+                        "name the model's decoder layer class there, e.g. LlamaDecoderLayer")
+    return found
 
 
 def announce_layers(trainer) -> list[str]:
-    """Resolve, check and print the layer classes FSDP2 will shard around (before any engine exists): a model
-    without one would be gathered whole for every forward, which is what sharding is for avoiding."""
+    """Resolve, check and print the layer classes FSDP2 will shard around, before the model is prepared, and hand
+    accelerate exactly that list."""
     plugin = trainer.accelerator.state.fsdp_plugin
-    if getattr(plugin.auto_wrap_policy, "__name__", "") != "transformer_auto_wrap_policy":
-        return []  # size-based wrapping: verify_fsdp has already refused no wrapping at all
+    transformer_wrap = getattr(plugin.auto_wrap_policy, "__name__", "") == "transformer_auto_wrap_policy"
     named = plugin.transformer_cls_names_to_wrap
     named = ",".join(named) if isinstance(named, (list, tuple)) else named
     model = trainer.accelerator.unwrap_model(trainer.model)
-    found = layer_classes(model, named)
-    if not found:
-        raise _no_layer_error("profile", named, type(model).__name__)
+    found = shard_layers(model, named, transformer_wrap)
+    if not transformer_wrap:
+        return []  # size-based groups (verify_fsdp has refused no wrapping at all)
+    plugin.transformer_cls_names_to_wrap = found
     count = sum(type(m).__name__ in found for m in model.modules())
     if trainer.args.should_save:
-        print(f"[hf_zero] FSDP2: one shard group per {', '.join(found)} ({count} in all), plus the embeddings and "
-              f"the output head; {plugin.cpu_offload.__class__.__name__}", flush=True)
+        print(f"[hf_zero] FSDP2: one shard group per {', '.join(found)} ({count} in all), plus the input embeddings "
+              f"and the output layers; {plugin.cpu_offload.__class__.__name__}", flush=True)
     return found
 
 
@@ -198,12 +213,11 @@ def verify_fsdp(profile, recipe_kwargs: dict, gpus: int, model_config=None) -> s
     if recipe_kwargs.get("save_only_model"):
         raise UserError("save_only_model", "FSDP2 checkpoints are sharded: the Trainer cannot save the model "
                         "alone into them", "remove save_only_model (final/ holds the whole model either way)")
-    layers = "the model's layer class" if profile.fsdp_wrap == "TRANSFORMER_BASED_WRAP" else "size-based group"
-    if model_config is not None and profile.fsdp_wrap == "TRANSFORMER_BASED_WRAP":
-        found = layer_classes(_meta_model(model_config), profile.fsdp_layer_cls)
-        if not found:
-            raise _no_layer_error(where, profile.fsdp_layer_cls, model_config.model_type)
-        layers = ", ".join(found)
+    transformer_wrap = profile.fsdp_wrap == "TRANSFORMER_BASED_WRAP"
+    layers = "the model's layer class" if transformer_wrap else "size-based group"
+    if model_config is not None:
+        found = shard_layers(_meta_model(model_config), profile.fsdp_layer_cls, transformer_wrap, where)
+        layers = ", ".join(found) if transformer_wrap else layers
     offload = "parameters, gradients and Adam on the CPU" if profile.offload_param == "cpu" else "no offload"
     reshard = "resharded after forward" if profile.reshard_after_forward else "kept gathered until backward"
     return f"FSDP2: one shard group per {layers}, {reshard}, {offload}"

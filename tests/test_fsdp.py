@@ -54,7 +54,7 @@ def test_check_passes_fsdp2_and_names_the_layer_class(capsys, tmp_path):
     ({"fsdp_version: 2": "fsdp_version: 1"}, "", [], "fsdp_version", "FSDP2 only"),
     ({"SHARDED_STATE_DICT": "FULL_STATE_DICT"}, "", [], "fsdp_state_dict_type", "whole model and optimizer"),
     ({"  fsdp_offload_params: false": "  fsdp_transformer_layer_cls_to_wrap: GPT2Block"}, "", [],
-     "fsdp_transformer_layer_cls_to_wrap", "names 'GPT2Block', which matches no module of llama"),
+     "fsdp_transformer_layer_cls_to_wrap", "names 'GPT2Block', which matches no layer of LlamaModel"),
     ({"TRANSFORMER_BASED_WRAP": "NO_WRAP"}, "", [], "fsdp_auto_wrap_policy", "gathered whole for every forward"),
     ({"fsdp_activation_checkpointing: false": "fsdp_activation_checkpointing: true"}, "",
      ["--gradient_checkpointing", "true"], "gradient_checkpointing", "the Trainer refuses both"),
@@ -70,6 +70,19 @@ def test_check_refuses_what_fsdp2_cannot_do_in_one_line(capsys, tmp_path, replac
     rc, res = check(capsys, "--profile", bad, *gpus, "--config", str(TINY), *extra, output_dir=tmp_path / "o")
     assert rc == 2 and "fsdp" in failed(res), res
     assert field in res["fsdp"][1] and says in res["fsdp"][1], res["fsdp"]
+
+
+def test_layer_classes_follow_what_accelerate_can_shard():
+    """BERT lists its embeddings among _no_split_modules, but accelerate shards the input embeddings in a group of
+    their own (twice would crash in fully_shard); a ResNet has no input embeddings at all (accelerate fails)."""
+    from hf_zero.fsdp import verify_fsdp
+    from hf_zero.models import get_model_config
+
+    fsdp2 = load_profile("fsdp2")
+    assert verify_fsdp(fsdp2, {}, 0, get_model_config("minilm")).startswith("FSDP2: one shard group per BertLayer,")
+    with pytest.raises(UserError) as err:
+        verify_fsdp(fsdp2, {}, 0, get_model_config("recipes/models/digits_resnet"))
+    assert "ResNetModel has no input embeddings" in err.value.line() and "ddp or a zero profile" in err.value.fix
 
 
 def test_misspelled_fsdp_key_is_refused_with_a_hint(capsys, tmp_path):
@@ -109,6 +122,21 @@ def test_resume_refuses_a_checkpoint_of_another_engine(tmp_path):
     assert "(FSDP2 checkpoint)" in err.value.problem and f"hf-zero export {ck}" in err.value.fix
     # Another rank count needs no conversion: distributed checkpoints reshard on load.
     assert _choose(ctx("fsdp2", 1), fresh_start=False) == {"resume": str(ck), "universal": False}
+
+
+def test_slurm_and_multinode_lines_for_fsdp2(tmp_path, capsys):
+    from hf_zero.cli import main
+
+    assert main(["slurm", "--profile", "fsdp2", "--config", str(TINY), "--nodes", "2", "--gpus-per-node", "4",
+                 "--output-dir", str(tmp_path / "run")]) == 0
+    task = capsys.readouterr().out.splitlines()[-1]
+    assert "accelerate_configs/fsdp2.yaml --num_machines 2 --num_processes 8" in task
+    assert '--machine_rank "$SLURM_NODEID" --main_process_ip "$MAIN_IP"' in task and "deepspeed" not in task
+    assert main(["train", "--profile", "fsdp2", "--nodes", "2", "--nproc", "8", "--machine-rank", "1", "--main-ip",
+                 "node-a", "--config", str(TINY), "--dry-run"]) == 0
+    line = capsys.readouterr().out
+    assert "--num_machines 2 --num_processes 16 --machine_rank 1 --main_process_ip node-a" in line
+    assert "deepspeed" not in line
 
 
 def test_size_breakdown_knows_distributed_checkpoints():
@@ -221,6 +249,20 @@ def test_fsdp2_lora_with_checkpointing_and_packing_matches_ddp(tmp_path):
     ids = torch.tensor([[3, 17, 42, 99, 7, 250]])
     with torch.no_grad():
         assert (model(ids).logits - merged(ids).logits).abs().max() < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_fsdp2_text_classification_with_lora_matches_ddp(tmp_path):
+    from conftest import REPO
+
+    for name in ("ddp", "fsdp2"):
+        proc = launch_recipe(name, tmp_path / name, config=REPO / "recipes" / "configs" / "tiny_classify.yaml",
+                             recipe=REPO / "recipes" / "classify.py")
+    assert "one shard group per BertLayer (6 in all)" in proc.stdout
+    s, base = read_summary(tmp_path / "fsdp2"), read_summary(tmp_path / "ddp")
+    assert max(abs(a - b) for a, b in zip(s["losses"], base["losses"], strict=True)) <= 1e-4
+    assert (tmp_path / "fsdp2" / "final" / "adapter_model.safetensors").is_file()
 
 
 @pytest.mark.slow
