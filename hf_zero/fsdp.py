@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 __all__ = ["FSDP_MODEL_DIR", "enable_fsdp_on_cpu", "shard_layers", "announce_layers", "is_fsdp_checkpoint",
-           "layer_classes", "full_tensor", "gathered_state_dict", "save_pretrained_gathered", "lazy_dcp_state",
-           "verify_fsdp"]
+           "layer_classes", "full_tensor", "gathered_state_dict", "tied_copies", "save_pretrained_gathered",
+           "lazy_dcp_state", "verify_fsdp"]
 
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # where accelerate's save_fsdp_model puts the model's distributed checkpoint
 
@@ -115,12 +115,24 @@ def gathered_state_dict(model, trainable_only: bool) -> dict:
     return get_model_state_dict(model, options=options)
 
 
+def tied_copies(model) -> set[str]:
+    """Names under which a parameter appears a second time (tied input and output embeddings): the gathered state
+    dict holds them as separate tensors, so they are dropped, as save_pretrained does; from_pretrained ties again."""
+    first, out = {}, set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            out.add(name)
+    return out
+
+
 def save_pretrained_gathered(trainer, folder, weights: bool = True) -> None:
     """A from_pretrained-loadable folder from the sharded model: config and tokenizer always; with `weights`, the
     gathered full model (LoRA: the adapter only). Collective: every rank calls it, rank 0 writes."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     peft = hasattr(model, "peft_config")
     state = gathered_state_dict(model, trainable_only=peft) if (weights or peft) else {}
+    for name in tied_copies(model):
+        state.pop(name, None)
     if trainer.args.should_save:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
@@ -163,17 +175,27 @@ def lazy_dcp_state(checkpoint) -> dict:
 
     folder = str(Path(checkpoint) / FSDP_MODEL_DIR)
     entries = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
-    return {key.split(".", 1)[1]: _DcpTensor(folder, key, meta) for key, meta in entries.items()
-            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)}
+    tied = tied_copies(_meta_model(_config_of(checkpoint), head=True))
+    return {name: _DcpTensor(folder, key, meta) for key, meta in entries.items()
+            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+            and (name := key.split(".", 1)[1]) not in tied}
 
 
-def _meta_model(config):
-    """The model's module tree on the meta device (no memory, no weights): enough to see its layer classes."""
+def _config_of(folder):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(folder))
+
+
+def _meta_model(config, head: bool = False):
+    """The model's module tree on the meta device (no memory, no weights): enough to see its layer classes, and
+    (`head`: the class its config names, e.g. LlamaForCausalLM) which parameters it ties."""
     import torch
-    from transformers import AutoModel
+    import transformers
 
+    arch = getattr(transformers, (config.architectures or [""])[0], None) if head else None
     with torch.device("meta"):
-        return AutoModel.from_config(config)
+        return arch(config) if arch is not None else transformers.AutoModel.from_config(config)
 
 
 def verify_fsdp(profile, recipe_kwargs: dict, gpus: int, model_config=None) -> str:

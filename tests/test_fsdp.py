@@ -253,6 +253,36 @@ def test_fsdp2_lora_with_checkpointing_and_packing_matches_ddp(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
+def test_fsdp2_tied_embeddings_are_saved_and_exported_once(tmp_path):
+    """SmolLM2-style tied input/output embeddings: same losses as DDP, and final/ and the export hold the shared
+    tensor once, as save_pretrained writes it (from_pretrained ties it again)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero.export import export_checkpoint
+    from hf_zero.models import get_model_config, get_tokenizer
+
+    tokenizer = get_tokenizer("tiny-llama")
+    cfg = get_model_config("tiny-llama", vocab_size=len(tokenizer))
+    cfg.tie_word_embeddings, cfg.pad_token_id = True, tokenizer.pad_token_id
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "tied")
+    tokenizer.save_pretrained(tmp_path / "tied")
+    flags = ["--model_name_or_path", str(tmp_path / "tied"), "--save_strategy", "steps", "--save_steps", "15"]
+    for name in ("ddp", "fsdp2"):
+        launch_recipe(name, tmp_path / name, *flags)
+    s, base = read_summary(tmp_path / "fsdp2"), read_summary(tmp_path / "ddp")
+    assert max(abs(a - b) for a, b in zip(s["losses"], base["losses"], strict=True)) <= 1e-4
+    final, ref = (load_file(str(tmp_path / n / "final" / "model.safetensors")) for n in ("fsdp2", "ddp"))
+    assert final.keys() == ref.keys() and "lm_head.weight" not in final
+    export_checkpoint(str(tmp_path / "fsdp2" / "checkpoint-15"), str(tmp_path / "hf"))
+    again = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert again.keys() == final.keys() and all(torch.equal(again[k], final[k]) for k in final)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
 def test_fsdp2_text_classification_with_lora_matches_ddp(tmp_path):
     from conftest import REPO
 
