@@ -23,7 +23,7 @@ from .errors import EXIT_USAGE, UserError
 __all__ = ["CHECKS", "CheckResult", "run_checks", "add_arguments", "run", "ACCEPTS_EXTRA"]
 
 CHECKS = ("profile", "recipe", "batch", "devices", "precision", "launch", "hostfile", "model", "data", "offload",
-          "output")
+          "fsdp", "output")
 ACCEPTS_EXTRA = True  # recipe flags (e.g. --learning_rate 1e-4) are checked with the YAML
 
 
@@ -204,11 +204,25 @@ def _hostfile(st):
 
 from .check_io import _data, _model, _offload, _output  # noqa: E402  (after _State, which they use)
 
+
+def _fsdp(st):
+    from .fsdp import verify_fsdp
+    from .models import get_model_config
+    from .profiles import gpu_count
+
+    config = None
+    if st.profile.uses_fsdp:
+        with contextlib.suppress(UserError):  # an unloadable model is the model check's to report
+            config = get_model_config(st.parsed[0].model_name_or_path)
+    return verify_fsdp(st.profile, st.parsed[3], gpu_count() if st.args.gpus is None else st.args.gpus, config)
+
+
+
 # check -> (function, what it needs from earlier checks)
 _TABLE = {"profile": (_profile, ()), "recipe": (_recipe, ()), "batch": (_batch, ("profile", "parsed")),
           "devices": (_devices, ("profile",)), "precision": (_precision, ("profile",)),
           "launch": (_launch, ("profile",)), "hostfile": (_hostfile, ("profile",)), "model": (_model, ("parsed",)),
-          "data": (_data, ("raw",)), "offload": (_offload, ("profile",)),
+          "data": (_data, ("raw",)), "offload": (_offload, ("profile",)), "fsdp": (_fsdp, ("profile", "parsed")),
           "output": (_output, ("profile", "parsed"))}
 _WHO = {"profile": "the profile", "parsed": "the recipe", "raw": "the recipe", "count": "the model"}
 

@@ -76,6 +76,7 @@ def build_checkpoint_metadata(trainer) -> dict:
         "metrics": metrics,
         "world_size": args.world_size,
         "profile": profile.name,
+        "engine": profile.engine,
         "zero_stage": int(ds.get("stage", 0)) if ds else 0,
         "offload_optimizer": profile.offload_optimizer,
         "offload_param": profile.offload_param,
@@ -136,6 +137,14 @@ class SafeCheckpointMixin:
         super().__init__(*args, **kwargs)
         self.add_callback(CheckpointCallback(has_eval=self.eval_dataset is not None))
 
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        from .fsdp import announce_layers, enable_fsdp_on_cpu
+
+        enable_fsdp_on_cpu(self)  # an FSDP profile on a machine without GPUs: FSDP2, not a silent DDP
+        if self.is_fsdp_enabled:
+            announce_layers(self)
+
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         ds = getattr(self.args, "hf_deepspeed_config", None)
         if resume_from_checkpoint and ds is not None and ds.config.get("checkpoint", {}).get("load_universal"):
@@ -174,6 +183,12 @@ class SafeCheckpointMixin:
         self._hf_zero_staging_root = staged.parent
         try:
             super()._save_checkpoint(model, trial)
+            if self.is_fsdp_enabled:
+                from .fsdp import save_pretrained_gathered
+
+                # The Trainer writes only the distributed checkpoint; config and tokenizer make it exportable, and
+                # a LoRA adapter (small) is gathered so the checkpoint loads with peft as under ZeRO.
+                save_pretrained_gathered(self, staged, weights=False)
             self._verify_saved_model(staged)
             self.accelerator.wait_for_everyone()  # every rank has written its shards
             self._finish_checkpoint(staged, run_dir, started)
@@ -186,7 +201,7 @@ class SafeCheckpointMixin:
         self.accelerator.wait_for_everyone()
 
     def _verify_saved_model(self, staged: Path) -> None:
-        """A LoRA adapter is read back and compared with the gathered weights (collective under ZeRO-3); any
+        """A LoRA adapter is read back and compared with the gathered weights (collective under ZeRO-3/FSDP2); any
         saved safetensors file must hold no empty placeholder tensor (pain-points #1, #2)."""
         from .saving import SavedModelMismatch, verify_saved_weights
 

@@ -1,9 +1,9 @@
 """Checkpoints on disk: what makes one complete, which one to resume from, which ones to keep.
 
-A checkpoint folder `checkpoint-N` is the Trainer's own (weights, DeepSpeed shards, optimizer, scheduler, RNG,
-trainer_state.json) plus two hf_zero files written last, after every rank has finished writing:
+A checkpoint folder `checkpoint-N` is the Trainer's own (weights, DeepSpeed or FSDP2 shards, optimizer, scheduler,
+RNG, trainer_state.json) plus two hf_zero files written last, after every rank has finished writing:
 - `hf_zero_checkpoint.json`: global step, curriculum stage and step within it, epoch, metrics, world size, profile,
-  ZeRO stage, batch plan, library versions, time, sizes;
+  engine, ZeRO stage, batch plan, library versions, time, sizes;
 - `hf_zero_manifest.json`: every other file with its size and CRC-32.
 A folder is only ever *renamed* to `checkpoint-N` once complete (see checkpoint_saving.py), so a crash leaves at
 worst a staging folder; a manifest that does not match (truncated, missing or altered file) makes resume skip the
@@ -238,10 +238,11 @@ def size_breakdown(sizes: dict[str, int]) -> dict[str, int]:
     """Bytes by kind: model weights, optimizer state, everything else (tokenizer, configs, RNG, scheduler)."""
     out = {"weights": 0, "optimizer": 0, "other": 0}
     for rel, size in sizes.items():
-        name = Path(rel).name
-        if "optim_states" in name or name == "optimizer.pt":
+        name, top = Path(rel).name, Path(rel).parts[0]
+        # FSDP2 (torch distributed checkpoint): optimizer_0/ and pytorch_model_fsdp_0/ hold one file per rank.
+        if "optim_states" in name or name == "optimizer.pt" or top.startswith("optimizer_"):
             out["optimizer"] += size
-        elif name.endswith((".safetensors", ".bin")) or "model_states" in name:
+        elif name.endswith((".safetensors", ".bin")) or "model_states" in name or top.startswith("pytorch_model_fsdp"):
             out["weights"] += size
         else:
             out["other"] += size

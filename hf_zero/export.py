@@ -1,9 +1,10 @@
 """`hf-zero export CHECKPOINT --out DIR [--dtype bf16|fp32] [--merge-lora]`: a Hugging Face folder (safetensors,
-config, tokenizer) from any checkpoint, ZeRO shards included.
+config, tokenizer) from any checkpoint, ZeRO shards and FSDP2 distributed checkpoints included.
 
 DeepSpeed checkpoints are consolidated from the fp32 master weights in the shards with DeepSpeed's own
 zero_to_fp32 reader in lazy mode (memory-mapped shards, one tensor materialised at a time), written one
-safetensors shard at a time, so at most one copy of the model is ever in memory. LoRA checkpoints give the
+safetensors shard at a time, so at most one copy of the model is ever in memory; FSDP2 checkpoints are read the same
+way, one tensor at a time, with torch.distributed.checkpoint (no process group needed). LoRA checkpoints give the
 adapter (or, with --merge-lora, the base model with the adapter merged in, loadable without peft). The folder is
 written under a temporary name and renamed when complete.
 """
@@ -131,8 +132,12 @@ def _export_full(folder: Path, out: Path, dtype) -> int:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
+    from .fsdp import is_fsdp_checkpoint, lazy_dcp_state
+
     if _is_deepspeed(folder):
         count = _write_sharded(_lazy_zero_state(folder, trainable_only=False), out, dtype)
+    elif is_fsdp_checkpoint(folder):
+        count = _write_sharded(lazy_dcp_state(folder), out, dtype)
     else:
         files = sorted(folder.glob("*.safetensors"))
         if not files:

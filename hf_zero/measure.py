@@ -123,7 +123,9 @@ def read_measurements(output_dir) -> list[dict]:
 
 
 def _tensors(obj):
-    if hasattr(obj, "untyped_storage"):
+    if hasattr(obj, "to_local"):  # an FSDP2 DTensor (parameter, gradient or Adam moment): this rank's shard
+        yield obj.to_local()
+    elif hasattr(obj, "untyped_storage"):
         yield obj
     elif isinstance(obj, (dict, list, tuple)):
         for v in obj.values() if isinstance(obj, dict) else obj:

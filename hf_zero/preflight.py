@@ -23,33 +23,40 @@ def human_bytes(b: float) -> str:
     return f"{int(b)} B"
 
 
-def _accelerate_deepspeed_keys() -> set[str]:
-    """The keys accelerate understands under `deepspeed_config:` (its launcher's DeepSpeed arguments). accelerate
-    itself copies any key there without complaint, so a misspelled `zero_stge: 3` would silently mean stage 0."""
+def _accelerate_deepspeed_keys(title: str = "DeepSpeed Arguments") -> set[str]:
+    """The keys accelerate understands under `deepspeed_config:` (or, with "FSDP Arguments", `fsdp_config:`): its
+    launcher's arguments. accelerate itself copies any key there without complaint, so a misspelled `zero_stge: 3`
+    would silently mean stage 0."""
     from accelerate.commands.launch import launch_command_parser
 
-    group = next(g for g in launch_command_parser()._action_groups if g.title == "DeepSpeed Arguments")
+    group = next(g for g in launch_command_parser()._action_groups if g.title == title)
     return {a.dest for a in group._group_actions}
 
 
 def verify_profile_keys(profile, keys=None) -> str:
-    """`keys`: the profile's deepspeed_config keys (default: from its YAML). Top-level keys were already checked by
-    accelerate's own loader in load_profile."""
+    """`keys`: the profile's deepspeed_config keys (default: from its YAML); an FSDP profile's fsdp_config keys are
+    checked the same way. Top-level keys were already checked by accelerate's own loader in load_profile."""
     import difflib
 
     keys = list((profile.raw.get("deepspeed_config") or {}) if keys is None else keys)
     known = _accelerate_deepspeed_keys() | {"mixed_precision"}  # accelerate lists mixed_precision among DS fields
-    unknown = [k for k in keys if k not in known]
-    if unknown:
-        hints = [f"{k} (did you mean {c[0]}?)" if (c := difflib.get_close_matches(k, known, n=1)) else k
-                 for k in unknown]
-        raise UserError(f"profile {profile.name}: deepspeed_config", f"unknown keys: {', '.join(hints)}",
-                        "fix the spelling or remove them (accelerate would ignore them silently)")
+    sections = [("deepspeed_config", keys, known)]
+    if profile.uses_fsdp:  # accelerate accepts fsdp_config keys with or without their fsdp_ prefix
+        sections.append(("fsdp_config", [k if k.startswith("fsdp_") else f"fsdp_{k}" for k in
+                                         profile.raw.get("fsdp_config") or {}],
+                         _accelerate_deepspeed_keys("FSDP Arguments") | {"fsdp_ignored_modules"}))
+    for section, names, allowed in sections:
+        unknown = [k for k in names if k not in allowed]
+        if unknown:
+            hints = [f"{k} (did you mean {c[0]}?)" if (c := difflib.get_close_matches(k, allowed, n=1)) else k
+                     for k in unknown]
+            raise UserError(f"profile {profile.name}: {section}", f"unknown keys: {', '.join(hints)}",
+                            "fix the spelling or remove them (accelerate would ignore them silently)")
     if "deepspeed_config_file" in keys:
         raise UserError(f"profile {profile.name}: deepspeed_config.deepspeed_config_file", "hf_zero builds the "
                         "DeepSpeed config from the profile's fields; a JSON file would be a second owner",
                         "move its settings into the profile's deepspeed_config fields")
-    kind = f"DeepSpeed ZeRO-{profile.zero_stage}" if profile.uses_deepspeed else profile.distributed_type
+    kind = profile.sharding if profile.uses_deepspeed or profile.uses_fsdp else profile.distributed_type
     return f"{profile.name} ({kind}, {profile.num_processes} processes on {profile.num_machines} machine(s), " \
            f"{profile.precision})" + (f" from {profile.path}" if profile.path else "")
 
@@ -150,6 +157,8 @@ def _writable_room(path: Path, field: str, fix: str) -> int:
 
 def verify_offload(profile, nvme_bytes: int | None, build_cpu_adam: bool = True) -> str:
     devices = {profile.offload_optimizer, profile.offload_param} - {"none"}
+    if profile.uses_fsdp and devices:
+        return "cpu: FSDP2's CPUOffloadPolicy (parameter shards, gradients and torch's Adam on the CPU; nothing to build)"
     if not profile.uses_deepspeed or not devices:
         return f"none in profile {profile.name}"
     done = []
@@ -180,6 +189,12 @@ def verify_offload(profile, nvme_bytes: int | None, build_cpu_adam: bool = True)
 
 def strategy_of(profile) -> str:
     """The memory.estimate strategy a profile runs."""
+    if profile.uses_fsdp:
+        from .memory import STRATEGIES
+
+        name = "fsdp2_offload" if profile.offload_param == "cpu" else "fsdp2"
+        # Until the estimator has FSDP2 rows, ZeRO-3's: the same sharded parameters, gradients and Adam state.
+        return name if name in STRATEGIES else name.replace("fsdp2", "zero3")
     if not profile.uses_deepspeed or not profile.zero_stage:
         return "ddp"
     devices = (profile.offload_optimizer, profile.offload_param)
@@ -262,7 +277,7 @@ def check_launch_at_start(profile, parsed: tuple, world: int, config: str | None
     env = dict(os.environ if env is None else env)
     verify_launch(profile, env, config)
     ds_fields = env.get("ACCELERATE_CONFIG_DS_FIELDS")  # the profile's deepspeed_config keys, as accelerate read them
-    if profile.uses_deepspeed and (ds_fields or profile.raw):
+    if (profile.uses_deepspeed or profile.uses_fsdp) and (ds_fields or profile.raw):
         verify_profile_keys(profile, [k for k in ds_fields.split(",") if k] if ds_fields else None)
     gpus = gpu_count()
     verify_devices(profile, _nproc(profile, world, env), gpus)
@@ -275,6 +290,14 @@ def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: l
                         env: dict | None = None) -> None:
     """NVMe and output room for the model's size: after its offline assets are in the cache (it reads its config)."""
     model = next((a for a in parsed if hasattr(a, "model_name_or_path")), None)
+    from .fsdp import verify_fsdp
+
+    config = None
+    if profile.uses_fsdp and model is not None:
+        from .models import get_model_config
+
+        config = get_model_config(model.model_name_or_path)
+    verify_fsdp(profile, training_kwargs, gpu_count(), config)
     if model is None:
         return
     nproc = _nproc(profile, world, dict(os.environ if env is None else env))

@@ -1,7 +1,9 @@
-"""Profiles: the accelerate YAMLs in `accelerate_configs/` that own hardware, ZeRO stage, offload and precision.
+"""Profiles: the accelerate YAMLs in `accelerate_configs/` that own hardware, the sharding engine (DeepSpeed ZeRO
+stage or FSDP2), offload and precision.
 
-A profile is found by name (`zero3`) or path, validated with accelerate's own config loader, and turned into the
-DeepSpeed config hf_zero hands to the Trainer. Inside a launched worker the profile is read back from the
+A profile is found by name (`zero3`, `fsdp2`) or path, validated with accelerate's own config loader, and (for
+DeepSpeed) turned into the DeepSpeed config hf_zero hands to the Trainer; FSDP2 is configured by accelerate itself
+from the profile's `fsdp_config`. Inside a launched worker the profile is read back from the
 environment accelerate sets, so a run started with plain `accelerate launch --config_file X` is understood too.
 """
 
@@ -48,12 +50,42 @@ class Profile:
     nvme_path: str | None = None
     zero3_init: bool = False
     zero3_save_16bit_model: bool = False
+    fsdp_version: int | None = None
+    reshard_after_forward: bool = True
+    fsdp_layer_cls: str | None = None  # None: the model's own `_no_split_modules` (read by accelerate)
+    fsdp_wrap: str | None = None  # accelerate's fsdp_auto_wrap_policy
+    fsdp_state_dict_type: str | None = None
+    fsdp_activation_checkpointing: bool = False
     path: str | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
     @property
     def uses_deepspeed(self) -> bool:
         return self.distributed_type == "DEEPSPEED"
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return self.distributed_type == "FSDP"
+
+    @property
+    def engine(self) -> str:
+        """deepspeed, fsdp2 (fsdp1 for an FSDP1 profile), ddp or single: what checkpoints and summaries record."""
+        if self.uses_deepspeed:
+            return "deepspeed"
+        if self.uses_fsdp:
+            return f"fsdp{self.fsdp_version or 1}"
+        return "ddp" if self.num_processes > 1 or self.distributed_type.startswith("MULTI") else "single"
+
+    @property
+    def sharding(self) -> str:
+        """One phrase for the banner and summary.json: what each rank holds."""
+        if self.uses_deepspeed:
+            return f"DeepSpeed ZeRO-{self.zero_stage}"
+        if self.uses_fsdp:
+            when = "reshard after forward" if self.reshard_after_forward else "kept gathered until backward"
+            layers = f" per {self.fsdp_layer_cls}" if self.fsdp_layer_cls else ""
+            return f"FSDP{self.fsdp_version or 1} full shard{layers}, {when}"
+        return "none (every rank holds the whole model)" if self.engine == "ddp" else "none"
 
     @property
     def precision(self) -> str:
@@ -88,8 +120,14 @@ def load_profile(name_or_path: str) -> Profile:
     _validate_with_accelerate(path)
     _validate_values(raw, path)
     ds = raw.get("deepspeed_config") or {}
+    fsdp = raw.get("fsdp_config") or {}
     dist = str(raw.get("distributed_type", "NO"))
     nvme = os.environ.get(NVME_ENV) or ds.get("offload_param_nvme_path") or ds.get("offload_optimizer_nvme_path")
+    if dist == "FSDP":
+        return Profile(name=path.stem, path=str(path), raw=raw, **_fsdp_fields(
+            {k if k.startswith("fsdp_") else f"fsdp_{k}": v for k, v in fsdp.items()}, dist,
+            int(raw.get("num_processes", 1)), str(raw.get("mixed_precision", "no")).lower()),
+            num_machines=int(raw.get("num_machines", 1)))
     return Profile(
         name=path.stem,
         distributed_type=dist,
@@ -105,6 +143,23 @@ def load_profile(name_or_path: str) -> Profile:
         path=str(path),
         raw=raw,
     )
+
+
+def _fsdp_fields(cfg: dict, dist: str, world: int, precision: str) -> dict:
+    """Profile fields from accelerate's fsdp_* settings (a YAML's fsdp_config or the launcher's FSDP_* variables).
+    FSDP2's CPUOffloadPolicy moves the parameter shards, their gradients and the optimizer step to the CPU at once."""
+    def flag(key, default):
+        return str(cfg.get(key, default)).lower() in ("true", "1")
+
+    offload = "cpu" if flag("fsdp_offload_params", False) else "none"
+    layer = cfg.get("fsdp_transformer_layer_cls_to_wrap")
+    return dict(distributed_type=dist, num_processes=world, mixed_precision=precision,
+                fsdp_version=int(cfg.get("fsdp_version", 1)), offload_optimizer=offload, offload_param=offload,
+                reshard_after_forward=flag("fsdp_reshard_after_forward", True),
+                fsdp_layer_cls=str(layer) if layer else None,
+                fsdp_wrap=str(cfg.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper(),
+                fsdp_state_dict_type=str(cfg.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")),
+                fsdp_activation_checkpointing=flag("fsdp_activation_checkpointing", False))
 
 
 def _validate_with_accelerate(path: Path) -> None:
@@ -170,6 +225,12 @@ def profile_from_env(env: dict | None = None) -> Profile:
             zero3_init=env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true").lower() == "true",
             zero3_save_16bit_model=env.get("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "true").lower() == "true",
         )
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        fields = _fsdp_fields({f"fsdp_{k[5:].lower()}": v for k, v in env.items() if k.startswith("FSDP_")},
+                              "FSDP", world, precision)
+        fields["fsdp_layer_cls"] = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") or None
+        name = f"fsdp{fields['fsdp_version']}" + ("_offload" if fields["offload_param"] == "cpu" else "")
+        return Profile(name=name, **fields)
     if world > 1:
         return Profile(name="ddp", distributed_type="MULTI_GPU", num_processes=world, mixed_precision=precision)
     return Profile(name="single", mixed_precision=precision)

@@ -1,6 +1,6 @@
 """Resuming: pick the newest complete checkpoint, check it against this run BEFORE any engine exists, and make a
-checkpoint written with another number of ranks loadable (DeepSpeed's universal checkpoint), or stop with one line
-that says what to do.
+checkpoint written with another number of ranks loadable (DeepSpeed's universal checkpoint; FSDP2's distributed
+checkpoints reshard on load by themselves), or stop with one line that says what to do.
 
 Same command again -> resume from the latest complete checkpoint, or, when the run already finished (summary.json
 is written last), say so and touch nothing; `--fresh_start true` -> start from step 0 (everything the previous run
@@ -50,6 +50,13 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
     if not meta:
         _say(f"warning: {name} has no hf_zero metadata; resuming without compatibility checks")
         return False
+    written = _format_of(meta.get("engine") or _engine_on_disk(checkpoint))
+    now = _format_of(prof.engine)
+    if written != now:
+        raise UserError("profile", f"{name} was written with profile {meta.get('profile')} ({written} checkpoint) but "
+                        f"this run uses {prof.name} ({now}), which cannot read it",
+                        f"resume with profile {meta.get('profile')}, or `hf-zero export {checkpoint} --out DIR` and "
+                        "start a new run from DIR with --fresh_start true")
     stage_now = int(prof.zero_stage or 0) if prof.uses_deepspeed else 0
     if int(meta.get("zero_stage", 0)) != stage_now:
         raise UserError("profile", f"{name} was written with profile {meta.get('profile')} "
@@ -64,8 +71,26 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
                         f"pass --global_batch_size {meta.get('global_batch')} (accumulation adapts to the rank count) "
                         "or --fresh_start true")
     if meta.get("world_size") == plan.world or not prof.uses_deepspeed:
-        return False  # the Trainer's own (non-DeepSpeed) checkpoints do not depend on the rank count
+        # The Trainer's own checkpoints do not depend on the rank count; FSDP2's distributed checkpoints record
+        # each tensor's global shape and reshard on load.
+        return False
     return True
+
+
+def _engine_on_disk(checkpoint: Path) -> str:
+    from .fsdp import is_fsdp_checkpoint
+
+    if is_fsdp_checkpoint(checkpoint):
+        return "fsdp2"
+    return "deepspeed" if (checkpoint / "latest").is_file() else "ddp"
+
+
+def _format_of(engine: str) -> str:
+    """Which checkpoint layout an engine writes: DeepSpeed shards, FSDP distributed checkpoints, or plain files
+    (DDP and one process write the same)."""
+    if engine == "deepspeed":
+        return "DeepSpeed ZeRO"
+    return engine.upper() if engine.startswith("fsdp") else "plain Trainer"
 
 
 def convert_to_universal(checkpoint: Path) -> Path:
@@ -131,6 +156,8 @@ def _choose(ctx, fresh_start: bool) -> dict:
     where = f" (stage '{stage['name']}', {stage['steps_done']}/{stage['steps']} steps done)" if stage else ""
     ranks = (f"; written by {_ranks(meta.get('world_size'))}, converting for {_ranks(ctx.plan.world)}"
              if universal else "")
+    if ctx.profile.uses_fsdp and meta.get("world_size") not in (None, ctx.plan.world):
+        ranks = f"; written by {_ranks(meta.get('world_size'))}, resharded on load for {_ranks(ctx.plan.world)}"
     _say(f"resuming from {checkpoint} at step {meta.get('global_step', '?')}{where}{ranks}")
     return {"resume": str(checkpoint), "universal": universal}
 

@@ -137,7 +137,7 @@ def print_banner(ctx: RunContext, trainable: int, total: int) -> None:
     p = ctx.profile
     lines = [
         "=" * 72,
-        f"hf_zero | profile {p.name} | {'DeepSpeed ZeRO-' + str(p.zero_stage) if p.uses_deepspeed else p.distributed_type}",
+        f"hf_zero | profile {p.name} | {p.sharding if p.uses_deepspeed or p.uses_fsdp else p.distributed_type}",
         f"  offload: optimizer={p.offload_optimizer} params={p.offload_param} | precision: {p.precision}",
         *one_rank_note(p, ctx.plan.world),
         f"  world size {ctx.plan.world} | ranks -> devices: {', '.join(f'{i}:{d}' for i, d in enumerate(devices))}",
@@ -165,6 +165,8 @@ def write_summary(ctx: RunContext, extra: dict, log_history: list | None = None)
     summary = {
         "profile": p.name,
         "zero_stage": int(p.zero_stage or 0),
+        "engine": p.engine,
+        "sharding": p.sharding,
         "offload_optimizer": p.offload_optimizer,
         "offload_param": p.offload_param,
         "precision": p.precision,

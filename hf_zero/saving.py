@@ -1,6 +1,6 @@
 """The final model: written in Hugging Face format by the Trainer, then read back and compared with the engine's
 gathered weights, so an empty LoRA adapter or placeholder weights under ZeRO-3 (pain-points #1, #2) fail loudly
-instead of shipping."""
+instead of shipping. Under FSDP2 the Trainer writes no weights for a sharded state dict: they are gathered here."""
 
 from __future__ import annotations
 
@@ -33,9 +33,11 @@ def _file_key(param_name: str, is_peft: bool) -> str:
 
 def verify_saved_weights(model, folder: Path, atol: float = 0.0) -> int:
     """Compare every trainable parameter (all of them for a full model) with the saved file; collective under
-    ZeRO-3, so every rank must call it. Returns the number of tensors checked (on rank 0)."""
+    ZeRO-3 and FSDP2, so every rank must call it. Returns the number of tensors checked (on rank 0)."""
     import torch
     import torch.distributed as dist
+
+    from .fsdp import full_tensor
 
     is_peft = hasattr(model, "peft_config")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -57,6 +59,7 @@ def verify_saved_weights(model, folder: Path, atol: float = 0.0) -> int:
 
             ctx = contextlib.nullcontext()
         with ctx:
+            value = full_tensor(param.detach())  # an FSDP2 shard is gathered on every rank
             if not rank0:
                 continue
             key = _file_key(name, is_peft)
@@ -66,7 +69,7 @@ def verify_saved_weights(model, folder: Path, atol: float = 0.0) -> int:
                 if is_peft:
                     problems.append(f"{name} missing")
                 continue
-            got, want = saved[key].float(), param.detach().float().cpu()
+            got, want = saved[key].float(), value.float().cpu()
             if got.shape != want.shape or not torch.allclose(got, want, atol=atol, rtol=0):
                 problems.append(f"{key} differs (shape {tuple(got.shape)} vs {tuple(want.shape)})")
             checked += 1
@@ -90,12 +93,17 @@ def make_shareable(folder: Path) -> None:
 
 
 def save_final_model(trainer, folder: Path) -> Path:
-    """`Trainer.save_model` (gathering ZeRO-3 shards; only the adapter for LoRA), then verify the result."""
+    """`Trainer.save_model` (gathering ZeRO-3 or FSDP2 shards; only the adapter for LoRA), then verify the result."""
     from .distributed import waiting_for
 
     folder = Path(folder)
     with waiting_for("the other ranks while saving and verifying the final model"):
-        trainer.save_model(str(folder))
+        if getattr(trainer, "is_fsdp_enabled", False):
+            from .fsdp import save_pretrained_gathered
+
+            save_pretrained_gathered(trainer, folder)
+        else:
+            trainer.save_model(str(folder))
         trainer.accelerator.wait_for_everyone()
         model = trainer.accelerator.unwrap_model(trainer.model_wrapped) if trainer.model_wrapped is not None else \
             trainer.model

@@ -84,7 +84,7 @@ def test_misspelled_deepspeed_key_in_profile(capsys, tmp_path):
     bad = profile(tmp_path, replace={"  zero_stage: 2": "  zero_stge: 2"})
     rc, res = check(capsys, "--profile", bad, "--config", str(TINY))
     assert failed(res) == {"profile"}  # no knock-on FAILs: what needs the profile says "not checked"
-    assert skipped(res) == {"batch", "devices", "precision", "launch", "hostfile", "offload", "output"}
+    assert skipped(res) == {"batch", "devices", "precision", "launch", "hostfile", "offload", "fsdp", "output"}
     assert "zero_stge (did you mean zero_stage?)" in res["profile"][1]
     assert res["batch"][1].startswith("not checked: the profile did not load")
 

@@ -109,7 +109,8 @@ def _ctx(tmp_path, world=1, global_batch=4, stage=2, fresh=False):
     from hf_zero.reconcile import BatchPlan
 
     plan = BatchPlan(micro=global_batch // world, accumulation=1, world=world)
-    profile = SimpleNamespace(name=f"zero{stage}", zero_stage=stage, uses_deepspeed=stage > 0)
+    profile = SimpleNamespace(name=f"zero{stage}", zero_stage=stage, uses_deepspeed=stage > 0, uses_fsdp=False,
+                              engine="deepspeed" if stage else "ddp")
     args = SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint=None)
     return SimpleNamespace(profile=profile, plan=plan, training_args=args)
 
@@ -291,7 +292,7 @@ def test_sigkill_and_resume_gives_the_uninterrupted_weights_zero2(tmp_path, refe
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("profile", ["zero2", "zero3", "zero3_offload"])
+@pytest.mark.parametrize("profile", ["zero2", "zero3", "zero3_offload", "fsdp2", "fsdp2_offload"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sigkill_and_resume_several_seeds(tmp_path_factory, profile, seed, config):
     root = tmp_path_factory.mktemp(f"kill-{profile}-{seed}")

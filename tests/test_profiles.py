@@ -10,7 +10,7 @@ from hf_zero.profiles import build_deepspeed_config, list_profiles, load_profile
 from conftest import PROFILES
 
 REQUIRED = {"cpu", "single_gpu", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "zero3_nvme", "l40x4",
-            "h100x8", "multinode"}
+            "h100x8", "multinode", "fsdp2", "fsdp2_offload"}
 EXPECTED = {  # name: (distributed_type, zero_stage, offload optimizer, offload params, precision, processes)
     "cpu": ("DEEPSPEED", 2, "none", "none", "no", 2),
     "single_gpu": ("NO", None, "none", "none", "bf16", 1),
@@ -23,6 +23,8 @@ EXPECTED = {  # name: (distributed_type, zero_stage, offload optimizer, offload 
     "l40x4": ("DEEPSPEED", 3, "none", "none", "bf16", 4),
     "h100x8": ("DEEPSPEED", 2, "none", "none", "bf16", 8),
     "multinode": ("DEEPSPEED", 3, "none", "none", "no", 4),
+    "fsdp2": ("FSDP", None, "none", "none", "no", 2),
+    "fsdp2_offload": ("FSDP", None, "cpu", "cpu", "no", 2),
 }
 
 
