@@ -18,6 +18,10 @@ def load_source(spec: str, where: str):
     """One data source as a `datasets.Dataset`."""
     import datasets
 
+    from .console import verbose
+
+    if not verbose():  # "Generating train split" bars, once per file and rank, bury the run's own lines
+        datasets.disable_progress_bars()
     if spec.startswith("builtin:"):
         from .assets import resolve_data_path
 
@@ -26,7 +30,7 @@ def load_source(spec: str, where: str):
     local = Path(path)
     if local.suffix in _FORMATS:
         if not local.is_file():
-            raise UserError(where, f"data file {path} does not exist", "fix the path (relative to where you launch)")
+            raise UserError(where, f"data file {path} does not exist", "fix the path (a relative path is read from the recipe YAML's folder)")
         try:
             return datasets.load_dataset(_FORMATS[local.suffix], data_files=str(local), split="train")
         except Exception as err:  # datasets raises many types for unreadable files
