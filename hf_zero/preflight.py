@@ -291,6 +291,7 @@ def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: l
     """NVMe and output room for the model's size: after its offline assets are in the cache (it reads its config)."""
     model = next((a for a in parsed if hasattr(a, "model_name_or_path")), None)
     from .fsdp import verify_fsdp
+    from .profiles import gpu_count
 
     config = None
     if profile.uses_fsdp and model is not None:
