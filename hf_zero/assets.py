@@ -298,9 +298,19 @@ def recipe_assets(argv: list[str]) -> tuple[str, list[str]]:
     return str(model), data
 
 
-def prepare_assets_in_worker(model: str | None, data, builder: bool) -> None:
-    """Inside a launched rank, between barriers (the caller's): `builder` (local rank 0) builds what is missing in a
-    clean child process, outside this process group and zero.Init; the others only check after it is done."""
+def prepare_assets_in_worker(training_args, model: str | None, data) -> None:
+    """Inside a launched rank: what `hf-zero train` has not built already, local rank 0 builds in a clean child
+    process (outside this process group and zero.Init) while the other ranks wait at a barrier, then only check."""
+    from .distributed import stall_if_asked, waiting_for
+
+    builder = training_args.local_process_index == 0
+    stall_if_asked()
+    what = "the other ranks at the offline-asset barrier" if builder else "local rank 0 to build the offline assets"
+    with waiting_for(what), training_args.main_process_first(local=True, desc="offline assets"):
+        _build_missing_in_child(model, data, builder)
+
+
+def _build_missing_in_child(model: str | None, data, builder: bool) -> None:
     missing = missing_run_assets(model, data)
     if not missing:
         return

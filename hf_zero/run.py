@@ -101,25 +101,13 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sys.stdout if verbose() else sink):
             deepspeed.init_distributed(dist_backend="gloo" if gpu_count() == 0 else None,
                                        timeout=timedelta(seconds=training_args.ddp_timeout))
-    _prepare_assets(training_args, parsed, stages)
+    from .assets import prepare_assets_in_worker
+
+    model = next((a.model_name_or_path for a in parsed if hasattr(a, "model_name_or_path")), None)
+    prepare_assets_in_worker(training_args, model, [d for s in stages for d in s.data])
     # NVMe and output room for the model's size, now that its config is in the cache; still before any engine.
     check_room_at_start(profile, kwargs, tuple(parsed), stages, world)
     return RunContext(tuple(parsed), stages, training_args, profile, plan, config_path)
-
-
-def _prepare_assets(training_args, parsed, stages) -> None:
-    """The run's offline model and data, built (when `hf-zero train` has not already) by local rank 0 alone, in a
-    child process outside the process group and zero.Init, while the other ranks wait at a barrier."""
-    from .assets import prepare_assets_in_worker
-    from .distributed import stall_if_asked, waiting_for
-
-    model = next((a.model_name_or_path for a in parsed if hasattr(a, "model_name_or_path")), None)
-    data = [d for s in stages for d in s.data]
-    builder = training_args.local_process_index == 0
-    stall_if_asked()
-    what = "the other ranks at the offline-asset barrier" if builder else "local rank 0 to build the offline assets"
-    with waiting_for(what), training_args.main_process_first(local=True, desc="offline assets"):
-        prepare_assets_in_worker(model, data, builder)
 
 
 def print_banner(ctx: RunContext, trainable: int, total: int) -> None:

