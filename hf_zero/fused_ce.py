@@ -73,10 +73,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             g = g.to(h.dtype)
             if want_h:
                 grad_h[start:start + chunk] = g @ weight
-            if want_w and h.dtype == acc:
-                grad_w.addmm_(g.t(), h)  # no vocabulary-sized temporary
-            elif want_w:
-                grad_w += g.t() @ h
+            if want_w:
+                # the chunk's operands upcast (small), never the product: a vocabulary x hidden temporary in bf16,
+                # added into fp32, would cost another fp32 copy of it (measured on CPU). On a GPU this matmul is
+                # then fp32: liger-kernel's path is the fast one there.
+                grad_w.addmm_(g.t().to(acc), h.to(acc))
         # Kept until backward in the parameters' own dtype (half the bytes of the accumulator for bf16 weights).
         ctx.grads = (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                      None if grad_b is None else grad_b.to(bias.dtype))
@@ -109,9 +110,11 @@ def linear_cross_entropy(hidden, weight, bias, targets, denom, chunk: int | None
     of more than one chunk: Liger's kernel for CUDA tensors when installed, `ChunkedLinearCrossEntropy` otherwise."""
     liger = _liger_kernel() if hidden.is_cuda else None
     if liger is not None:
-        # fp32 accumulation of the weight gradient over chunks, as the chunked path does
-        return liger(hidden, weight, targets, bias=bias, ignore_index=IGNORE, reduction="sum",
-                     accum_dtype=torch.float32) / denom
+        import inspect
+
+        # fp32 accumulation of the weight gradient over chunks, as the chunked path does (liger-kernel >= 0.6)
+        extra = {"accum_dtype": torch.float32} if "accum_dtype" in inspect.signature(liger).parameters else {}
+        return liger(hidden, weight, targets, bias=bias, ignore_index=IGNORE, reduction="sum", **extra) / denom
     chunk = chunk or chunk_tokens(hidden.shape[0], weight.shape[0], weight.shape[1])
     return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, denom, chunk)
 

@@ -330,7 +330,9 @@ def zero3_speed_settings(model_config=None, lora_targets=None) -> dict:
     # a string is peft's "all-linear" or a regex: it may match inside the MLP
     targets = {"all-linear"} if isinstance(lora_targets, str) else set(lora_targets or [])
     if mlp is not None and not targets & mlp[1] and "all-linear" not in targets:
-        settings["leaf_module"] = {"classes": [mlp[0]]}
+        from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES  # MoE blocks
+
+        settings["leaf_module"] = {"classes": [*DEFAULT_LEAF_MODULE_CLASSES, mlp[0]]}
     return settings
 
 
@@ -373,6 +375,10 @@ def build_deepspeed_config(profile: Profile, on_cpu: bool, model_config=None, lo
     if stage == 3:
         zero.update(stage3_gather_16bit_weights_on_model_save=profile.zero3_save_16bit_model,
                     **zero3_speed_settings(model_config, lora_targets))
+        if not on_cpu:
+            # DeepSpeed's own ZeRO-3 default: gradients are reduce-scattered while backward goes on, for buckets of
+            # h^2 elements; on the CPU accelerator there are no streams to overlap on.
+            zero["overlap_comm"] = True
     for kind, device in (("optimizer", profile.offload_optimizer), ("param", profile.offload_param)):
         if device in ("cpu", "nvme") and (kind == "optimizer" or stage == 3):
             section = {"device": device}

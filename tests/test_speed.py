@@ -25,7 +25,7 @@ def test_zero3_settings_are_sized_from_one_decoder_layer():
     layer = _tiny_layer_params()
     assert z["stage3_prefetch_bucket_size"] == z["stage3_max_reuse_distance"] == layer == 9280
     assert z["stage3_param_persistence_threshold"] == 10 * 32 and z["stage3_max_live_parameters"] >= 3 * layer
-    assert z["leaf_module"] == {"classes": ["LlamaMLP"]}
+    assert z["leaf_module"]["classes"][-1] == "LlamaMLP"
 
 
 @pytest.mark.parametrize("targets,leaf", [(None, True), (["q_proj", "k_proj", "v_proj", "o_proj"], True),
@@ -37,6 +37,14 @@ def test_the_mlp_is_a_leaf_module_only_without_lora_inside(targets, leaf):
     kwargs, _ = reconcile_training_kwargs({}, load_profile("zero3"), 2, False, None, model_args=args)
     z = kwargs["deepspeed"]["zero_optimization"]
     assert ("leaf_module" in z) is leaf and z["stage3_max_reuse_distance"] == _tiny_layer_params()
+
+
+def test_zero3_overlaps_gradient_reduction_on_gpus_only():
+    from hf_zero.profiles import build_deepspeed_config
+
+    for on_cpu in (True, False):
+        z = build_deepspeed_config(load_profile("zero3"), on_cpu=on_cpu)["zero_optimization"]
+        assert z["overlap_comm"] is not on_cpu
 
 
 def test_stage_2_does_not_read_the_model():
