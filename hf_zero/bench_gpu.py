@@ -71,10 +71,10 @@ def model_folder(config_dir: Path) -> Path:
     """Random-init weights of the config's shape with hf_zero's tiny tokenizer, built once per config."""
     import hashlib
 
-    from .assets import _build_once, get_cache_dir
+    from .cache import build_once, get_cache_dir
 
     digest = hashlib.sha256((config_dir / "config.json").read_bytes()).hexdigest()[:12]
-    return _build_once(get_cache_dir() / "bench_models" / f"{config_dir.name}-{digest}", _build_model, config_dir)
+    return build_once(get_cache_dir() / "bench_models" / f"{config_dir.name}-{digest}", _build_model, config_dir)
 
 
 def _recipe(path: Path, model: Path, seq_len: int, micro: int, steps: int) -> Path:

@@ -224,13 +224,15 @@ def encode_rows(ds, tokenizer, fmt: str, opts: FormatOptions, max_len: int, wher
     report = SourceReport(spec, fmt, trains_what(fmt, opts))
     if fmt == "conversational":
         sharegpt = opts.messages_field not in ds.column_names
-        rows = ds["conversations" if sharegpt else opts.messages_field]
-        encode = lambda i: _encode_conversation(  # noqa: E731
-            tokenizer, _messages(rows[i], row, opts.messages_field, sharegpt), opts, row)
+        column = ds["conversations" if sharegpt else opts.messages_field]
+
+        def encode(i: int) -> Encoded:
+            return _encode_conversation(tokenizer, _messages(column[i], row, opts.messages_field, sharegpt), opts, row)
     else:
         prompts, completions = ds[opts.prompt_field], ds[opts.completion_field]
-        encode = lambda i: _encode_prompt_completion(  # noqa: E731
-            tokenizer, prompts[i], completions[i], opts, row, fmt)
+
+        def encode(i: int) -> Encoded:
+            return _encode_prompt_completion(tokenizer, prompts[i], completions[i], opts, row, fmt)
     samples = []
     for i in range(len(ds)):
         row.n = i + 1

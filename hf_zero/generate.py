@@ -1,7 +1,7 @@
 """`hf-zero generate`: answer a prompt with a trained model or adapter, formatted by the chat template it was trained
 with; and the greedy generation the stage-end samples use (hf_zero.samples).
 
-    hf-zero generate --adapter runs/smollm2_chat/final --chat --prompt "..."
+    hf-zero generate --adapter runs/smollm2_chat/final --chat --system "..." --prompt "..."
     hf-zero generate --model runs/tiny/final --prompt "The big hen"
 """
 
@@ -22,6 +22,7 @@ def add_arguments(parser) -> None:
                                           "template are used")
     parser.add_argument("--prompt", required=True, help="the text to continue, or with --chat the user's message")
     parser.add_argument("--chat", action="store_true", help="format the prompt with the chat template, as a user turn")
+    parser.add_argument("--system", help="with --chat: a system turn before the user's")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="longest answer, in tokens (default 64)")
 
 
@@ -104,7 +105,10 @@ def run(args) -> int:
         if not tokenizer.chat_template:
             raise UserError("--chat", "this tokenizer has no chat template",
                             "train with chat data (the template is saved with the model), or drop --chat")
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+        turns = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = tokenizer.apply_chat_template(turns + [{"role": "user", "content": prompt}], tokenize=False,
                                                add_generation_prompt=True)
+    elif args.system:
+        raise UserError("--system", "needs --chat", "add --chat, or put the text in --prompt")
     print(generate_answers(model, tokenizer, [prompt], args.max_new_tokens)[0], flush=True)
     return 0

@@ -172,9 +172,11 @@ def test_chat_demo_config_on_the_tiny_model(tmp_path):
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [(r["step"], r["when"]) for r in rows] == [(0, "start")] * 4 + [(3, "end")] * 4
     # the held-out questions are the eval_data file's, answered by plays' titles
-    from hf_zero.assets import WHICH_PLAY_TITLES
+    from hf_zero.assets import WHICH_PLAY_TITLES, resolve_data_path
 
     titles = set(WHICH_PLAY_TITLES.values())
-    assert all(r["reference"] in titles and r["question"].endswith("Answer with the title only.") for r in rows)
+    held_out = [json.loads(line)["messages"] for line in open(resolve_data_path("builtin:shakespeare/which_play_test"))]
+    asked = {m[1]["content"]: m[2]["content"] for m in held_out}
+    assert all(r["reference"] in titles and asked[r["question"]] == r["reference"] for r in rows)
     assert (out / "final" / "chat_template.jinja").is_file() and (out / "final" / "adapter_model.safetensors").is_file()
     assert "stage 1/1 'which_play' starts at step 1" in proc.stdout

@@ -109,9 +109,31 @@ def _check_test_gpu(proc):
         assert "no CUDA GPU on this machine" in proc.stdout and " passed" not in proc.stdout, proc.stdout[-2000:]
 
 
+def _check_chat_demo(proc):
+    s = json.loads((REPO / "runs" / "smollm2_chat" / "summary.json").read_text())
+    assert (s["profile"], s["world_size"], s["use_peft"]) == ("cpu", 2, True)
+    assert s["exact_match_after"] >= s["exact_match_before"] + 0.3 and s["eval_loss_after"] < s["eval_loss_before"]
+    assert (REPO / "runs" / "smollm2_chat" / "final" / "chat_template.jinja").is_file()
+
+
+def _answer(proc) -> str:
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _check_generate(proc):
+    from hf_zero.assets import WHICH_PLAY_TITLES
+
+    if "--adapter runs/smollm2_chat/final" in proc.args:  # trained: a title, as asked
+        assert _answer(proc) in WHICH_PLAY_TITLES.values(), _answer(proc)
+    else:  # as shipped: a sentence about the passage
+        assert len(_answer(proc).split()) > 5, _answer(proc)
+
+
 CHECKS = {
     "make train": _check_make_train,
     "make test-gpu": _check_test_gpu,
+    "make train CONFIG=recipes/configs/smollm2_chat.yaml": _check_chat_demo,
+    **{c: _check_generate for c in readme_commands() if c.startswith("hf-zero generate")},
     "hf-zero train --profile h100x8 --precision bf16 --config recipes/configs/smollm2_shakespeare.yaml --dry-run":
         _check_dry_run,
     "hf-zero estimate --config recipes/configs/smollm2_shakespeare.yaml --gpus-per-node 1 --gpu-memory 24GiB":
