@@ -158,7 +158,7 @@ def _writable_room(path: Path, field: str, fix: str) -> int:
 def verify_offload(profile, nvme_bytes: int | None, build_cpu_adam: bool = True) -> str:
     devices = {profile.offload_optimizer, profile.offload_param} - {"none"}
     if profile.uses_fsdp and devices:
-        return "cpu: FSDP2's CPUOffloadPolicy (parameter shards, gradients and torch's Adam on the CPU; nothing to build)"
+        return "cpu: FSDP2's CPUOffloadPolicy (parameter shards, gradients and Adam on the CPU; nothing to build)"
     if not profile.uses_deepspeed or not devices:
         return f"none in profile {profile.name}"
     done = []

@@ -50,7 +50,7 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
     if not meta:
         _say(f"warning: {name} has no hf_zero metadata; resuming without compatibility checks")
         return False
-    written = _format_of(meta.get("engine") or _engine_on_disk(checkpoint))
+    written = _format_of(meta.get("engine") or ("deepspeed" if meta.get("zero_stage") else _engine_on_disk(checkpoint)))
     now = _format_of(prof.engine)
     if written != now:
         raise UserError("profile", f"{name} was written with profile {meta.get('profile')} ({written} checkpoint) but "

@@ -41,6 +41,21 @@ def test_fsdp_profiles_describe_engine_sharding_and_offload():
     assert p.sharding == "FSDP2 full shard per LlamaDecoderLayer, kept gathered until backward"
 
 
+def test_precision_is_the_profiles_and_reaches_the_trainer_as_for_zero():
+    from dataclasses import replace
+
+    from hf_zero.reconcile import reconcile_training_kwargs
+
+    bf16 = replace(load_profile("fsdp2"), mixed_precision="bf16")  # PRECISION=bf16 at launch
+    kwargs, plan = reconcile_training_kwargs({"per_device_train_batch_size": 2}, bf16, 2, has_gpu=False,
+                                             global_batch=8)
+    assert (kwargs["bf16"], kwargs["fp16"], kwargs["use_cpu"], plan.accumulation) == (True, False, True, 2)
+    assert "deepspeed" not in kwargs  # FSDP2's mixed-precision policy comes from the same profile, via accelerate
+    with pytest.raises(UserError) as err:
+        reconcile_training_kwargs({"bf16": True}, load_profile("fsdp2"), 2, has_gpu=False, global_batch=None)
+    assert "profile fsdp2 says mixed_precision: no" in err.value.line()
+
+
 def test_check_passes_fsdp2_and_names_the_layer_class(capsys, tmp_path):
     rc, res = check(capsys, "--profile", "fsdp2_offload", "--config", str(TINY), output_dir=tmp_path / "o")
     assert rc == 0, res
