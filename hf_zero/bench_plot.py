@@ -49,6 +49,8 @@ def plot(report: dict, path: Path, machine: str) -> None:
                      hatch="//", edgecolor=color)
     ax_state.set(xticks=x, xticklabels=names, ylabel="MiB",
                  title="Model states per rank (params + grads + optimizer state)")
+    tallest = max([(r.get(k) or 0) + (r.get(h) or 0) for r in rows for _, k, h, _ in series] or [0]) / 2**20
+    ax_state.set_ylim(0, 1.35 * tallest or 1)  # room above the tallest bar for the legend
     ax_state.legend(fontsize=8)
 
     styles = ["-", "--", "-.", ":"]
