@@ -26,7 +26,7 @@ def load_source(spec: str, where: str):
     local = Path(path)
     if local.suffix in _FORMATS:
         if not local.is_file():
-            raise UserError(where, f"data file {path} does not exist", "fix the path (relative to where you launch)")
+            raise UserError(where, f"data file {path} does not exist", "fix the path (in a YAML, relative to the YAML's folder)")
         try:
             return datasets.load_dataset(_FORMATS[local.suffix], data_files=str(local), split="train")
         except Exception as err:  # datasets raises many types for unreadable files

@@ -172,6 +172,9 @@ def config(tmp_path_factory):
     data = yaml.safe_load(TINY.read_text())
     for stage in data["stages"]:
         stage["steps"] = 8
+        # paths in a YAML are relative to its folder: the copy lives elsewhere
+        stage["data"] = [str((TINY.parent / d).resolve()) for d in
+                         (stage["data"] if isinstance(stage["data"], list) else [stage["data"]])]
     path = tmp_path_factory.mktemp("config") / "tiny24.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -375,7 +378,7 @@ def test_lora_zero3_checkpoints_hold_the_gathered_adapter_only(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     for folder in (out / "final", out / "checkpoint-10", tmp_path / "adapter-10"):  # readable by the team
-        assert all(p.stat().st_mode & 0o777 == 0o666 & ~umask for p in folder.rglob("*") if p.is_file()), folder
+        assert all(p.stat().st_mode & 0o044 == 0o044 & ~umask for p in folder.rglob("*") if p.is_file()), folder
     final = load_file(str(out / "final" / "adapter_model.safetensors"))
     assert all(torch.equal(final[k], adapter[k]) for k in final)  # the last checkpoint is the end of training
     # Merged export loads without peft and computes what base + adapter computes.
@@ -384,6 +387,8 @@ def test_lora_zero3_checkpoints_hold_the_gathered_adapter_only(tmp_path):
 
     base = json.loads((out / "checkpoint-10" / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert base == "tiny-llama"  # as the recipe names it, not a path in this machine's cache
+    exported_base = json.loads((tmp_path / "adapter-10" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert exported_base == base
     assert read_metadata(out / "checkpoint-10")["base_model_path"] == resolve_model_path(base)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(resolve_model_path(base)),
                                            str(tmp_path / "adapter-10"))
