@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 
 from .worker import rank
 
@@ -31,9 +30,6 @@ def setup_console() -> None:
     if verbose():
         return
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    # The stack's FutureWarnings (torch.distributed's renamed collectives, transformers' and peft's deprecations)
-    # are for their maintainers; a run would print hundreds.
-    warnings.filterwarnings("ignore", category=FutureWarning)
     if rank() != 0:
         # Every rank prints the same lines; one copy is enough. A failing rank's traceback still reaches the
         # launcher through its error file (hf_zero.worker).
@@ -111,7 +107,7 @@ def console_callback(schedule=None, eval_sets: int = 1):
                 from tqdm.auto import tqdm
 
                 self.bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True,
-                                file=sys.stdout, leave=False)
+                                file=sys.stdout, leave=False, disable=False)  # TQDM_DISABLE is for the others
             self.done = state.global_step
 
         def on_step_begin(self, args, state, control, **kwargs):

@@ -170,15 +170,16 @@ def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | 
     from peft import LoraConfig, PeftModel, get_peft_model
 
     config = json.loads((folder / "adapter_config.json").read_text())
-    base_path = base_model or config.get("base_model_name_or_path")
+    name = base_path = base_model or config.get("base_model_name_or_path")
     try:
         from .models import resolve_model_path
 
-        base_path = resolve_model_path(base_path)  # hf_zero's offline names, as adapters record them
+        base_path = resolve_model_path(name)  # hf_zero's offline names, as adapters record them
         base = _auto_class(config.get("task_type")).from_pretrained(base_path, dtype=torch.float32)
     except (OSError, ValueError) as err:
         raise UserError("--base-model", f"cannot load the base model {base_path!r} ({str(err).splitlines()[0][:120]})",
                         "pass --base-model with the folder of the model the adapter was trained on") from None
+    base.name_or_path = name  # the exported adapter names its base model as the checkpoint did (peft records this)
     if _is_deepspeed(folder):
         # The adapter from the fp32 master weights in the shards (the checkpoint's adapter file holds the engine's
         # working copy, which differs from them in mixed precision).

@@ -30,11 +30,16 @@ VERBOSE_ENV = "HF_ZERO_VERBOSE"
 
 
 def quiet_environment(env=os.environ) -> None:
-    """Settings every process of the run inherits: set before torch, DeepSpeed or the hub libraries load."""
+    """Settings every process of the run inherits: set before torch, DeepSpeed or the hub libraries load. In this
+    process also the stack's FutureWarnings (deprecations for its maintainers; a run would print hundreds)."""
     if env.get(VERBOSE_ENV) == "1":
         return
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # weight loading / shard writing bars, one per rank
     env.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    env.setdefault("TQDM_DISABLE", "1")  # bars made with tqdm directly (GGUF conversion); hf_zero's own passes disable=False
     env.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if "DS_ACCELERATOR" not in env:
         import torch

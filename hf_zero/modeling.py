@@ -80,12 +80,11 @@ def lora_kwargs(model_args: ModelArguments, task_type: str | None,
 def apply_lora(model, model_args: ModelArguments, task_type: str, modules_to_save: list[str] | None = None):
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(model, LoraConfig(**lora_kwargs(model_args, task_type, modules_to_save)))
-    # peft records the folder the weights were read from (for offline models a path in this machine's cache); the
-    # adapter names the model as the user did, so it loads wherever that name resolves (the resolved path is in
-    # summary.json and each checkpoint's hf_zero_checkpoint.json).
-    model.peft_config["default"].base_model_name_or_path = model_args.model_name_or_path
-    return model
+    # peft records the base model's name_or_path, for offline models a folder in this machine's cache; the adapter
+    # names the model as the user did instead, so it loads wherever that name resolves (the resolved path stays in
+    # config._name_or_path, summary.json and each checkpoint's hf_zero_checkpoint.json).
+    model.name_or_path = model_args.model_name_or_path
+    return get_peft_model(model, LoraConfig(**lora_kwargs(model_args, task_type, modules_to_save)))
 
 
 def _numel(p) -> int:

@@ -60,6 +60,19 @@ def _elastic_error_file(message) -> None:
             json.dump(message, f)
 
 
+def _reported_by_another_rank(line: str) -> bool:
+    """Whether a rank on this machine already wrote `line` to its torch elastic error file (they sit side by side
+    in one folder per local rank); the first rank's report is the root cause, a second copy would repeat it."""
+    mine = Path(os.environ["TORCHELASTIC_ERROR_FILE"])
+    for other in mine.parent.parent.glob(f"*/{mine.name}"):
+        try:
+            if other != mine and json.loads(other.read_text()).get("message") == line:
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
 def report_user_error(err: UserError) -> None:
     """The one line, printed once: by hf_zero's launcher, torchrun's failure report, or rank 0 when alone."""
     line = f"hf-zero: error: {err.line()}"
@@ -73,7 +86,8 @@ def report_user_error(err: UserError) -> None:
                 time.sleep(30)
             except RunInterrupted as stop:  # stopped by torchrun: rank 0's report stands
                 _exit(128 + stop.signum)
-        _elastic_error_file({"message": line, "timestamp": int(time.time())})
+        if not _reported_by_another_rank(line):
+            _elastic_error_file({"message": line, "timestamp": int(time.time())})
     elif not os.environ.get(STATUS_ENV) and (rank() == 0 or getattr(err, "every_rank", False)):
         print(line, file=sys.stderr, flush=True)
 

@@ -102,6 +102,21 @@ def test_mistake_found_inside_the_ranks_crosses_the_launcher_once(tmp_path):
     assert "Traceback" not in proc.stdout + proc.stderr and "ChildFailedError" not in proc.stderr
 
 
+@pytest.mark.multiproc
+def test_a_bug_on_one_rank_keeps_its_traceback_once(tmp_path):
+    """Not a user error: the failing rank's traceback (its own console is silent) and one line naming the rank."""
+    script = tmp_path / "buggy.py"
+    script.write_text("import os, time\nfrom hf_zero.worker import recipe_entry\n\n\n@recipe_entry\ndef main():\n"
+                      "    if os.environ['RANK'] == '1':\n        raise RuntimeError('boom on rank 1')\n"
+                      "    time.sleep(120)\n\n\nif __name__ == '__main__':\n    main()\n")
+    proc = hf_zero("train", "--profile", "zero2", "--recipe", script, "--config", TINY, "--output_dir", tmp_path / "o")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert out.count("Traceback (most recent call last)") == 1 and "RuntimeError: boom on rank 1" in out
+    assert out.strip().splitlines()[-1] == "hf-zero: rank 1 failed (exit code 1); its traceback is above"
+    assert ERROR not in out and "ChildFailedError" not in out
+
+
 ACCELERATE_CASES = ["unknown key"] + [pytest.param(c, marks=pytest.mark.slow) for c in
                                       ("wrong type", "fp16 on CPU", "output_dir a file", "invalid YAML")]
 

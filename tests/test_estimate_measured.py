@@ -14,7 +14,7 @@ import pytest
 from hf_zero.measure import read_measurements
 from hf_zero.memory import count_model, estimate
 
-from conftest import launch_recipe, read_summary
+from conftest import REPO, launch_recipe, read_summary
 
 pytestmark = pytest.mark.multiproc
 
@@ -44,7 +44,8 @@ CASES = [("zero2", False), ("zero3", True),
 @pytest.fixture(scope="module")
 def one_step_config(tmp_path_factory):
     path = tmp_path_factory.mktemp("cfg") / "one_step.yaml"
-    path.write_text(ONE_STEP)
+    # Paths in a YAML are relative to its folder: this copy lives in a temporary one.
+    path.write_text(ONE_STEP.replace("recipes/data/tiny/", f"{REPO}/recipes/data/tiny/"))
     return path
 
 

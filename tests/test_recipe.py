@@ -57,7 +57,7 @@ def test_final_model_files_are_shareable(single_run):
     out, _ = single_run
     umask = os.umask(0)
     os.umask(umask)
-    assert all(p.stat().st_mode & 0o777 == 0o666 & ~umask for p in (out / "final").iterdir())
+    assert all(p.stat().st_mode & 0o044 == 0o044 & ~umask for p in (out / "final").iterdir())
     s = read_summary(out)
     assert s["model"] == "tiny-llama" and Path(s["model_path"]).is_dir()
 
