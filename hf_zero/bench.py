@@ -18,21 +18,21 @@ from pathlib import Path
 
 from .bench_runs import measure_launch, model_state_bytes, root_cause, summarize_run
 from .errors import UserError
+from .shipped import shipped_dir
 
 # summarize_run, root_cause, model_state_bytes: hf_zero.bench_runs's, re-exported as bench's own.
 __all__ = ["add_arguments", "run", "execute", "DEFAULT_STRATEGIES", "DEFAULT_BENCH_CONFIG", "PLAIN_SCRIPT",
            "summarize_run", "root_cause", "model_state_bytes", "plain_launch_command"]
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_BENCH_CONFIG = REPO / "recipes" / "configs" / "bench.yaml"
-PLAIN_SCRIPT = REPO / "benchmarks" / "plain_trainer.py"
-REFERENCE_SCRIPT = REPO / "benchmarks" / "torch_loop.py"
+DEFAULT_BENCH_CONFIG = shipped_dir("recipes") / "configs" / "bench.yaml"
+PLAIN_SCRIPT = shipped_dir("benchmarks") / "plain_trainer.py"
+REFERENCE_SCRIPT = shipped_dir("benchmarks") / "torch_loop.py"
 DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3_offload"
 ACCEPTS_EXTRA = True  # unknown flags go to the recipe (e.g. --per_device_train_batch_size 4)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--config", help=f"recipe YAML (default: {DEFAULT_BENCH_CONFIG.relative_to(REPO)})")
+    parser.add_argument("--config", help="recipe YAML (default: the shipped recipes/configs/bench.yaml)")
     parser.add_argument("--model", help="model instead of the recipe's (offline name, folder or hub id)")
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                         help="comma-separated profiles to compare (zero3_nvme too, with libaio and an NVMe path)")

@@ -14,11 +14,11 @@ import json
 from pathlib import Path
 
 from .errors import UserError
+from .shipped import shipped_dir
 
 __all__ = ["add_preset_arguments", "run_preset", "PRESET_STRATEGIES", "DEFAULT_MODEL_CONFIG"]
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL_CONFIG = REPO / "benchmarks" / "models" / "llama-1b"
+DEFAULT_MODEL_CONFIG = shipped_dir("benchmarks") / "models" / "llama-1b"
 PRESET_STRATEGIES = ("single_gpu", "zero2", "zero3", "zero3_offload")
 DATA = "builtin:shakespeare/passages"
 
@@ -27,7 +27,7 @@ def add_preset_arguments(parser) -> None:
     parser.add_argument("--preset", choices=("gpu",), help="gpu: the one-GPU speed table (bare PyTorch loop, "
                         "single_gpu, zero2, zero3, zero3_offload; bf16; packed rows) instead of --config/--strategies")
     parser.add_argument("--model-config", help="--preset gpu: folder with the model's config.json (random weights "
-                        f"are built from it; default {DEFAULT_MODEL_CONFIG.relative_to(REPO)}, TinyLlama-1.1B's shape)")
+                        "are built from it; default benchmarks/models/llama-1b, TinyLlama-1.1B's shape)")
     parser.add_argument("--seq-lens", default="1024,2048", help="--preset gpu: packed row lengths, one table block "
                         "each (default 1024,2048)")
     parser.add_argument("--micro-batch", type=int, default=8, help="--preset gpu: rows per step (default 8)")

@@ -154,7 +154,7 @@ def build_once(final: Path, build, *args, verify=None) -> Path:
         print(f"hf-zero: cache: {final} is marked complete but {problem}; rebuilding it", file=sys.stderr, flush=True)
     if _in_distributed_process():
         raise UserError("cache", f"{final} is needed inside a distributed run but {problem}", "build it first "
-                        f"in one process: python -m hf_zero.assets --model NAME (hf-zero train does this for you)")
+                        "in one process: python -m hf_zero.assets --model NAME (hf-zero train does this for you)")
     final.parent.mkdir(parents=True, exist_ok=True)
     with _cache_lock(final.parent / f".{final.name}.lock", final.name):
         if usable(final, verify) is None:  # another process finished it while we waited

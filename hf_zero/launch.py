@@ -10,12 +10,12 @@ from pathlib import Path
 
 from .errors import EXIT_USAGE, UserError
 from .profiles import PROFILE_ENV, list_profiles, load_profile, pick_profile, resolve_profile_path
+from .shipped import shipped_dir
 
 __all__ = ["build_launch_command", "ensure_launched", "add_arguments", "run", "DEFAULT_RECIPE", "DEFAULT_CONFIG"]
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_RECIPE = REPO / "recipes" / "curriculum.py"
-DEFAULT_CONFIG = REPO / "recipes" / "configs" / "smollm2_shakespeare.yaml"
+DEFAULT_RECIPE = shipped_dir("recipes") / "curriculum.py"
+DEFAULT_CONFIG = shipped_dir("recipes") / "configs" / "smollm2_shakespeare.yaml"
 
 
 def build_launch_command(profile: str, script: str, script_args: list[str], nproc: int | None = None,

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from .errors import UserError
+from .shipped import shipped_dir
 
 __all__ = [
     "PROFILES_DIR",
@@ -31,7 +32,7 @@ __all__ = [
     "gpu_count",
 ]
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "accelerate_configs"
+PROFILES_DIR = shipped_dir("accelerate_configs")
 # Set by hf_zero's launcher so workers can read fields accelerate does not pass on (NVMe paths, the name).
 PROFILE_ENV = "HF_ZERO_PROFILE"
 NVME_ENV = "HF_ZERO_NVME_PATH"
