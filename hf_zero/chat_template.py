@@ -102,10 +102,15 @@ def grow_embeddings(model, tokenizer, vocab_size: int | None) -> bool:
 
 def train_embeddings(model) -> None:
     """Under LoRA, new token rows would otherwise stay at their initial values: train the input embedding and the
-    LM head (tied or not). peft then saves both in the adapter, since the vocabulary differs from the base's."""
+    LM head (tied or not), saved in the adapter with it."""
+    import functools
+
     for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
         if layer is not None:
             layer.weight.requires_grad_(True)
+    # peft saves them only if it sees the vocabulary differ from the base model's config, which it cannot read when
+    # the adapter names the model as the user did (an offline name, not a folder): say it outright, for every save.
+    model.save_pretrained = functools.partial(type(model).save_pretrained, model, save_embedding_layers=True)
 
 
 def end_of_turn_ids(tokenizer) -> list[int]:

@@ -14,11 +14,14 @@ __all__ = ["throughput_callback"]
 
 
 def _flops_per_token(model) -> float:
-    from .bench_plan import _flops_per_token as per_token
+    """The bench's model FLOPs per token without its attention term (12·L·h·s): rows change length from stage to
+    stage, so the MFU logged during training is a slight lower bound; `hf-zero bench` reports it with the row length."""
+    from .bench_plan import flops_per_token
     from .modeling import count_parameters
 
     trainable, total = count_parameters(model)
-    return per_token(SimpleNamespace(total_params=total, trainable_params=trainable), model.config)
+    count = SimpleNamespace(total_params=total, trainable_params=trainable, num_layers=0, hidden_size=0)
+    return flops_per_token(count, model.config, seq_len=0)
 
 
 def throughput_callback(model):

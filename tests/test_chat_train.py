@@ -114,17 +114,21 @@ def test_zero3_lora_adapter_reloads_with_its_chat_template(tmp_path):
     stage = Stage(name="chat", data=[str(data)], steps=1)
     trained = load_stage_data(stage, get_tokenizer("tiny-llama"), 96, "text", 0, 0, formats=FormatOptions())
     row = json.loads(data.read_text().splitlines()[0])["messages"]
+    from hf_zero.models import resolve_model_path
+
+    # the adapter names its base as the recipe did (the offline name); this machine's folder for it is passed along
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-llama"
     code = (  # plain peft + transformers, outside the repository: hf_zero is not imported
         "import json, sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer; from peft import PeftModel;"
-        f"final = {str(final)!r}; row = json.loads(sys.argv[1]);"
-        "tok = AutoTokenizer.from_pretrained(final); base = json.load(open(final + '/adapter_config.json'))['base_model_name_or_path'];"
+        f"final = {str(final)!r}; row = json.loads(sys.argv[1]); base = sys.argv[2];"
+        "tok = AutoTokenizer.from_pretrained(final);"
         "m = AutoModelForCausalLM.from_pretrained(base); m.resize_token_embeddings(len(tok)); m = PeftModel.from_pretrained(m, final);"
         "ids = tok.apply_chat_template(row, tokenize=True, return_dict=True)['input_ids'];"
         "prompt = tok.apply_chat_template(row[:-1], tokenize=False, add_generation_prompt=True);"
         "loss = float(m(torch.tensor([ids]), labels=torch.tensor([ids])).loss);"
         "print(json.dumps({'ids': list(ids), 'prompt': prompt, 'loss': loss, 'vocab': len(tok)}))"
     )
-    got = json.loads(run_cmd([sys.executable, "-c", code, json.dumps(row)], cwd="/").stdout.strip().splitlines()[-1])
+    got = json.loads(run_cmd([sys.executable, "-c", code, json.dumps(row), resolve_model_path("tiny-llama")], cwd="/").stdout.strip().splitlines()[-1])
     assert got["ids"] == trained.sources[0][0]["input_ids"]
     assert got["prompt"] == f"<|im_start|>user\n{row[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
     assert got["vocab"] == 514 and 0 < got["loss"] < 20
