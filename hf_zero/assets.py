@@ -159,9 +159,9 @@ def _pick(texts, limit: int = _MAX_RECORDS) -> list[str]:
 
 
 def _write_jsonl(path: Path, texts: list[str]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
-    os.replace(tmp, path)  # a reader sees the old file or the whole new one, never half of it
+    from .files import write_text_atomic
+
+    write_text_atomic(path, "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts))
 
 
 def _write_curriculum(out: Path, texts_dir: Path) -> None:

@@ -9,12 +9,13 @@ costs) and, on GPUs, the device's peak allocation.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
+
+from .files import write_json_atomic
 
 __all__ = ["BENCH_ENV", "bench_requested", "BenchProbeCallback", "ddp_bucket_bytes", "peak_memory",
            "training_fingerprint"]
@@ -86,7 +87,4 @@ class BenchProbeCallback(TrainerCallback):
                   "step_end": self.end, "train_end": time.time(), "ddp_bucket_bytes": self.buckets, **peak_memory(),
                   "fingerprint": self.fingerprint}
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        path = self.output_dir / f"bench_rank{rank}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, path)
+        write_json_atomic(self.output_dir / f"bench_rank{rank}.json", record)

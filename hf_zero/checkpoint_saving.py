@@ -8,13 +8,13 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-from .checkpoints import (LATEST_NAME, METADATA_NAME, STAGING_DIR, crc32_of, file_sizes, format_bytes,
+from .files import human_bytes
+from .checkpoints import (LATEST_NAME, METADATA_NAME, STAGING_DIR, crc32_of, file_sizes,
                           publish_checkpoint, rotate_checkpoints, size_breakdown, write_json_atomic, write_manifest)
 
 __all__ = ["SafeCheckpointMixin", "CheckpointCallback", "build_checkpoint_metadata", "is_disk_full"]
@@ -122,7 +122,7 @@ def _stop_on_full_disk(run_dir: Path, staged: Path) -> None:
     from .worker import report_user_error
 
     report_user_error(UserError("output_dir", f"no space left on device while writing {staged.name} "
-                                f"({format_bytes(free)} free in {run_dir}); {kept}",
+                                f"({human_bytes(free)} free in {run_dir}); {kept}",
                                 "free some space or move --output_dir, then re-run the same command to resume"))
     # A hard exit: the other ranks may be blocked in a collective of the same save; the launcher stops them
     # when this process is gone, while a normal interpreter exit could wait for them forever.
@@ -255,9 +255,9 @@ class SafeCheckpointMixin:
                                            bool(self.args.greater_is_better), log=say)
             best = [str(kept_best) if kept_best is not None else None]
             kinds = size_breakdown({k: v["bytes"] for k, v in manifest["files"].items()})
-            say(f"[hf_zero] {final.name}: {format_bytes(manifest['total_bytes'])} (weights "
-                f"{format_bytes(kinds['weights'])}, optimizer {format_bytes(kinds['optimizer'])}, other "
-                f"{format_bytes(kinds['other'])}), complete in {time.time() - started:.1f} s")
+            say(f"[hf_zero] {final.name}: {human_bytes(manifest['total_bytes'])} (weights "
+                f"{human_bytes(kinds['weights'])}, optimizer {human_bytes(kinds['optimizer'])}, other "
+                f"{human_bytes(kinds['other'])}), complete in {time.time() - started:.1f} s")
         if world > 1:
             dist.broadcast_object_list(best, src=0)  # every rank agrees on the best (load_best_model_at_end)
         if best[0] is not None:

@@ -21,11 +21,13 @@ import time
 import zlib
 from pathlib import Path
 
+from .files import write_json_atomic as _write_json_atomic
+
 __all__ = [
     "METADATA_NAME", "MANIFEST_NAME", "LATEST_NAME", "STAGING_DIR", "checkpoint_step", "list_checkpoints",
     "file_sizes", "crc32_of", "write_json_atomic", "write_manifest", "read_metadata", "validate_checkpoint",
     "find_resume_checkpoint", "checkpoints_to_keep", "rotate_checkpoints", "publish_checkpoint",
-    "archive_checkpoints", "ARCHIVE_DIR", "size_breakdown", "format_bytes",
+    "archive_checkpoints", "ARCHIVE_DIR", "size_breakdown",
 ]
 
 METADATA_NAME = "hf_zero_checkpoint.json"
@@ -70,13 +72,8 @@ def crc32_of(path, fsync: bool = False) -> str:
 
 
 def write_json_atomic(path, data) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Checkpoint metadata and manifests: atomic and on disk before the next step depends on them."""
+    _write_json_atomic(path, data, durable=True)
 
 
 def write_manifest(folder, checksums: dict[str, str]) -> dict:
@@ -249,9 +246,3 @@ def size_breakdown(sizes: dict[str, int]) -> dict[str, int]:
     return out
 
 
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TB"

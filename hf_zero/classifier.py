@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .config import ModelArguments
 from .errors import UserError
+from .lazy import trainer_callback
 
 __all__ = ["build_processor", "build_classifier", "has_weights", "classification_stage_table", "sync_norm_stats",
            "SyncNormStatsCallback"]
@@ -128,13 +129,7 @@ def sync_norm_stats(model) -> int:
     return len(buffers)
 
 
-def _callback_base():
-    from transformers import TrainerCallback
-
-    return TrainerCallback
-
-
-class SyncNormStatsCallback(_callback_base()):
+class SyncNormStatsCallback(trainer_callback()):
     """Runs `sync_norm_stats` before every evaluation, checkpoint and the final save. Add it after the callbacks
     that request evaluations (the curriculum's), so that it sees their request at the same step."""
 

@@ -144,6 +144,19 @@ class Stage:
         if isinstance(self.eval_data, str):
             self.eval_data = [self.eval_data]
         where = f"stages[{self.name}]"
+        # Numbers first, each named: a word where a number belongs would otherwise fail a comparison below.
+        for key, whole in (("steps", True), ("epochs", False), ("learning_rate", False), ("warmup_steps", True),
+                           ("min_lr_ratio", False), ("max_seq_length", True)):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or whole and not float(value).is_integer()):
+                raise UserError(f"{where}.{key}", f"{value!r} is not {'a whole number' if whole else 'a number'}",
+                                f"e.g. {key}: {1 if whole else 0.5}")
+        for key in ("weights",):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, list)
+                                      or any(isinstance(w, bool) or not isinstance(w, (int, float)) for w in value)):
+                raise UserError(f"{where}.{key}", f"{value!r} is not a list of numbers", "e.g. weights: [3, 1]")
         if (self.epochs is None) == (self.steps is None):
             raise UserError(f"{where}.steps", "give exactly one of `steps` or `epochs`", "e.g. steps: 10")
         if self.steps is not None and self.steps <= 0 or self.epochs is not None and self.epochs <= 0:
@@ -257,7 +270,7 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yam
     config_path, argv = _pop_flag(argv, "--config")
     if yaml_values is None:
         yaml_values = load_yaml_config(config_path) if config_path else {}
-    from .validate import at_line, check_values, check_yaml_types, resolve_recipe_paths, yaml_lines
+    from .validate import check_values, check_yaml_types, resolve_recipe_paths, yaml_lines
 
     yaml_values = resolve_recipe_paths(yaml_values, config_path)
     lines = yaml_lines(config_path)

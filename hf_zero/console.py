@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .files import human_bytes
 from .worker import rank
 
 __all__ = ["setup_console", "verbose", "say", "console_callback", "step_line", "eval_line"]
@@ -51,13 +52,6 @@ def say(*parts) -> None:
     sys.stdout.flush()
 
 
-def _human(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n / 2**10:.1f} KiB"
-
-
 def step_line(logs: dict, step: int, max_steps: int, stage: str | None) -> str:
     parts = [f"step {step}/{max_steps}"]
     if stage:
@@ -68,7 +62,7 @@ def step_line(logs: dict, step: int, max_steps: int, stage: str | None) -> str:
     if logs.get("tokens_per_second") is not None:
         parts.append(f"{logs['tokens_per_second']:,.0f} tok/s")
     if logs.get("peak_memory_bytes") is not None:
-        parts.append(f"peak mem {_human(logs['peak_memory_bytes'])}")
+        parts.append(f"peak mem {human_bytes(logs['peak_memory_bytes'])}")
     if logs.get("mfu") is not None:
         parts.append(f"MFU {logs['mfu']:.2f}")
     return " | ".join(parts)

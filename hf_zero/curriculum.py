@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import Stage
+from .lazy import trainer_callback
 
 __all__ = ["StageSpan", "CurriculumSchedule", "build_schedule", "build_sample_order", "CurriculumDataset",
            "CurriculumCallback"]
@@ -121,13 +122,7 @@ class CurriculumDataset:
         return self.sources[stage][src][int(idx)]
 
 
-def _callback_base():
-    from transformers import TrainerCallback
-
-    return TrainerCallback
-
-
-class CurriculumCallback(_callback_base()):
+class CurriculumCallback(trainer_callback()):
     """Logs stage switches at their exact step and asks for evaluation at each stage end."""
 
     def __init__(self, schedule: CurriculumSchedule, has_eval: bool, log=print):

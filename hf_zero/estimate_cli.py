@@ -16,6 +16,7 @@ import re
 import sys
 
 from .errors import UserError
+from .files import human_bytes
 
 __all__ = ["add_arguments", "run", "parse_bytes"]
 
@@ -99,10 +100,7 @@ def _positive(value, flag):
 
 
 def _human(b) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= size:
-            return f"{b / size:.2f} {unit}"
-    return f"{int(b)} B"
+    return human_bytes(b, digits=2)
 
 
 def _recipe(args):

@@ -20,6 +20,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from .files import write_json_atomic
+
 __all__ = ["StepPeakRecorder", "MemoryMeasureCallback", "measure_engine_bytes", "measure_requested", "read_measurements", "MEASURE_ENV"]
 
 MEASURE_ENV = "HF_ZERO_MEASURE_MEMORY"
@@ -110,10 +112,7 @@ class MemoryMeasureCallback(TrainerCallback):
                   **self.recorder.result()}
         self.recorder, self.done = None, True
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        path = self.output_dir / f"memory_rank{rank}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        os.replace(tmp, path)
+        write_json_atomic(self.output_dir / f"memory_rank{rank}.json", record)
 
 
 def read_measurements(output_dir) -> list[dict]:

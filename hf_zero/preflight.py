@@ -10,17 +10,11 @@ import tempfile
 from pathlib import Path
 
 from .errors import UserError
+from .files import human_bytes
 
 __all__ = ["verify_profile_keys", "verify_devices", "verify_precision", "verify_launch", "verify_hostfile",
            "verify_offload", "verify_output", "strategy_of", "count_for", "checkpoint_plan", "output_needs",
-           "check_at_start", "check_launch_at_start", "check_room_at_start", "human_bytes"]
-
-
-def human_bytes(b: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if b >= size:
-            return f"{b / size:.1f} {unit}"
-    return f"{int(b)} B"
+           "check_at_start", "check_launch_at_start", "check_room_at_start"]
 
 
 def _accelerate_deepspeed_keys(title: str = "DeepSpeed Arguments") -> set[str]:

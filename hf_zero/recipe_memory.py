@@ -14,7 +14,7 @@ import shlex
 from dataclasses import dataclass, field, fields, replace
 
 from .errors import UserError
-from .preflight import human_bytes
+from .files import human_bytes
 
 __all__ = ["HEADROOM", "RecipeMemory", "read_recipe", "lora_fields", "plan", "candidates"]
 

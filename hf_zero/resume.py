@@ -18,6 +18,7 @@ from pathlib import Path
 from .checkpoints import (STAGING_DIR, _TRASH_DIR, archive_checkpoints, find_resume_checkpoint, read_metadata,
                           validate_checkpoint)
 from .errors import RunComplete, UserError
+from .lazy import trainer_callback
 
 __all__ = ["prepare_resume", "complete_message", "convert_to_universal", "Zero3UniversalFix", "UNIVERSAL_SUFFIX"]
 
@@ -203,13 +204,7 @@ def prepare_resume(ctx, fresh_start: bool = False) -> str | None:
     return decision["resume"]
 
 
-def _callback_base():
-    from transformers import TrainerCallback
-
-    return TrainerCallback
-
-
-class Zero3UniversalFix(_callback_base()):
+class Zero3UniversalFix(trainer_callback()):
     """Repairs what DeepSpeed 0.19's ZeRO-3 universal loading gets wrong, before the first step: it shares one
     Adam `step` tensor between all sub-groups (so the step advances once per group per step) and gives every
     param group group 0's hyper-parameters (weight decay on the no-decay group). Measured here: ~2e-4 loss drift

@@ -3,7 +3,6 @@ the checkpoint to resume from, save and verify the final model, write summary.js
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -141,10 +140,10 @@ def _write_json(path: Path, data) -> None:
     """Atomically, on rank 0 only: a reader never sees half a file."""
     if os.environ.get("RANK", "0") != "0":
         return
+    from .files import write_json_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    write_json_atomic(path, data)
 
 
 def write_summary(ctx: RunContext, extra: dict, log_history: list | None = None) -> Path:

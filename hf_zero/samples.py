@@ -14,12 +14,12 @@ import json
 import math
 from pathlib import Path
 
-from .curriculum import _callback_base
+from .lazy import trainer_callback
 
 __all__ = ["SampleCallback", "exact_match_summary"]
 
 
-class SampleCallback(_callback_base()):
+class SampleCallback(trainer_callback()):
     def __init__(self, trainer, schedule, prompts: dict[int, list[dict]], out_dir, max_new_tokens: int):
         self.trainer, self.schedule, self.prompts = trainer, schedule, prompts
         self.path, self.max_new_tokens = Path(out_dir) / "samples.jsonl", max_new_tokens

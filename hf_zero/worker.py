@@ -39,10 +39,9 @@ def write_status(name: str, data: dict) -> None:
     folder = os.environ.get(STATUS_ENV)
     if not folder:
         return
-    path = Path(folder) / name
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, default=str))
-    os.replace(tmp, path)
+    from .files import write_json_atomic
+
+    write_json_atomic(Path(folder) / name, data)
 
 
 def read_status(folder, name: str) -> dict | None:

@@ -1,0 +1,33 @@
+"""Small shared pieces: atomic file writes and byte counts for people."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+__all__ = ["write_text_atomic", "write_json_atomic", "human_bytes"]
+
+
+def write_text_atomic(path, text: str, durable: bool = False) -> None:
+    """A reader (another rank, a resume, the launcher) sees the old file or the whole new one, never half of it.
+    `durable` also flushes it to disk first (checkpoint manifests and metadata must survive a power cut)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # per process: two writers never share a temp file
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path, data, durable: bool = False) -> None:
+    write_text_atomic(path, json.dumps(data, indent=2, default=str), durable)
+
+
+def human_bytes(b: float, digits: int = 1) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= size:
+            return f"{b / size:.{digits}f} {unit}"
+    return f"{int(b)} B"
