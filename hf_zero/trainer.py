@@ -1,4 +1,4 @@
-"""`CurriculumTrainer`: a thin `transformers.Trainer` subclass. Public hooks only: the scheduler follows the
+"""`CurriculumTrainer`: a thin `transformers.Trainer` subclass. Public hooks only (crash-safe saving aside, see checkpoint_saving.py): the scheduler follows the
 curriculum, logs carry the stage index and eval perplexity, the causal-LM loss skips the full logits (fused_ce.py)."""
 
 from __future__ import annotations
@@ -40,12 +40,15 @@ class CurriculumTrainer(FusedCrossEntropyMixin, SafeCheckpointMixin, Trainer):
         import torch
 
         if self.lr_scheduler is None:
+            # The Trainer's own call does its bookkeeping (it then owns, saves and restores the scheduler); its
+            # scheduler is replaced before any step. LambdaLR keeps the optimizer's `initial_lr`, so the base LR
+            # below is the optimizer's, whatever the first one did to the current LR.
+            super().create_scheduler(num_training_steps, optimizer)
             optimizer = optimizer or self.optimizer
             base = self.args.learning_rate
             self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lambda step: self.schedule.lr_at(step) / base
             )
-            self._created_lr_scheduler = True
         return self.lr_scheduler
 
     def train(self, *args, **kwargs):
