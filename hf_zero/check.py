@@ -44,7 +44,9 @@ class _State:
     def __init__(self, args, light: bool = False):
         self.args, self.profile, self.raw, self.parsed = args, None, None, None
         self.light = light
-        self.types = recipe_argument_types(getattr(args, "recipe", None))
+        recipe = _recipe_module(getattr(args, "recipe", None))
+        self.types = recipe_argument_types(recipe)
+        self.check_data = getattr(recipe, "CHECK_DATA", None)  # a recipe's own data checker (curriculum: built in)
         self.tokenizer = self.count = self.pool_sizes = None
         self.hosts = None
         if args.hostfile:  # as `hf-zero train --hostfile` does; a bad file is the hostfile check's to report
@@ -80,21 +82,25 @@ class _State:
         return CurriculumArguments in self.types
 
 
-def recipe_argument_types(recipe: str | None) -> tuple:
-    """The dataclasses a recipe parses (its ARGUMENT_TYPES) plus TrainingArguments, as setup_run gets them."""
+def _recipe_module(recipe: str | None):
+    """The recipe script as a module, for what it declares to the tools: ARGUMENT_TYPES and CHECK_DATA."""
     import importlib.util
 
+    if not recipe or not Path(recipe).is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(f"hf_zero_recipe_{Path(recipe).stem}", recipe)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # recipes keep their heavy imports inside main()
+    return module
+
+
+def recipe_argument_types(recipe_module) -> tuple:
+    """The dataclasses a recipe parses (its ARGUMENT_TYPES) plus TrainingArguments, as setup_run gets them."""
     from transformers import TrainingArguments
 
     from .config import CurriculumArguments, ModelArguments
 
-    types = (ModelArguments, CurriculumArguments)
-    if recipe and Path(recipe).is_file():
-        spec = importlib.util.spec_from_file_location(f"hf_zero_recipe_{Path(recipe).stem}", recipe)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)  # recipes keep their heavy imports inside main()
-        types = getattr(module, "ARGUMENT_TYPES", types)
-    return (*types, TrainingArguments)
+    return (*getattr(recipe_module, "ARGUMENT_TYPES", (ModelArguments, CurriculumArguments)), TrainingArguments)
 
 
 def _profile(st):
@@ -131,7 +137,7 @@ def _recipe(st):
     known = {f.name for t in st.types for f in fields(t) if f.init}
     stage_keys = {f.name for f in fields(Stage)}
     stages = raw.get("stages") if isinstance(raw.get("stages"), list) else []
-    unknown = [(k, k, known) for k in raw if k not in known | {"stages"}]
+    unknown = [(k, k, known) for k in raw if k not in known | {"stages", "recipe"}]
     unknown += [(f"stages[{s.get('name', i)}].{k}", k, stage_keys) for i, s in enumerate(stages)
                 if isinstance(s, dict) for k in s if k not in stage_keys]
     hints = [f"{label} (did you mean {c[0]}?)" if (c := difflib.get_close_matches(key, sorted(options), n=1))
@@ -242,7 +248,7 @@ def run_checks(args, on_result=None, light: bool = False) -> list[CheckResult]:
                 with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import
                     message = func(st)
                 result = CheckResult(name, True, message) if message is not None else CheckResult(
-                    name, None, f"not checked: {Path(args.recipe).name} loads its model and data itself")
+                    name, None, f"not checked: {Path(args.recipe).name} builds its {name} itself")
             except UserError as err:  # "FAIL devices: devices: ..." says it twice
                 line = err.line()[len(name) + 2:] if err.field == name else err.line()
                 result = CheckResult(name, False, line, err)
@@ -256,7 +262,7 @@ def run_checks(args, on_result=None, light: bool = False) -> list[CheckResult]:
 
 
 def add_arguments(parser) -> None:
-    from .launch import DEFAULT_CONFIG, DEFAULT_RECIPE
+    from .launch import DEFAULT_CONFIG
 
     parser.add_argument("--profile", help="profile name or accelerate YAML (default: picked from the hardware)")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML")
@@ -265,11 +271,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--output-dir", help="where the run will write (default: the recipe's output_dir)")
     parser.add_argument("--gpus", type=int, help="GPUs per machine to check against (default: this machine's)")
     parser.add_argument("--precision", help="override the profile's precision, as `hf-zero train --precision`")
-    parser.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="recipe script whose arguments the YAML "
-                        "sets (default: the curriculum recipe)")
+    parser.add_argument("--recipe", help="recipe script whose arguments the YAML sets (default: the YAML's "
+                        "`recipe:`, else the curriculum recipe)")
 
 
 def run(args) -> int:
+    from .shipped import recipe_script
+
+    args.recipe = str(recipe_script(args.recipe, args.config))
     if args.nproc is not None and args.nproc < 1:
         raise UserError("--nproc", f"must be at least 1, got {args.nproc}")
     if args.gpus is not None and args.gpus < 0:

@@ -41,7 +41,7 @@ def _data(st):
     from .validate import yaml_lines
 
     if not st.curriculum:
-        return None
+        return _recipe_data(st)
     stages = st.raw.get("stages")
     if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
         raise UserError("stages", "the recipe needs a non-empty `stages:` list of mappings",
@@ -74,6 +74,15 @@ def _data(st):
         return f"{len(stages)} stage(s), every data file readable; tokenization {why}"
     st.pool_sizes = sizes
     return f"{len(stages)} stage(s), training samples after tokenization: {', '.join(seen)}"
+
+
+def _recipe_data(st):
+    """Another recipe's data, through the checker it declares (CHECK_DATA: stages and its data arguments in, one
+    line out); None when it declares none."""
+    if st.check_data is None or st.parsed is None:
+        return None
+    _, data_args, stages, _ = st.parsed
+    return st.check_data(stages, data_args)
 
 
 def _offload(st):

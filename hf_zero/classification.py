@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from .errors import UserError
 
 __all__ = ["ClassificationArguments", "ClassificationData", "BUILTIN_CLASSIFICATION", "get_data_kind",
-           "load_classification_data", "split_indices", "ImageSource", "random_affine"]
+           "check_classification_data", "load_classification_data", "split_indices", "ImageSource", "random_affine"]
 
 BUILTIN_CLASSIFICATION = {"bbc": "text", "digits": "image"}
 _SPLITS = ("train", "validation")
@@ -125,6 +125,30 @@ def _load_digits() -> tuple[list, list[int], list[str]]:
     digits = load_digits()  # values 0..16
     images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)
     return list(images), digits.target.tolist(), [str(i) for i in range(10)]
+
+
+def check_classification_data(stages, args: ClassificationArguments) -> str:
+    """`hf-zero check`'s data check for recipes/classify.py (its CHECK_DATA): every source readable with its
+    columns, one data kind, held-out data present; one line with the samples per stage."""
+    kind = get_data_kind(stages, args)
+    counts = []
+    for s in stages:
+        n = 0
+        for j, spec in enumerate(s.data):
+            where = f"stages[{s.name}].data[{j}]"
+            parsed = _parse_builtin(spec, where)
+            n += len((_builtin(*parsed, args) if parsed else _load_local(spec, args, where))[1])
+        counts.append(f"{s.name} {n}")
+    eval_spec = args.eval_data
+    if eval_spec is None:
+        first = _parse_builtin(stages[0].data[0], f"stages[{stages[0].name}].data[0]")
+        if first is None:
+            raise UserError("eval_data", "no held-out data: the first stage's data is not built-in",
+                            "set eval_data: path/to/validation.jsonl (same columns as the training files)")
+        eval_spec = f"builtin:{first[0]}/validation"
+    parsed = _parse_builtin(eval_spec, "eval_data")
+    held = len((_builtin(*parsed, args) if parsed else _load_local(eval_spec, args, "eval_data"))[1])
+    return f"{len(stages)} stage(s) of {kind} data, training samples: {', '.join(counts)}; held out: {held}"
 
 
 _BUILTIN_CACHE: dict = {}

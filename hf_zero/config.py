@@ -275,6 +275,7 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yam
     yaml_values = resolve_recipe_paths(yaml_values, config_path)
     lines = yaml_lines(config_path)
     stages = parse_stages(yaml_values.pop("stages", None), config_path or "the command line", lines)
+    yaml_values.pop("recipe", None)  # which recipe the YAML is for: read by the tools (hf_zero.shipped), not by it
 
     class _Parser(HfArgumentParser):
         def error(self, message):

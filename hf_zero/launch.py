@@ -91,7 +91,7 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--nproc", type=int, help="processes per machine (default: the profile's)")
     parser.add_argument("--precision", help="override the profile's precision: fp32, bf16 or fp16")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML")
-    parser.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="recipe script")
+    parser.add_argument("--recipe", help="recipe script (default: the YAML's `recipe:`, else the curriculum recipe)")
     parser.add_argument("--nodes", type=int, help="machines in the job (multi-node)")
     parser.add_argument("--machine-rank", type=int, help="this machine's rank (multi-node)")
     parser.add_argument("--main-ip", help="address of machine 0 (multi-node)")
@@ -174,6 +174,9 @@ def run(args) -> int:
         print(f"this machine: {name} ({why})")
         return 0
     validate_flags(args)
+    from .shipped import recipe_script
+
+    args.recipe = str(recipe_script(args.recipe, args.config))
     from .launcher import VERBOSE_ENV, quiet_environment
 
     if args.verbose:

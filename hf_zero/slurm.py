@@ -29,11 +29,11 @@ _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.,:+=@/-]+$")  # also no '%': Slurm expand
 
 
 def add_arguments(parser) -> None:
-    from .launch import DEFAULT_CONFIG, DEFAULT_RECIPE
+    from .launch import DEFAULT_CONFIG
 
     parser.add_argument("--profile", required=True, help="profile name or accelerate YAML (e.g. zero3, multinode)")
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML")
-    parser.add_argument("--recipe", default=str(DEFAULT_RECIPE), help="recipe script")
+    parser.add_argument("--recipe", help="recipe script (default: the YAML's `recipe:`, else the curriculum recipe)")
     parser.add_argument("--nodes", type=int, default=1, help="machines (one Slurm task each)")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node; 0 for CPU nodes")
     parser.add_argument("--nproc-per-node", type=int,
@@ -120,7 +120,9 @@ def build_sbatch_script(args, extra: list[str], command_line: str = "") -> str:
     profile = load_profile(args.profile)
     config = Path(args.config).expanduser().resolve()
     yaml_values = load_yaml_config(str(config))
-    recipe = Path(args.recipe).expanduser().resolve()
+    from .shipped import recipe_script
+
+    recipe = recipe_script(args.recipe, args.config).expanduser().resolve()
     if not recipe.is_file():
         raise UserError("--recipe", f"{recipe} does not exist", "pass a recipe script, e.g. recipes/curriculum.py")
     nproc = args.nproc_per_node or args.gpus_per_node or max(profile.num_processes // profile.num_machines, 1)

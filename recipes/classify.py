@@ -11,12 +11,14 @@ the results go to TensorBoard, log_history.json and summary.json.
 import math
 import sys
 
-from hf_zero.classification import ClassificationArguments
+from hf_zero.classification import ClassificationArguments, check_classification_data
 from hf_zero.config import ModelArguments
 from hf_zero.worker import recipe_entry
 
-# What the YAMLs of this recipe are checked against (tests/test_config.py); TrainingArguments comes on top.
+# What the tools know of this recipe (`hf-zero check`): the argument classes its YAMLs set (TrainingArguments comes on
+# top) and how to check their data.
 ARGUMENT_TYPES = (ModelArguments, ClassificationArguments)
+CHECK_DATA = check_classification_data
 
 
 @recipe_entry  # one line for a mistake, a clean stop on Ctrl-C, rank 0's console only

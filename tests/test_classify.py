@@ -354,3 +354,54 @@ def test_full_size_target_on_two_ranks_zero2(tmp_path, config, target):
           f"launch-to-exit {time.time() - start:.0f} s, in-recipe {s['runtime_s']:.0f} s")
     assert s["world_size"] == 2 and s["zero_stage"] == 2
     assert s["eval_accuracy"] >= target and s["eval_f1_macro"] >= target - 0.02
+
+
+# --- the YAML names its recipe: the tools pick it, a wrong launch stops in one line ----------------------------------
+
+
+def _hf_zero(*args, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "hf_zero.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)
+
+
+def test_check_reads_the_recipe_from_the_yaml_and_uses_its_data_checker():
+    proc = _hf_zero("check", "--profile", "zero2", "--config", TINY_TEXT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "stage(s) of text data, training samples:" in proc.stdout, proc.stdout
+    assert "unknown keys" not in proc.stdout + proc.stderr
+
+
+def test_check_data_of_a_classify_yaml_fails_on_a_missing_column(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"body": f"text {i}", "label": i % 2}) + "\n" for i in range(8)))
+    config = tmp_path / "c.yaml"
+    config.write_text("recipe: classify\nmodel_name_or_path: minilm\neval_data: rows.jsonl\n"
+                      "stages:\n  - {name: a, data: rows.jsonl, steps: 1}\n")
+    proc = _hf_zero("check", "--profile", "zero2", "--config", config)
+    assert proc.returncode == 2
+    assert "FAIL data:" in proc.stdout and "has no column 'text'" in proc.stdout and "set text_field" in proc.stdout
+
+
+def test_train_dry_run_launches_the_recipe_the_yaml_names():
+    proc = _hf_zero("train", "--profile", "zero2", "--config", "recipes/configs/tiny_digits.yaml", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "recipes/classify.py --config recipes/configs/tiny_digits.yaml" in proc.stdout
+
+
+def test_yaml_launched_with_another_recipe_is_one_line(tmp_path):
+    from conftest import RECIPE
+
+    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(TINY_TEXT), "--output_dir", tmp_path / "o"],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    err = [line for line in proc.stderr.splitlines() if line.startswith("hf-zero: error:")]
+    assert len(err) == 1 and "recipe:" in err[0] and "is for classify.py, launched with curriculum.py" in err[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_unknown_recipe_name_is_one_line(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(TINY_TEXT.read_text().replace("recipe: classify", "recipe: clasify"))
+    proc = _hf_zero("check", "--config", config)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "hf-zero: error: recipe: no shipped recipe 'clasify'" in proc.stderr and "classify" in proc.stderr
