@@ -59,13 +59,20 @@ def _elastic_error_file(message) -> None:
             json.dump(message, f)
 
 
+def _gist(line) -> str:
+    """A report without its figures: two ranks out of disk space see different free bytes, but it is one report."""
+    import re
+
+    return re.sub(r"\d+(\.\d+)?( ?[KMGT]i?B\b| B\b)?", "#", str(line))
+
+
 def _reported_by_another_rank(line: str) -> bool:
     """Whether a rank on this machine already wrote `line` to its torch elastic error file (they sit side by side
     in one folder per local rank); the first rank's report is the root cause, a second copy would repeat it."""
     mine = Path(os.environ["TORCHELASTIC_ERROR_FILE"])
     for other in mine.parent.parent.glob(f"*/{mine.name}"):
         try:
-            if other != mine and json.loads(other.read_text()).get("message") == line:
+            if other != mine and _gist(json.loads(other.read_text()).get("message")) == _gist(line):
                 return True
         except (OSError, ValueError, AttributeError):
             continue

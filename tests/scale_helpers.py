@@ -28,7 +28,7 @@ def write_short_config(src: Path, dst: Path, steps: list[int], **overrides) -> P
     stages = []
     for stage, n in zip(data["stages"], steps):
         paths = stage["data"] if isinstance(stage["data"], list) else [stage["data"]]
-        data_paths = [p if p.startswith("builtin:") else str((REPO / p).resolve()) for p in paths]
+        data_paths = [p if p.startswith("builtin:") else str((Path(src).parent / p).resolve()) for p in paths]
         stages.append({**stage, "steps": n, "data": data_paths})
     data.update(stages=stages, eval_samples=0, **overrides)
     dst.write_text(yaml.safe_dump(data, sort_keys=False))
