@@ -71,6 +71,10 @@ def _named_recipe(config: str | None) -> str | None:
     if not config or not Path(config).is_file():
         return None
     from .config import load_yaml_config
+    from .errors import UserError
 
-    value = load_yaml_config(config).get(RECIPE_KEY)
+    try:
+        value = load_yaml_config(config).get(RECIPE_KEY)
+    except UserError:  # unreadable YAML: the recipe itself (or check's recipe check) says where, in one line
+        return None
     return str(value) if value is not None else None
