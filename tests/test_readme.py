@@ -73,7 +73,9 @@ def test_readme_command_runs(cmd, tmp_path):
     finished = _finished_run_of(cmd)
     if finished is not None:  # kept aside (outside the repository), not deleted
         shutil.move(str(finished), str(tmp_path / finished.name))
-    env = {**os.environ, "PATH": f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}"}
+    # As a user types it: not inside `make test`'s make (a nested make prints "Leaving directory" after the run).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    env["PATH"] = f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}"
     proc = subprocess.run(cmd, shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"{cmd}\n{(proc.stdout + proc.stderr)[-3000:]}"
     assert "Traceback" not in proc.stderr
