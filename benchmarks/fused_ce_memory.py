@@ -1,4 +1,4 @@
-"""Peak memory of one loss forward + backward through an lm_head, standard vs fused (hf_zero.fused_ce), on CPU.
+"""Peak memory of one loss forward + backward through an lm_head, standard vs fused (hf_zero.train.fused_ce), on CPU.
 
     python benchmarks/fused_ce_memory.py standard|fused [--tokens 2048 --vocab 32768 --hidden 256 --dtype fp32]
 
@@ -35,7 +35,7 @@ def main():
 
     import torch
 
-    from hf_zero.fused_ce import linear_cross_entropy
+    from hf_zero.train.fused_ce import linear_cross_entropy
 
     torch.set_num_threads(1)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[a.dtype]

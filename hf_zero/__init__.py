@@ -17,4 +17,4 @@ _BIN = _os.path.dirname(_sys.executable)
 if _os.path.isfile(_os.path.join(_BIN, "ninja")) and _os.environ.get("PATH", "").split(_os.pathsep)[0] != _BIN:
     _os.environ["PATH"] = _BIN + _os.pathsep + _os.environ.get("PATH", "")
 
-from .errors import UserError  # noqa: E402
+from hf_zero.core.errors import UserError  # noqa: E402

@@ -11,9 +11,9 @@ the results go to TensorBoard, log_history.json and summary.json.
 import math
 import sys
 
-from hf_zero.classification import ClassificationArguments, check_classification_data
-from hf_zero.config import ModelArguments
-from hf_zero.worker import recipe_entry
+from hf_zero.data.classification import ClassificationArguments, check_classification_data
+from hf_zero.core.config import ModelArguments
+from hf_zero.launch.worker import recipe_entry
 
 # What the tools know of this recipe (`hf-zero check`): the argument classes its YAMLs set (TrainingArguments comes on
 # top) and how to check their data.
@@ -24,7 +24,7 @@ CHECK_DATA = check_classification_data
 @recipe_entry  # one line for a mistake, a clean stop on Ctrl-C, rank 0's console only
 def main(argv=None):
     # Parse: YAML + flags, reconciled with the profile before any engine exists.
-    from hf_zero.run import setup_run
+    from hf_zero.train.run import setup_run
 
     ctx = setup_run(ARGUMENT_TYPES, argv, script=__file__)
     model_args, data_args = ctx.args
@@ -32,21 +32,21 @@ def main(argv=None):
 
     from transformers import DataCollatorWithPadding, default_data_collator, set_seed
 
-    from hf_zero.classification import get_data_kind, load_classification_data
-    from hf_zero.classifier import SyncNormStatsCallback, build_classifier, build_processor, classification_stage_table
-    from hf_zero.curriculum import CurriculumDataset, build_sample_order, build_schedule
-    from hf_zero.errors import UserError
+    from hf_zero.data.classification import get_data_kind, load_classification_data
+    from hf_zero.train.classifier import SyncNormStatsCallback, build_classifier, build_processor, classification_stage_table
+    from hf_zero.data.curriculum import CurriculumDataset, build_sample_order, build_schedule
+    from hf_zero.core.errors import UserError
     from hf_zero.metrics import build_compute_metrics
-    from hf_zero.modeling import count_parameters
-    from hf_zero.run import main_process_print, print_banner, write_summary
-    from hf_zero.saving import save_final_model
-    from hf_zero.trainer import CurriculumTrainer, step_losses
+    from hf_zero.train.model import count_parameters
+    from hf_zero.train.run import main_process_print, print_banner, write_summary
+    from hf_zero.checkpoint.final import save_final_model
+    from hf_zero.train.trainer import CurriculumTrainer, step_losses
 
     set_seed(args.seed)
     if not ctx.stages:
         raise UserError("stages", "the recipe has no stages", "add a `stages:` list, e.g. data: builtin:bbc/train")
     # Resume: the newest complete checkpoint unless fresh_start, checked against this run before any engine exists.
-    from hf_zero.resume import prepare_resume
+    from hf_zero.checkpoint.resume import prepare_resume
 
     resume = prepare_resume(ctx, fresh_start=data_args.fresh_start)
 
@@ -85,7 +85,7 @@ def main(argv=None):
 
     # Train: one train() call for all stages (from `resume` when there is one), evaluated at each stage end.
     result = trainer.train(resume_from_checkpoint=resume)
-    from hf_zero.interrupt import raise_if_interrupted
+    from hf_zero.launch.interrupt import raise_if_interrupted
 
     raise_if_interrupted(trainer)
 

@@ -10,8 +10,8 @@ TrainingArguments field is a flag (--output_dir, --seed, --save_steps, ...).
 import math
 import sys
 
-from hf_zero.config import CurriculumArguments, ModelArguments
-from hf_zero.worker import recipe_entry
+from hf_zero.core.config import CurriculumArguments, ModelArguments
+from hf_zero.launch.worker import recipe_entry
 
 # What the YAMLs of this recipe are checked against (`hf-zero check`); TrainingArguments comes on top.
 ARGUMENT_TYPES = (ModelArguments, CurriculumArguments)
@@ -20,7 +20,7 @@ ARGUMENT_TYPES = (ModelArguments, CurriculumArguments)
 @recipe_entry  # one line for a mistake, a clean stop on Ctrl-C, rank 0's console only
 def main(argv=None):
     # Parse: YAML + flags, reconciled with the profile before any engine exists.
-    from hf_zero.run import setup_run
+    from hf_zero.train.run import setup_run
 
     ctx = setup_run(ARGUMENT_TYPES, argv, script=__file__)
     model_args, data_args = ctx.args
@@ -28,22 +28,22 @@ def main(argv=None):
 
     from transformers import set_seed
 
-    from hf_zero.chat import FormatOptions
-    from hf_zero.curriculum import CurriculumDataset, build_sample_order, build_schedule
-    from hf_zero.data import build_collator, load_stage_data
-    from hf_zero.modeling import build_causal_lm, count_parameters, is_zero3_partitioned
-    from hf_zero.models import get_tokenizer, resolve_model_path
-    from hf_zero.run import main_process_print, print_banner, write_summary
-    from hf_zero.saving import save_final_model
-    from hf_zero.trainer import CurriculumTrainer, eval_means, stage_table, step_losses
+    from hf_zero.data.chat import FormatOptions
+    from hf_zero.data.curriculum import CurriculumDataset, build_sample_order, build_schedule
+    from hf_zero.data.stages import build_collator, load_stage_data
+    from hf_zero.train.model import build_causal_lm, count_parameters, is_zero3_partitioned
+    from hf_zero.data.model_names import get_tokenizer, resolve_model_path
+    from hf_zero.train.run import main_process_print, print_banner, write_summary
+    from hf_zero.checkpoint.final import save_final_model
+    from hf_zero.train.trainer import CurriculumTrainer, eval_means, stage_table, step_losses
 
     set_seed(args.seed)
     if not ctx.stages:
-        from hf_zero.errors import UserError
+        from hf_zero.core.errors import UserError
 
         raise UserError("stages", "the recipe has no stages", "add a `stages:` list to the YAML (see the README)")
     # Resume: the newest complete checkpoint unless fresh_start, checked against this run before any engine exists.
-    from hf_zero.resume import prepare_resume
+    from hf_zero.checkpoint.resume import prepare_resume
 
     resume = prepare_resume(ctx, fresh_start=data_args.fresh_start)
 
@@ -78,15 +78,15 @@ def main(argv=None):
         schedule=schedule,
         fused_cross_entropy=data_args.fused_cross_entropy,
     )
-    from hf_zero.measure import MemoryMeasureCallback, measure_requested
+    from hf_zero.estimate.measure import MemoryMeasureCallback, measure_requested
 
     if measure_requested(data_args.measure_memory):  # bytes per rank at step 1, to check `hf-zero estimate`
         trainer.add_callback(MemoryMeasureCallback(ctx.output_dir))
-    from hf_zero.bench_probe import BenchProbeCallback, bench_requested
+    from hf_zero.bench.probe import BenchProbeCallback, bench_requested
 
     if bench_requested():  # step times, start-up and peak memory per rank, for `hf-zero bench`
         trainer.add_callback(BenchProbeCallback(ctx.output_dir, trainer))
-    from hf_zero.samples import SampleCallback, exact_match_summary
+    from hf_zero.train.samples import SampleCallback, exact_match_summary
 
     prompts = {i: d.eval_prompts[: data_args.sample_prompts] for i, d in enumerate(stage_data) if d.eval_prompts}
     if data_args.sample_prompts > 0 and prompts:  # held-out prompts answered at the start and at each stage end
@@ -98,7 +98,7 @@ def main(argv=None):
 
     # Train: one train() call for all stages (from `resume` when there is one); Ctrl-C stops every rank here.
     result = trainer.train(resume_from_checkpoint=resume)
-    from hf_zero.interrupt import raise_if_interrupted
+    from hf_zero.launch.interrupt import raise_if_interrupted
 
     raise_if_interrupted(trainer)
 

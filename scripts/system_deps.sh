@@ -42,6 +42,6 @@ fi
 PY=.venv/bin/python
 if [ -x "$PY" ] && [ -e /usr/include/libaio.h ]; then
     echo "system_deps: building DeepSpeed's async_io op (~280 s the first time, instant after)"
-    "$PY" -m hf_zero.ops AsyncIOBuilder || echo "system_deps: async_io build failed; NVMe tests will skip"
+    "$PY" -m hf_zero.core.ops AsyncIOBuilder || echo "system_deps: async_io build failed; NVMe tests will skip"
 fi
 exit 0

@@ -69,7 +69,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 def libaio_missing_reason() -> str | None:
     """Why NVMe offload cannot run here (None: it can), asked exactly as the preflight asks."""
-    from hf_zero.ops import libaio_available
+    from hf_zero.core.ops import libaio_available
 
     if libaio_available():
         return None

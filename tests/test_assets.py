@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero import assets, cache
-from hf_zero.errors import UserError
+from hf_zero.data import assets
+
+from hf_zero.data import cache
+from hf_zero.core.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TOKENIZER = REPO / "hf_zero" / "assets" / "tiny_tokenizer"

@@ -18,7 +18,7 @@ def _run_result(losses, step, fingerprint=None):
 
 
 def test_overhead_verdict_needs_the_same_training_and_a_spread_within_the_target():
-    from hf_zero.bench_compare import overhead
+    from hf_zero.bench.compare import overhead
 
     same = [5.0, 4.0, 3.0]
 
@@ -48,7 +48,7 @@ def test_overhead_verdict_needs_the_same_training_and_a_spread_within_the_target
 def test_plain_baseline_goes_through_the_launcher_accelerate_picks_for_the_profile(tmp_path):
     """accelerate runs DeepSpeed and DDP profiles through torchrun even at one process (a plain interpreter there
     has no process group: DeepSpeed then looks for MPI and the baseline crashed at --nproc 1)."""
-    from hf_zero.bench import PLAIN_SCRIPT, plain_launch_command
+    from hf_zero.bench.command import PLAIN_SCRIPT, plain_launch_command
 
     spec, run = tmp_path / "spec.json", tmp_path / "run"
     single = plain_launch_command("single_gpu", 1, 1234, spec, run)
@@ -60,7 +60,7 @@ def test_plain_baseline_goes_through_the_launcher_accelerate_picks_for_the_profi
 
 
 def test_offloaded_bytes_are_counted_apart_from_the_device():
-    from hf_zero.bench_compare import offload_split
+    from hf_zero.bench.compare import offload_split
 
     parts = {"params": 10, "grads": 20, "grad_buckets": 1, "optimizer": 60, "total": 91}
     assert offload_split(parts, "none", "none") == {"device": 91, "host": 0}
@@ -106,9 +106,9 @@ def test_one_rank_packed_lora_bench_compares_like_with_like(tmp_path):
 def test_gpu_preset_writes_its_table_and_falls_back_to_the_cpu(tmp_path):
     """`hf-zero bench --preset gpu` on a tiny config and one short row length: the bare PyTorch loop and every
     preset strategy at one rank in bf16, the combined table and each shape's full reports; without a GPU, MFU null."""
-    from hf_zero.bench_compare import FIRST_LOSS_ATOL
-    from hf_zero.bench_gpu import PRESET_STRATEGIES
-    from hf_zero.models import get_model_config
+    from hf_zero.bench.compare import FIRST_LOSS_ATOL
+    from hf_zero.bench.gpu import PRESET_STRATEGIES
+    from hf_zero.data.model_names import get_model_config
 
     config = tmp_path / "tiny"
     get_model_config("tiny-llama").save_pretrained(config)

@@ -1,4 +1,4 @@
-"""Instruction and chat data (hf_zero.chat): TRL's formats, the chat template, and labels that train only the answer.
+"""Instruction and chat data (hf_zero.data.chat): TRL's formats, the chat template, and labels that train only the answer.
 
 Each format, packed and unpacked, against masks computed by hand from the pieces of the sample; packed rows give every
 answer token the same loss as its sample alone (nothing crosses a document boundary); a sample cut before its answer
@@ -10,19 +10,19 @@ import json
 import pytest
 import torch
 
-from hf_zero.chat import FormatOptions
-from hf_zero.chat_template import CHATML_TEMPLATE, end_of_turn_ids, prepare_chat_template
-from hf_zero.config import Stage
-from hf_zero.data import load_stage_data
-from hf_zero.errors import UserError
-from hf_zero.packing import IGNORE, PackedCollator, pack_documents
+from hf_zero.data.chat import FormatOptions
+from hf_zero.data.chat_template import CHATML_TEMPLATE, end_of_turn_ids, prepare_chat_template
+from hf_zero.core.config import Stage
+from hf_zero.data.stages import load_stage_data
+from hf_zero.core.errors import UserError
+from hf_zero.data.packing import IGNORE, PackedCollator, pack_documents
 
 Q1, A1 = "What is the capital of France?", "Paris is."
 Q2, A2 = "And of Spain?", "Madrid, I think."
 
 
 def _tok():
-    from hf_zero.models import get_tokenizer
+    from hf_zero.data.model_names import get_tokenizer
 
     return get_tokenizer("tiny-llama")
 
@@ -118,7 +118,7 @@ def test_packed_answers_see_only_their_own_document(tmp_path):
     """The per-token losses of the answers in a packed row equal those of each conversation run alone."""
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.models import get_tiny_llama_path
+    from hf_zero.data.model_names import get_tiny_llama_path
 
     rows = [{"messages": [{"role": "user", "content": f"Question number {i} is {'long ' * i}?"},
                           {"role": "assistant", "content": f"Answer {i}."}]} for i in range(6)]
@@ -231,6 +231,6 @@ def test_bad_row_names_file_and_row(tmp_path, bad, words):
     ("Macbeth", "Hamlet", False, False),
 ])
 def test_exact_match_and_contains(answer, reference, exact, contained):
-    from hf_zero.generate import contains, exact_match
+    from hf_zero.tools.generate import contains, exact_match
 
     assert (exact_match(answer, reference), contains(answer, reference)) == (exact, contained)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero.check import CHECKS
+from hf_zero.tools.check import CHECKS
 from hf_zero.cli import main
-from hf_zero.errors import UserError
+from hf_zero.core.errors import UserError
 
 from conftest import PROFILES, RECIPE, REPO, TINY
 
@@ -179,7 +179,7 @@ def test_hostfile_sets_machines_and_processes_as_train_does(capsys, tmp_path):
 @pytest.mark.parametrize("libaio", [True, False])
 def test_nvme_path_that_cannot_be_created(capsys, tmp_path, monkeypatch, libaio):
     # The path is checked before libaio, so the answer is the same on a machine without libaio-dev.
-    monkeypatch.setattr("hf_zero.ops.libaio_available", lambda: libaio)
+    monkeypatch.setattr("hf_zero.core.ops.libaio_available", lambda: libaio)
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("HF_ZERO_NVME_PATH", str(tmp_path / "a_file" / "swap"))
     rc, res = check(capsys, "--profile", "zero3_nvme", "--config", str(TINY))
@@ -298,7 +298,7 @@ def test_plain_python_on_a_multi_process_profile_says_what_to_run(tmp_path):
 def _start_args(tmp_path):
     from transformers import TrainingArguments
 
-    from hf_zero.config import CurriculumArguments, ModelArguments, parse_recipe_args
+    from hf_zero.core.config import CurriculumArguments, ModelArguments, parse_recipe_args
 
     m, c, stages, kwargs, _ = parse_recipe_args((ModelArguments, CurriculumArguments, TrainingArguments),
                                                 ["--config", str(TINY), "--output_dir", str(tmp_path / "o")])
@@ -306,8 +306,8 @@ def _start_args(tmp_path):
 
 
 def test_recipe_start_checks_raise_the_first_failure(tmp_path):
-    from hf_zero.preflight import check_at_start
-    from hf_zero.profiles import load_profile
+    from hf_zero.tools.check_rules import check_at_start
+    from hf_zero.core.profiles import load_profile
 
     kwargs, parsed, stages = _start_args(tmp_path)
     zero2 = load_profile("zero2")

@@ -22,11 +22,11 @@ from safetensors.torch import load_file
 
 from conftest import PROFILES, RECIPE, REPO, TINY, launch_recipe, read_summary
 
-from hf_zero.checkpoints import (MANIFEST_NAME, STAGING_DIR, checkpoint_step, checkpoints_to_keep, crc32_of,
+from hf_zero.checkpoint.store import (MANIFEST_NAME, STAGING_DIR, checkpoint_step, checkpoints_to_keep, crc32_of,
                                  file_sizes, find_resume_checkpoint, list_checkpoints, publish_checkpoint,
                                  read_metadata, rotate_checkpoints, validate_checkpoint, write_json_atomic,
                                  write_manifest)
-from hf_zero.errors import UserError
+from hf_zero.core.errors import UserError
 
 COMMON = ["--save_strategy", "steps", "--save_steps", "3", "--global_batch_size", "4"]
 # Best = highest eval loss = the first checkpoint (the loss falls), so "the best is never rotated out" is visible.
@@ -106,7 +106,7 @@ def test_publish_replaces_a_stale_folder_and_moves_latest(tmp_path):
 
 
 def _ctx(tmp_path, world=1, global_batch=4, stage=2, fresh=False):
-    from hf_zero.reconcile import BatchPlan
+    from hf_zero.core.reconcile import BatchPlan
 
     plan = BatchPlan(micro=global_batch // world, accumulation=1, world=world)
     profile = SimpleNamespace(name=f"zero{stage}", zero_stage=stage, uses_deepspeed=stage > 0, uses_fsdp=False,
@@ -125,7 +125,7 @@ def _with_meta(tmp_path, **meta):
 
 
 def test_resume_refuses_another_global_batch_or_zero_stage_before_training(tmp_path):
-    from hf_zero.resume import _choose
+    from hf_zero.checkpoint.resume import _choose
 
     _with_meta(tmp_path)
     with pytest.raises(UserError) as err:
@@ -141,7 +141,7 @@ def test_resume_refuses_another_global_batch_or_zero_stage_before_training(tmp_p
 
 
 def test_fresh_start_moves_old_checkpoints_aside(tmp_path):
-    from hf_zero.resume import _choose
+    from hf_zero.checkpoint.resume import _choose
 
     _with_meta(tmp_path)
     assert _choose(_ctx(tmp_path, world=2), fresh_start=True) == {"resume": None, "universal": False}
@@ -354,7 +354,7 @@ def test_lora_zero3_checkpoints_hold_the_gathered_adapter_only(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.export import export_checkpoint
+    from hf_zero.checkpoint.export import export_checkpoint
 
     out = tmp_path / "lora"
     proc = launch_recipe("zero3", out, *LORA, "--save_strategy", "steps", "--save_steps", "5")
@@ -384,7 +384,7 @@ def test_lora_zero3_checkpoints_hold_the_gathered_adapter_only(tmp_path):
     assert all(torch.equal(final[k], adapter[k]) for k in final)  # the last checkpoint is the end of training
     # Merged export loads without peft and computes what base + adapter computes.
     export_checkpoint(str(out / "checkpoint-10"), str(tmp_path / "merged"), merge_lora=True)
-    from hf_zero.models import resolve_model_path
+    from hf_zero.data.model_names import resolve_model_path
 
     base = json.loads((out / "checkpoint-10" / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert base == "tiny-llama"  # as the recipe names it, not a path in this machine's cache
@@ -417,13 +417,13 @@ def test_disk_full_stops_cleanly_and_earlier_checkpoints_resume(small_disk, tmp_
     checkpoints also export to a plain HF model."""
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.export import export_checkpoint
+    from hf_zero.checkpoint.export import export_checkpoint
 
     out = small_disk / "run"
     # save_total_limit 1 also lets the preflight's disk estimate (2 checkpoints at once) pass on this small disk.
     proc = launch_recipe("zero3", out, *COMMON, *ROTATE[2:], "--save_total_limit", "1", config=config, check=False)
     assert proc.returncode != 0
-    # Under plain accelerate launch the line is the root cause in torch elastic's failure report (hf_zero.worker).
+    # Under plain accelerate launch the line is the root cause in torch elastic's failure report (hf_zero.launch.worker).
     line = [ln for ln in proc.stderr.splitlines() if "hf-zero: error: output_dir: no space left" in ln]
     assert len(line) == 1 and "checkpoint-6 and the checkpoints before it are complete" in line[0], proc.stderr[-2000:]
     assert published(out) == [3, 6]

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from transformers import TrainingArguments
 
-from hf_zero.classification import (ClassificationArguments, ImageSource, get_data_kind, load_classification_data,
+from hf_zero.data.classification import (ClassificationArguments, ImageSource, get_data_kind, load_classification_data,
                                     random_affine, split_indices)
-from hf_zero.config import ModelArguments, Stage, parse_recipe_args
-from hf_zero.errors import UserError
+from hf_zero.core.config import ModelArguments, Stage, parse_recipe_args
+from hf_zero.core.errors import UserError
 
 from conftest import REPO, launch_recipe, read_summary
 
@@ -108,7 +108,7 @@ def _args(**kw):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from hf_zero.models import get_tokenizer
+    from hf_zero.data.model_names import get_tokenizer
 
     return get_tokenizer("minilm")
 
@@ -163,7 +163,7 @@ def test_bad_argument_values(kw, field):
 
 
 def test_model_that_cannot_classify_the_data_is_a_user_error():
-    from hf_zero.classifier import build_classifier
+    from hf_zero.train.classifier import build_classifier
 
     with pytest.raises(UserError, match="^model_name_or_path: a bert model has no image-classification head"):
         build_classifier(ModelArguments(model_name_or_path="minilm"), "image", ["a", "b"], seed=0)
@@ -279,7 +279,7 @@ def test_text_final_adapter_reproduces_the_evaluation(text_run, tokenizer):
     from peft import PeftModel
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-    from hf_zero.models import resolve_model_path
+    from hf_zero.data.model_names import resolve_model_path
 
     out, _ = text_run
     s = read_summary(out)

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from hf_zero.cli import main
-from hf_zero.launch import build_launch_command
+from hf_zero.launch.command import build_launch_command
 
 from conftest import REPO
 
@@ -63,7 +63,7 @@ def test_profiles_table_matches_the_profiles_and_the_readme(capsys):
     profile table repeats."""
     import re
 
-    from hf_zero.profiles import list_profiles, load_profile
+    from hf_zero.core.profiles import list_profiles, load_profile
 
     assert main(["profiles"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from transformers import TrainingArguments
 
-from hf_zero.config import CurriculumArguments, ModelArguments, Stage, parse_recipe_args
-from hf_zero.errors import UserError
+from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage, parse_recipe_args
+from hf_zero.core.errors import UserError
 
 from conftest import REPO, TINY
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from hf_zero.console import eval_line, step_line
-from hf_zero.curriculum import CurriculumSchedule, StageSpan
-from hf_zero.trainer import eval_means, stage_table
+from hf_zero.core.console import eval_line, step_line
+from hf_zero.data.curriculum import CurriculumSchedule, StageSpan
+from hf_zero.train.trainer import eval_means, stage_table
 
 SCHEDULE = CurriculumSchedule((StageSpan(0, "short", 0, 2, 1e-3, 0, "cosine", 0.1),
                                StageSpan(1, "long", 2, 2, 1e-3, 0, "cosine", 0.1)), global_batch=4)

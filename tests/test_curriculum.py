@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from hf_zero.config import Stage
-from hf_zero.curriculum import build_sample_order, build_schedule
+from hf_zero.core.config import Stage
+from hf_zero.data.curriculum import build_sample_order, build_schedule
 
 STAGES = [
     Stage(name="a", data=["x"], steps=4, learning_rate=1e-3, warmup_steps=1),

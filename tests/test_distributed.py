@@ -86,7 +86,7 @@ def test_lora_under_zero3_saves_trained_adapter(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.models import get_tiny_llama_path
+    from hf_zero.data.model_names import get_tiny_llama_path
 
     base = AutoModelForCausalLM.from_pretrained(get_tiny_llama_path())
     model = PeftModel.from_pretrained(base, out / "final")

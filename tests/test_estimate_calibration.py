@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero.memory import count_model, estimate
-from hf_zero.models import get_model_config
+from hf_zero.estimate.memory import count_model, estimate
+from hf_zero.data.model_names import get_model_config
 
 from conftest import REPO
 
@@ -27,8 +27,8 @@ STRATEGY = {"single_gpu": "ddp", "zero2": "zero2", "zero3": "zero3", "zero3_offl
 
 def calibration_estimate(run: dict) -> dict:
     """The estimate for one measured run, from its model config and settings (LoRA as hf_zero builds it)."""
-    from hf_zero.config import ModelArguments
-    from hf_zero.recipe_memory import lora_fields
+    from hf_zero.core.config import ModelArguments
+    from hf_zero.estimate.recipe import lora_fields
 
     lora = lora_fields(ModelArguments(use_peft=run["use_peft"], lora_r=run["lora_r"] or 16))
     count = count_model(get_model_config(str(DATA / "models" / run["model"])), lora=lora)
@@ -67,8 +67,8 @@ def test_readme_table_is_the_calibration_data():
 def test_llama_1b_on_80gib_recommends_what_fits():
     """Issue 10: --gpu-memory 80GiB recommended micro-batch 38 for llama-1.1B x 1024, where 16 already peaks at
     56.6 GiB (a plain PyTorch loop with the same weights/autocast/optimizer, calibration README)."""
-    from hf_zero.memory import largest_micro_batch
-    from hf_zero.recipe_memory import HEADROOM
+    from hf_zero.estimate.memory import largest_micro_batch
+    from hf_zero.estimate.recipe import HEADROOM
 
     count = count_model(get_model_config(str(DATA / "models" / "llama-1b")))
     at_16 = estimate(count, "ddp", micro_batch=16, seq_len=1024)["gpu_bytes_per_rank"]["total"]

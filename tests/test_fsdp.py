@@ -15,9 +15,9 @@ from conftest import TINY, launch_recipe, read_summary
 from test_check import check, failed, profile, recipe
 from test_checkpoints import COMMON, config, losses_after, max_weight_diff, published  # noqa: F401 (fixture)
 
-from hf_zero.checkpoints import read_metadata, size_breakdown, validate_checkpoint
-from hf_zero.errors import UserError
-from hf_zero.profiles import load_profile, profile_from_env
+from hf_zero.checkpoint.store import read_metadata, size_breakdown, validate_checkpoint
+from hf_zero.core.errors import UserError
+from hf_zero.core.profiles import load_profile, profile_from_env
 
 LORA = ["--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0", "--lora_target_modules", "q_proj", "v_proj"]
 
@@ -44,7 +44,7 @@ def test_fsdp_profiles_describe_engine_sharding_and_offload():
 def test_precision_is_the_profiles_and_reaches_the_trainer_as_for_zero():
     from dataclasses import replace
 
-    from hf_zero.reconcile import reconcile_training_kwargs
+    from hf_zero.core.reconcile import reconcile_training_kwargs
 
     bf16 = replace(load_profile("fsdp2"), mixed_precision="bf16")  # PRECISION=bf16 at launch
     kwargs, plan = reconcile_training_kwargs({"per_device_train_batch_size": 2}, bf16, 2, has_gpu=False,
@@ -90,8 +90,8 @@ def test_check_refuses_what_fsdp2_cannot_do_in_one_line(capsys, tmp_path, replac
 def test_layer_classes_follow_what_accelerate_can_shard():
     """BERT lists its embeddings among _no_split_modules, but accelerate shards the input embeddings in a group of
     their own (twice would crash in fully_shard); a ResNet has no input embeddings at all (accelerate fails)."""
-    from hf_zero.fsdp import verify_fsdp
-    from hf_zero.models import get_model_config
+    from hf_zero.train.fsdp import verify_fsdp
+    from hf_zero.data.model_names import get_model_config
 
     fsdp2 = load_profile("fsdp2")
     assert verify_fsdp(fsdp2, {}, 0, get_model_config("minilm")).startswith("FSDP2: one shard group per BertLayer,")
@@ -107,7 +107,7 @@ def test_misspelled_fsdp_key_is_refused_with_a_hint(capsys, tmp_path):
 
 
 def test_recipe_refuses_fsdp_mistakes_before_the_engine(tmp_path):
-    from hf_zero.preflight import check_at_start
+    from hf_zero.tools.check_rules import check_at_start
     from test_check import _start_args
 
     kwargs, parsed, stages = _start_args(tmp_path)
@@ -122,8 +122,8 @@ def test_recipe_refuses_fsdp_mistakes_before_the_engine(tmp_path):
 def test_resume_refuses_a_checkpoint_of_another_engine(tmp_path):
     from types import SimpleNamespace
 
-    from hf_zero.reconcile import BatchPlan
-    from hf_zero.resume import _choose
+    from hf_zero.core.reconcile import BatchPlan
+    from hf_zero.checkpoint.resume import _choose
     from test_checkpoints import _with_meta
 
     ck = _with_meta(tmp_path, engine="fsdp2", profile="fsdp2", zero_stage=0)
@@ -193,7 +193,7 @@ def test_fsdp2_matches_ddp_and_really_shards(runs):
 def test_fsdp2_final_model_loads_and_checkpoints_export_exactly(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.export import export_checkpoint
+    from hf_zero.checkpoint.export import export_checkpoint
 
     (ddp, _), (out, proc) = runs["ddp"], runs["fsdp2"]
     final = load_file(str(out / "final" / "model.safetensors"))
@@ -237,8 +237,8 @@ def test_fsdp2_lora_with_checkpointing_and_packing_matches_ddp(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.export import export_checkpoint
-    from hf_zero.models import get_tiny_llama_path
+    from hf_zero.checkpoint.export import export_checkpoint
+    from hf_zero.data.model_names import get_tiny_llama_path
 
     flags = [*LORA, "--gradient_checkpointing", "true", "--packing", "true", "--save_strategy", "steps",
              "--save_steps", "5"]
@@ -273,8 +273,8 @@ def test_fsdp2_tied_embeddings_are_saved_and_exported_once(tmp_path):
     tensor once, as save_pretrained writes it (from_pretrained ties it again)."""
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.export import export_checkpoint
-    from hf_zero.models import get_model_config, get_tokenizer
+    from hf_zero.checkpoint.export import export_checkpoint
+    from hf_zero.data.model_names import get_model_config, get_tokenizer
 
     tokenizer = get_tokenizer("tiny-llama")
     cfg = get_model_config("tiny-llama", vocab_size=len(tokenizer))

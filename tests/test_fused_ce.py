@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from hf_zero.errors import UserError
-from hf_zero.fused_ce import ChunkedLinearCrossEntropy, chunk_tokens, linear_cross_entropy, plan_fused_head
+from hf_zero.core.errors import UserError
+from hf_zero.train.fused_ce import ChunkedLinearCrossEntropy, chunk_tokens, linear_cross_entropy, plan_fused_head
 
 from conftest import REPO
 
@@ -69,7 +69,7 @@ def test_frozen_head_gets_no_weight_gradient_and_the_default_chunk_splits_the_to
 def _tiny(tied=False, lora_targets=None, model_type=None, **config_overrides):
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
-    from hf_zero.models import get_tiny_llama_path
+    from hf_zero.data.model_names import get_tiny_llama_path
 
     if tied:
         config = AutoConfig.from_pretrained(get_tiny_llama_path(), tie_word_embeddings=True)
@@ -98,7 +98,7 @@ def _tiny(tied=False, lora_targets=None, model_type=None, **config_overrides):
 def _trainer(model, tmp_path, mode):
     from transformers import Trainer, TrainingArguments
 
-    from hf_zero.fused_ce import FusedCrossEntropyMixin
+    from hf_zero.train.fused_ce import FusedCrossEntropyMixin
 
     class FusedTrainer(FusedCrossEntropyMixin, Trainer):
         pass
@@ -174,13 +174,13 @@ def test_auto_falls_back_with_a_reason_and_true_refuses(quiet_env, case, reason)
 
 @pytest.mark.parametrize("value,want", [("auto", "auto"), ("true", True), (False, False), ("False", False)])
 def test_yaml_and_flag_values(value, want):
-    from hf_zero.config import CurriculumArguments
+    from hf_zero.core.config import CurriculumArguments
 
     assert CurriculumArguments(fused_cross_entropy=value).fused_cross_entropy == want
 
 
 def test_a_bad_value_is_one_line():
-    from hf_zero.config import CurriculumArguments
+    from hf_zero.core.config import CurriculumArguments
 
     with pytest.raises(UserError, match="fused_cross_entropy: 'maybe' is not auto, true or false"):
         CurriculumArguments(fused_cross_entropy="maybe")

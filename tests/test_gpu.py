@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, read_summary, run_cmd
 from scale_helpers import write_short_config
 
-from hf_zero.profiles import gpu_count, list_profiles, load_profile
+from hf_zero.core.profiles import gpu_count, list_profiles, load_profile
 
 GPUS = gpu_count()
 NPROC = min(2, GPUS)
@@ -55,7 +55,7 @@ def smol(tmp_path_factory):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from hf_zero.models import TINY_TOKENIZER_DIR
+    from hf_zero.data.model_names import TINY_TOKENIZER_DIR
 
     folder = tmp_path_factory.mktemp("smol-rand")
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""`hf-zero estimate` and hf_zero.memory: DeepSpeed's own estimators, the ZeRO paper's numbers, LoRA counts from peft,
+"""`hf-zero estimate` and hf_zero.estimate.memory: DeepSpeed's own estimators, the ZeRO paper's numbers, LoRA counts from peft,
 recommendations, the CLI, and estimate vs what a real DeepSpeed engine holds."""
 
 import json
@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from hf_zero import memory
+from hf_zero.estimate import memory
 from hf_zero.cli import main
-from hf_zero.memory import ModelCount, count_model, estimate, estimate_all, largest_micro_batch, recommend
-from hf_zero.models import get_model_config
+from hf_zero.estimate.memory import ModelCount, count_model, estimate, estimate_all, largest_micro_batch, recommend
+from hf_zero.data.model_names import get_model_config
 
 from conftest import REPO
 
@@ -148,7 +148,7 @@ def test_largest_micro_batch_is_monotone_in_memory(llama7b):
 
 
 def test_activations_per_attention_and_checkpointing(llama7b):
-    """Bytes per layer and token in 16-bit DeepSpeed weights, full fine-tune (hf_zero/activations.py): sdpa
+    """Bytes per layer and token in 16-bit DeepSpeed weights, full fine-tune (hf_zero/estimate/activations.py): sdpa
     26h + 8i + 2s (norms 2 x 6h, the shared q/k/v input 2h, q/k/v/output 8h + the kernel's mask copy 2s, o_proj's
     input 2h, the MLP's input 2h, gate/act/up/product 8i); eager 24h + 8i + 6as (no output saved, fp32 + 16-bit
     probabilities); the loss 12 bytes per vocabulary entry and token; checkpointing keeps 2h per layer."""
@@ -204,7 +204,7 @@ def test_cli_table_profile_and_recipe(capsys, tmp_path):
     assert main(["estimate", "--config", str(recipe), "--profile", "zero3", "--gpu-memory", "80GB"]) == 0
     out = capsys.readouterr().out
     assert "zero3 " in out and "zero2 " not in out and "LoRA r=4" in out and "micro-batch 3 x 64 tokens" in out
-    from hf_zero.profiles import load_profile
+    from hf_zero.core.profiles import load_profile
 
     prof = load_profile("zero3")  # the profile supplies precision and GPU count
     assert f"{prof.precision}, 1 node(s) x {prof.num_processes} GPU(s)" in out and "recommended: profile zero3," in out
@@ -222,9 +222,9 @@ sock = socket.socket(); sock.bind(("127.0.0.1", 0)); port = sock.getsockname()[1
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                   LOCAL_WORLD_SIZE="1")
 import torch, deepspeed
-from hf_zero.measure import measure_engine_bytes
-from hf_zero.memory import count_model, estimate
-from hf_zero.measure import StepPeakRecorder
+from hf_zero.estimate.measure import measure_engine_bytes
+from hf_zero.estimate.memory import count_model, estimate
+from hf_zero.estimate.measure import StepPeakRecorder
 deepspeed.init_distributed(dist_backend="gloo")
 results = {}
 for stage in (1, 2, 3):

@@ -22,7 +22,7 @@ NVME_YAML = REPO / "recipes" / "configs" / "nvme_swap.yaml"
 @pytest.fixture(scope="module")
 def async_io():
     """DeepSpeed's async_io op, built once (a no-op when scripts/system_deps.sh prebuilt it)."""
-    from hf_zero.ops import build_ops
+    from hf_zero.core.ops import build_ops
 
     if reason := libaio_missing_reason():  # the preflight's own probe
         pytest.skip(reason)
@@ -81,7 +81,7 @@ def _max_diff(a, b):
 
 @pytest.mark.multiproc
 def test_nvme_offload_swaps_to_the_configured_path_and_matches_zero3(runs):
-    from hf_zero.memory import count_model, estimate
+    from hf_zero.estimate.memory import count_model, estimate
 
     baseline = runs("zero3", PROFILES / "zero3.yaml")
 
@@ -143,9 +143,9 @@ def test_system_deps_script_is_idempotent():
     ("ok", 10**18, "free"),
 ])
 def test_nvme_preflight_names_the_path_and_the_fix(tmp_path, monkeypatch, async_io, where, nvme_bytes, says):
-    from hf_zero.errors import UserError
-    from hf_zero.preflight import verify_offload
-    from hf_zero.profiles import load_profile
+    from hf_zero.core.errors import UserError
+    from hf_zero.tools.check_rules import verify_offload
+    from hf_zero.core.profiles import load_profile
 
     (tmp_path / "file").write_text("")
     path = tmp_path / "file" / "nvme" if where == "under_a_file" else tmp_path / "nvme"

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from hf_zero.packing import IGNORE, PackedCollator, pack_documents, padding_stats, real_tokens
+from hf_zero.data.packing import IGNORE, PackedCollator, pack_documents, padding_stats, real_tokens
 
 from conftest import RECIPE, REPO, TINY, read_summary, run_cmd
 
@@ -55,8 +55,8 @@ def test_a_document_longer_than_a_row_is_refused():
 
 
 def test_collator_sends_unpacked_samples_to_the_fallback():
-    from hf_zero.data import build_collator
-    from hf_zero.models import get_tokenizer
+    from hf_zero.data.stages import build_collator
+    from hf_zero.data.model_names import get_tokenizer
 
     collate = build_collator(get_tokenizer("tiny-llama"), packing=True)
     packed = collate(pack_documents([_doc(2, 5), _doc(20, 4)], 12, PAD))
@@ -68,7 +68,7 @@ def test_collator_sends_unpacked_samples_to_the_fallback():
 
 @pytest.fixture(scope="module")
 def tiny_docs():
-    from hf_zero.models import get_tokenizer
+    from hf_zero.data.model_names import get_tokenizer
 
     tok = get_tokenizer("tiny-llama")
     docs = []
@@ -84,7 +84,7 @@ def _model(attn: str):
     """In train mode, as the Trainer runs it (tiny-llama has no dropout, so outputs are deterministic)."""
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.models import get_tiny_llama_path
+    from hf_zero.data.model_names import get_tiny_llama_path
 
     model = AutoModelForCausalLM.from_pretrained(get_tiny_llama_path(), attn_implementation=attn)
     return model.train()
@@ -143,7 +143,7 @@ def test_the_boundaries_are_what_keeps_documents_apart(tiny_docs, trap):
 
 def test_rows_of_the_bundled_text_are_at_least_95_percent_text(tmp_path):
     """The bench recipe's data (all of recipes/data/tiny, 7-96 tokens a document) as its run draws it."""
-    from hf_zero.bench_plan import build_plan
+    from hf_zero.bench.plan import build_plan
 
     plan = build_plan(str(REPO / "recipes" / "configs" / "bench.yaml"), None, None, 2, [], tmp_path)
     unpacked, packed = plan.padding["unpacked"], plan.padding["packed"]
@@ -191,8 +191,8 @@ def test_varlen_collator_flattens_the_documents_of_every_row(tiny_docs):
 def test_the_collator_flattens_for_flash_attention_only():
     from types import SimpleNamespace
 
-    from hf_zero.data import build_collator
-    from hf_zero.models import get_tokenizer
+    from hf_zero.data.stages import build_collator
+    from hf_zero.data.model_names import get_tokenizer
 
     tok = get_tokenizer("tiny-llama")
     for attn, flat in (("sdpa", False), ("eager", False), ("flash_attention_2", True),
@@ -234,7 +234,7 @@ def _flash_available() -> bool:
 def test_flash_varlen_losses_equal_documents_alone(tiny_docs):
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.models import get_tiny_llama_path
+    from hf_zero.data.model_names import get_tiny_llama_path
 
     docs, pad = tiny_docs
     model = AutoModelForCausalLM.from_pretrained(get_tiny_llama_path(), attn_implementation="flash_attention_2",

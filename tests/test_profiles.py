@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero.errors import UserError
-from hf_zero.profiles import build_deepspeed_config, list_profiles, load_profile, pick_profile, profile_from_env
+from hf_zero.core.errors import UserError
+from hf_zero.core.profiles import build_deepspeed_config, list_profiles, load_profile, pick_profile, profile_from_env
 
 from conftest import PROFILES
 
@@ -100,8 +100,8 @@ LLAMA_1B = str(Path(__file__).parent / "data" / "calibration" / "models" / "llam
 
 def _peaks(recipe, gpus, strategies):
     """The estimator's peak per GPU for each strategy, as pick_profile sizes them (bf16)."""
-    from hf_zero.memory import count_model, estimate
-    from hf_zero.models import get_model_config
+    from hf_zero.estimate.memory import count_model, estimate
+    from hf_zero.data.model_names import get_model_config
 
     model = get_model_config(recipe.model) if isinstance(recipe.model, str) else recipe.model
     count = count_model(model, lora=recipe.lora)
@@ -118,7 +118,7 @@ def _device_between(low, high):
 def test_pick_profile_for_one_gpu_follows_the_estimate():
     """One GPU: single_gpu if it fits, else ZeRO-2 (bf16 weights, smaller activations), else everything offloaded,
     else a one-line error naming the estimate and a launch that fits (same global batch)."""
-    from hf_zero.recipe_memory import RecipeMemory
+    from hf_zero.estimate.recipe import RecipeMemory
 
     recipe = RecipeMemory(model=LLAMA_1B, micro=8, accumulation=1, seq_len=1024, path="recipe.yaml")
     peaks = _peaks(recipe, 1, ("ddp", "zero2", "zero3_offload"))
@@ -139,7 +139,7 @@ def test_pick_profile_for_one_gpu_follows_the_estimate():
 def test_pick_profile_for_several_gpus_uses_the_estimator():
     from transformers import LlamaConfig
 
-    from hf_zero.recipe_memory import RecipeMemory
+    from hf_zero.estimate.recipe import RecipeMemory
 
     seven_b = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                           vocab_size=32000)

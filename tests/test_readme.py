@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero.config import CurriculumArguments, ModelArguments, Stage
+from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
 
 from conftest import REPO
 from scale_helpers import libaio_missing_reason
@@ -38,7 +38,7 @@ def test_first_screen_has_the_two_commands():
 
 
 def _documented_types():
-    from hf_zero.classification import ClassificationArguments
+    from hf_zero.data.classification import ClassificationArguments
 
     return (ModelArguments, CurriculumArguments, Stage, ClassificationArguments)
 
@@ -105,7 +105,7 @@ def _check_estimate_recipe(proc):
 
 
 def _check_test_gpu(proc):
-    from hf_zero.profiles import gpu_count
+    from hf_zero.core.profiles import gpu_count
 
     if gpu_count() == 0:  # every GPU test skipped, with the reason, and nothing counted as passed
         assert "no CUDA GPU on this machine" in proc.stdout and " passed" not in proc.stdout, proc.stdout[-2000:]
@@ -123,7 +123,7 @@ def _answer(proc) -> str:
 
 
 def _check_generate(proc):
-    from hf_zero.assets import WHICH_PLAY_TITLES
+    from hf_zero.data.assets import WHICH_PLAY_TITLES
 
     if "--adapter runs/smollm2_chat/final" in proc.args:  # trained: a title, as asked
         assert _answer(proc) in WHICH_PLAY_TITLES.values(), _answer(proc)

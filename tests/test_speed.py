@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from hf_zero.config import ModelArguments
-from hf_zero.errors import UserError
-from hf_zero.models import get_model_config
-from hf_zero.profiles import Profile, load_profile, one_rank_note, zero3_speed_settings
-from hf_zero.reconcile import reconcile_training_kwargs
+from hf_zero.core.config import ModelArguments
+from hf_zero.core.errors import UserError
+from hf_zero.data.model_names import get_model_config
+from hf_zero.core.profiles import Profile, load_profile, one_rank_note, zero3_speed_settings
+from hf_zero.core.reconcile import reconcile_training_kwargs
 
 
 def _tiny_layer_params():
@@ -40,7 +40,7 @@ def test_the_mlp_is_a_leaf_module_only_without_lora_inside(targets, leaf):
 
 
 def test_zero3_overlaps_gradient_reduction_on_gpus_only():
-    from hf_zero.profiles import build_deepspeed_config
+    from hf_zero.core.profiles import build_deepspeed_config
 
     for on_cpu in (True, False):
         z = build_deepspeed_config(load_profile("zero3"), on_cpu=on_cpu)["zero_optimization"]
@@ -92,8 +92,8 @@ def test_liger_kernels_keep_the_loss():
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.fused_ce import FusedCrossEntropyMixin  # noqa: F401 (the loss both runs use)
-    from hf_zero.models import get_tiny_llama_path
+    from hf_zero.train.fused_ce import FusedCrossEntropyMixin  # noqa: F401 (the loss both runs use)
+    from hf_zero.data.model_names import get_tiny_llama_path
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 200, (2, 48), generator=g).cuda()
@@ -118,8 +118,8 @@ def test_torch_compile_keeps_the_losses(tmp_path, quiet_env):
     three steps' losses equal the eager run's."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from hf_zero.fused_ce import FusedCrossEntropyMixin
-    from hf_zero.models import get_tiny_llama_path
+    from hf_zero.train.fused_ce import FusedCrossEntropyMixin
+    from hf_zero.data.model_names import get_tiny_llama_path
 
     class FusedTrainer(FusedCrossEntropyMixin, Trainer):
         pass

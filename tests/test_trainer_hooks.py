@@ -1,5 +1,5 @@
 """hf_zero's Trainer subclasses use public hooks, except the two private methods crash-safe checkpoints need
-(hf_zero/checkpoint_saving.py says why). This fails loudly when transformers renames or reshapes them."""
+(hf_zero/checkpoint/write.py says why). This fails loudly when transformers renames or reshapes them."""
 
 import inspect
 
@@ -9,7 +9,7 @@ ALLOWED_PRIVATE = {"_save_checkpoint", "_get_output_dir"}
 
 
 def test_only_the_two_checkpoint_hooks_override_private_trainer_methods():
-    from hf_zero.trainer import CurriculumTrainer  # both recipes' Trainer
+    from hf_zero.train.trainer import CurriculumTrainer  # both recipes' Trainer
 
     overridden = set()
     for cls in [CurriculumTrainer]:
@@ -20,7 +20,7 @@ def test_only_the_two_checkpoint_hooks_override_private_trainer_methods():
     assert overridden <= ALLOWED_PRIVATE, overridden - ALLOWED_PRIVATE
 
 
-def test_the_private_checkpoint_hooks_are_still_what_checkpoint_saving_assumes():
+def test_the_private_checkpoint_hooks_are_still_what_checkpoint_write_assumes():
     assert list(inspect.signature(Trainer._save_checkpoint).parameters) == ["self", "model", "trial"]
     assert list(inspect.signature(Trainer._get_output_dir).parameters) == ["self", "trial"]
     # The staging area works only because the Trainer asks _get_output_dir where checkpoint-N goes.

@@ -1,0 +1,1 @@
+"""Checkpoints: written crash-safe, verified, resumed (also on another rank count), exported."""

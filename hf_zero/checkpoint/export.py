@@ -1,0 +1,234 @@
+"""`hf-zero export CHECKPOINT --out DIR [--dtype bf16|fp32] [--merge-lora]`: a Hugging Face folder (safetensors,
+config, tokenizer) from any checkpoint, ZeRO shards and FSDP2 distributed checkpoints included.
+
+DeepSpeed checkpoints are consolidated from the fp32 master weights in the shards with DeepSpeed's own
+zero_to_fp32 reader in lazy mode (memory-mapped shards, one tensor materialised at a time), written one
+safetensors shard at a time, so at most one copy of the model is ever in memory; FSDP2 checkpoints are read the same
+way, one tensor at a time, with torch.distributed.checkpoint (no process group needed). LoRA checkpoints give the
+adapter (or, with --merge-lora, the base model with the adapter merged in, loadable without peft). The folder is
+written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from hf_zero.core.errors import UserError
+
+__all__ = ["add_arguments", "run", "export_checkpoint", "DTYPES"]
+
+DTYPES = ("fp32", "bf16")
+_SHARD_BYTES = 5 << 30
+_PROCESSOR_FILES = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.model", "added_tokens.json",
+                    "chat_template*", "preprocessor_config.json", "processor_config.json", "generation_config.json")
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("checkpoint",
+                        help="a checkpoint-N folder, or a run's output_dir (its newest complete checkpoint)")
+    parser.add_argument("--out", required=True, help="folder to write (must not exist or be empty)")
+    parser.add_argument("--dtype", default="fp32", help="weights dtype: fp32 (default) or bf16")
+    parser.add_argument("--merge-lora", dest="merge_lora", action="store_true",
+                        help="LoRA checkpoints: merge the adapter into the base model and write the full model")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --out folder (only once the new one is completely written)")
+    parser.add_argument("--base-model", dest="base_model", default=None,
+                        help="LoRA checkpoints: base model folder if not the one recorded in adapter_config.json")
+
+
+def run(args) -> int:
+    out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.merge_lora, args.base_model, args.overwrite)
+    print(f"[hf_zero] exported {out['source']} -> {out['out']} ({out['kind']}, {out['tensors']} tensors, {args.dtype})")
+    return 0
+
+
+def _resolve_checkpoint(path: str) -> Path:
+    from hf_zero.checkpoint.store import MANIFEST_NAME, find_resume_checkpoint, list_checkpoints, validate_checkpoint
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise UserError("CHECKPOINT", f"{path} is not a folder", "give a checkpoint-N folder or a run's output_dir")
+    if not (folder / "trainer_state.json").is_file() and list_checkpoints(folder):
+        found = find_resume_checkpoint(folder)
+        if found is None:
+            raise UserError("CHECKPOINT", f"{path} holds no complete checkpoint", "give a checkpoint-N folder")
+        folder = Path(found)
+    if (folder / MANIFEST_NAME).is_file() and (problem := validate_checkpoint(folder)):
+        raise UserError("CHECKPOINT", f"{folder.name} is damaged: {problem}", "export an earlier checkpoint")
+    if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
+        raise UserError("CHECKPOINT", f"{folder} has no config.json or adapter_config.json",
+                        "give a checkpoint written by the Trainer (checkpoint-N)")
+    return folder
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise UserError("--dtype", f"unknown dtype {name!r}", f"use one of: {', '.join(DTYPES)}")
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def _is_deepspeed(folder: Path) -> bool:
+    return (folder / "latest").is_file() and (folder / (folder / "latest").read_text().strip()).is_dir()
+
+
+def _lazy_zero_state(folder: Path, trainable_only: bool) -> dict:
+    """name -> lazy tensor from the ZeRO shards; tied parameters appear once (first name, as save_pretrained does)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    lazy = get_fp32_state_dict_from_zero_checkpoint(str(folder), exclude_frozen_parameters=trainable_only,
+                                                    lazy_mode=True)
+    seen, out = set(), {}
+    for name, tensor in lazy.items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out[name] = tensor
+    return out
+
+
+def _write_sharded(lazy: dict, out: Path, dtype) -> int:
+    """model.safetensors (or model-0000i-of-0000n.safetensors + index), materialising one shard at a time."""
+    from safetensors.torch import save_file
+
+    shards, current, size = [], [], 0
+    for name, t in lazy.items():
+        nbytes = t.shape.numel() * (dtype.itemsize if t.dtype.is_floating_point else t.dtype.itemsize)
+        if current and size + nbytes > _SHARD_BYTES:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    shards.append(current)
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map, total = {}, 0
+    for fname, shard_names in zip(names, shards):
+        shard = {}
+        for name in shard_names:
+            t = lazy[name].contiguous()
+            shard[name] = t.to(dtype) if t.is_floating_point() else t
+            total += shard[name].numel() * shard[name].element_size()
+            weight_map[name] = fname
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        del shard
+    if len(shards) > 1:
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return len(weight_map)
+
+
+def _copy_processor_files(src: Path, out: Path) -> None:
+    for pattern in _PROCESSOR_FILES:
+        for f in src.glob(pattern):
+            if f.is_file():
+                shutil.copy2(f, out / f.name)
+
+
+def _export_full(folder: Path, out: Path, dtype) -> int:
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from hf_zero.train.fsdp import is_fsdp_checkpoint, lazy_dcp_state
+
+    if _is_deepspeed(folder):
+        count = _write_sharded(_lazy_zero_state(folder, trainable_only=False), out, dtype)
+    elif is_fsdp_checkpoint(folder):
+        count = _write_sharded(lazy_dcp_state(folder), out, dtype)
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise UserError("CHECKPOINT", f"{folder} holds neither ZeRO shards nor safetensors weights",
+                            "give a checkpoint written with save_only_model false")
+        count = 0
+        for f in files:  # one file in memory at a time
+            tensors = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in load_file(str(f)).items()}
+            save_file(tensors, str(out / f.name), metadata={"format": "pt"})
+            count += len(tensors)
+        for index in folder.glob("*.safetensors.index.json"):
+            shutil.copy2(index, out / index.name)
+    config = AutoConfig.from_pretrained(str(folder))
+    config.dtype = dtype
+    config.save_pretrained(str(out))
+    return count
+
+
+def _auto_class(task_type: str | None):
+    import transformers
+
+    name = {"CAUSAL_LM": "AutoModelForCausalLM", "SEQ_CLS": "AutoModelForSequenceClassification",
+            "TOKEN_CLS": "AutoModelForTokenClassification", "SEQ_2_SEQ_LM": "AutoModelForSeq2SeqLM",
+            "QUESTION_ANS": "AutoModelForQuestionAnswering"}.get(task_type or "", "AutoModel")
+    return getattr(transformers, name)
+
+
+def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | None) -> int:
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    name = base_path = base_model or config.get("base_model_name_or_path")
+    try:
+        from hf_zero.data.model_names import resolve_model_path
+
+        base_path = resolve_model_path(name)  # hf_zero's offline names, as adapters record them
+        base = _auto_class(config.get("task_type")).from_pretrained(base_path, dtype=torch.float32)
+    except (OSError, ValueError) as err:
+        raise UserError("--base-model", f"cannot load the base model {base_path!r} ({str(err).splitlines()[0][:120]})",
+                        "pass --base-model with the folder of the model the adapter was trained on") from None
+    base.name_or_path = name  # the exported adapter names its base model as the checkpoint did (peft records this)
+    if _is_deepspeed(folder):
+        # The adapter from the fp32 master weights in the shards (the checkpoint's adapter file holds the engine's
+        # working copy, which differs from them in mixed precision).
+        model = get_peft_model(base, LoraConfig.from_pretrained(str(folder)))
+        trained = {k: v.contiguous() for k, v in _lazy_zero_state(folder, trainable_only=True).items()}
+        result = model.load_state_dict(trained, strict=False)
+        wanted = {n for n, p in model.named_parameters() if p.requires_grad}
+        if result.unexpected_keys or wanted - set(trained):
+            raise UserError("CHECKPOINT", f"the ZeRO shards of {folder.name} do not match the adapter config "
+                            f"({len(result.unexpected_keys)} unexpected, {len(wanted - set(trained))} missing)",
+                            "export with the hf_zero version that wrote it")
+    else:
+        model = PeftModel.from_pretrained(base, str(folder))
+    if merge:
+        merged = model.merge_and_unload().to(dtype)
+        merged.save_pretrained(str(out))
+        return len(merged.state_dict())
+    adapter = [p for n, p in model.named_parameters() if f".{model.active_adapter}." in n]
+    for p in adapter:  # only the adapter is written; the base stays as loaded
+        p.data = p.data.to(dtype)
+    model.save_pretrained(str(out))
+    return len(adapter)
+
+
+def export_checkpoint(checkpoint: str, out: str, dtype: str = "fp32", merge_lora: bool = False,
+                      base_model: str | None = None, overwrite: bool = False) -> dict:
+    """Write a from_pretrained-loadable folder from `checkpoint`; returns what was written."""
+    torch_dtype = _torch_dtype(dtype)
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
+        raise UserError("--out", f"{out} already exists and is not empty", "choose a new folder or pass --overwrite")
+    folder = _resolve_checkpoint(checkpoint)
+    is_lora = (folder / "adapter_config.json").is_file()
+    if merge_lora and not is_lora:
+        raise UserError("--merge-lora", f"{folder.name} is a full-model checkpoint, not a LoRA one",
+                        "drop --merge-lora")
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if is_lora:
+        count = _export_lora(folder, tmp, torch_dtype, merge_lora, base_model)
+    else:
+        count = _export_full(folder, tmp, torch_dtype)
+    _copy_processor_files(folder, tmp)
+    from hf_zero.checkpoint.final import make_shareable
+
+    make_shareable(tmp)
+    if target.exists():
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    os.rename(tmp, target)
+    kind = "merged LoRA model" if merge_lora else "LoRA adapter" if is_lora else "full model"
+    return {"source": str(folder), "out": str(target), "kind": kind, "tensors": count}

@@ -1,0 +1,264 @@
+"""Saving checkpoints that survive crashes: the Trainer writes each checkpoint into a staging folder; once every
+rank has finished, the LoRA adapter / model file is verified, the metadata and manifest are written, and the folder
+is renamed to checkpoint-N (atomic), then older ones are rotated out (the best one never is). A full disk stops
+the run with one line and leaves every earlier checkpoint intact."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import time
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from hf_zero.core.files import human_bytes
+from hf_zero.checkpoint.store import (LATEST_NAME, METADATA_NAME, STAGING_DIR, crc32_of, file_sizes,
+                          publish_checkpoint, rotate_checkpoints, size_breakdown, write_json_atomic, write_manifest)
+
+__all__ = ["SafeCheckpointMixin", "CheckpointCallback", "build_checkpoint_metadata", "is_disk_full"]
+
+
+class CheckpointCallback(TrainerCallback):
+    """Makes every checkpoint carry the metric that picks the best one: evaluates at each save step, and defaults
+    that metric to the mean eval loss over the eval sets when the run saves checkpoints and has eval data."""
+
+    def __init__(self, has_eval: bool):
+        self.has_eval = has_eval
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.save_strategy != "no" and self.has_eval and args.metric_for_best_model is None:
+            args.metric_for_best_model = "eval_loss"
+            if args.greater_is_better is None:
+                args.greater_is_better = False
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_save and self.has_eval and args.metric_for_best_model:
+            control.should_evaluate = True
+        return control
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("torch", "transformers", "accelerate", "deepspeed", "peft"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def build_checkpoint_metadata(trainer) -> dict:
+    """What a resume (or a person) needs to know about the checkpoint being written at trainer.state.global_step."""
+    from hf_zero.train.model import count_parameters
+    from hf_zero.core.profiles import profile_from_env
+
+    state, args = trainer.state, trainer.args
+    step = state.global_step
+    metrics = {}
+    for entry in state.log_history:
+        if entry.get("step") == step:
+            metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "step"})
+    stage_losses = [v for k, v in metrics.items() if k.startswith("eval_") and k.endswith("_loss") and k != "eval_loss"]
+    if stage_losses and "eval_loss" not in metrics:
+        metrics["eval_loss"] = sum(stage_losses) / len(stage_losses)  # same mean as SafeCheckpointMixin.evaluate
+    profile = profile_from_env()
+    ds = (args.hf_deepspeed_config.config.get("zero_optimization", {}) if getattr(args, "hf_deepspeed_config", None)
+          else {})
+    meta = {
+        "format": 1,
+        "global_step": step,
+        "max_steps": state.max_steps,
+        "epoch": state.epoch,
+        "metrics": metrics,
+        "world_size": args.world_size,
+        "profile": profile.name,
+        "engine": profile.engine,
+        "zero_stage": int(ds.get("stage", 0)) if ds else 0,
+        "offload_optimizer": profile.offload_optimizer,
+        "offload_param": profile.offload_param,
+        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        "micro_batch": args.per_device_train_batch_size,
+        "grad_accum": args.gradient_accumulation_steps,
+        "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+        "peft": hasattr(trainer.model, "peft_config"),
+        # The adapter names its base model as the user did; this is where that name resolved on this machine.
+        "base_model_path": getattr(getattr(trainer.model, "config", None), "_name_or_path", None),
+        "trainable_params": count_parameters(trainer.model)[0],
+        "seed": args.seed,
+        "versions": _versions(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    schedule = getattr(trainer, "schedule", None)
+    if schedule is not None and step > 0:
+        span = schedule.stage_at(step - 1)  # the stage of the last step taken
+        meta["stage"] = {"index": span.index, "name": span.name, "steps_done": step - span.start_step,
+                         "steps": span.steps}
+    return meta
+
+
+def is_disk_full(err: BaseException, path) -> bool:
+    """ENOSPC as Python, safetensors or torch report it (torch.save only says "unexpected pos ..."), or no room left."""
+    seen = err
+    while seen is not None:
+        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left on device" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(path).free < (16 << 20)
+    except OSError:
+        return False
+
+
+def _stop_on_full_disk(run_dir: Path, staged: Path) -> None:
+    free = shutil.disk_usage(run_dir).free
+    shutil.rmtree(staged, ignore_errors=True)
+    latest = (run_dir / LATEST_NAME).read_text().strip() if (run_dir / LATEST_NAME).is_file() else None
+    kept = f"{latest} and the checkpoints before it are complete" if latest else "no earlier checkpoint was written"
+    from hf_zero.core.errors import UserError
+    from hf_zero.launch.worker import report_user_error
+
+    report_user_error(UserError("output_dir", f"no space left on device while writing {staged.name} "
+                                f"({human_bytes(free)} free in {run_dir}); {kept}",
+                                "free some space or move --output_dir, then re-run the same command to resume"))
+    # A hard exit: the other ranks may be blocked in a collective of the same save; the launcher stops them
+    # when this process is gone, while a normal interpreter exit could wait for them forever.
+    os._exit(2)
+
+
+class SafeCheckpointMixin:
+    """Mix into a Trainer subclass (before Trainer) to get staged, verified, manifest-checked checkpoints."""
+
+    def __init__(self, *args, **kwargs):
+        self._hf_zero_staging_root = None
+        super().__init__(*args, **kwargs)
+        self.add_callback(CheckpointCallback(has_eval=self.eval_dataset is not None))
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        from hf_zero.train.fsdp import announce_layers, enable_fsdp_on_cpu
+
+        enable_fsdp_on_cpu(self)  # an FSDP profile on a machine without GPUs: FSDP2, not a silent DDP
+        if self.is_fsdp_enabled:
+            announce_layers(self)
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        ds = getattr(self.args, "hf_deepspeed_config", None)
+        if resume_from_checkpoint and ds is not None and ds.config.get("checkpoint", {}).get("load_universal"):
+            from hf_zero.checkpoint.resume import Zero3UniversalFix
+
+            self.add_callback(Zero3UniversalFix(resume_from_checkpoint))
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Adds `eval_loss`, the mean over the named eval sets, so metric_for_best_model has one loss to track."""
+        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        if eval_dataset is None and isinstance(self.eval_dataset, dict) and f"{metric_key_prefix}_loss" not in metrics:
+            losses = [metrics[k] for n in self.eval_dataset if (k := f"{metric_key_prefix}_{n}_loss") in metrics]
+            if losses:
+                metrics[f"{metric_key_prefix}_loss"] = sum(losses) / len(losses)
+        return metrics
+
+    def _get_output_dir(self, trial) -> str:
+        # Private override, see _save_checkpoint: while a checkpoint is written, the Trainer's "run dir" is the
+        # staging area, so its checkpoint-N lands there (and its own rotation only ever sees that one folder).
+        if self._hf_zero_staging_root is not None:
+            return str(self._hf_zero_staging_root)
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # Private override because the Trainer offers no hook between "every rank wrote its files" and "the folder
+        # is visible": it writes straight into checkpoint-N, so a crash mid-save leaves a folder that any resume
+        # takes for the latest checkpoint (pain-points #5). The Trainer's own saving still does all the writing.
+        run_dir = Path(super()._get_output_dir(trial))
+        staged = run_dir / STAGING_DIR / f"checkpoint-{self.state.global_step}"
+        if self.is_world_process_zero():
+            shutil.rmtree(staged, ignore_errors=True)  # left by a crash: never mixed with new files
+            staged.parent.mkdir(parents=True, exist_ok=True)
+        self.accelerator.wait_for_everyone()
+        started = time.time()
+        self._hf_zero_staging_root = staged.parent
+        try:
+            super()._save_checkpoint(model, trial)
+            if self.is_fsdp_enabled:
+                from hf_zero.train.fsdp import save_pretrained_gathered
+
+                # The Trainer writes only the distributed checkpoint; config and tokenizer make it exportable, and
+                # a LoRA adapter (small) is gathered so the checkpoint loads with peft as under ZeRO.
+                save_pretrained_gathered(self, staged, weights=False)
+            self._verify_saved_model(staged)
+            self.accelerator.wait_for_everyone()  # every rank has written its shards
+            self._finish_checkpoint(staged, run_dir, started)
+        except Exception as err:
+            if is_disk_full(err, run_dir):
+                _stop_on_full_disk(run_dir, staged)
+            raise
+        finally:
+            self._hf_zero_staging_root = None
+        self.accelerator.wait_for_everyone()
+
+    def _verify_saved_model(self, staged: Path) -> None:
+        """A LoRA adapter is read back and compared with the gathered weights (collective under ZeRO-3/FSDP2); any
+        saved safetensors file must hold no empty placeholder tensor (pain-points #1, #2)."""
+        from hf_zero.checkpoint.final import SavedModelMismatch, verify_saved_weights
+
+        model = self.accelerator.unwrap_model(self.model_wrapped) if self.model_wrapped is not None else self.model
+        if hasattr(model, "peft_config"):
+            verify_saved_weights(model, staged)
+        elif self.is_world_process_zero():
+            from safetensors import safe_open
+
+            for path in staged.glob("*.safetensors"):
+                with safe_open(str(path), "pt") as f:
+                    empty = [k for k in f.keys() if 0 in f.get_slice(k).get_shape()]
+                if empty:
+                    raise SavedModelMismatch(f"{path}: empty tensors (e.g. {empty[0]}): weights were not gathered")
+
+    def _finish_checkpoint(self, staged: Path, run_dir: Path, started: float) -> None:
+        import torch.distributed as dist
+
+        if self.is_world_process_zero():
+            if str(self.state.best_model_checkpoint or "").startswith(str(staged.parent)):
+                # The Trainer recorded the staging path as best: point it where the folder is about to live.
+                self.state.best_model_checkpoint = str(run_dir / staged.name)
+                self.state.save_to_json(str(staged / "trainer_state.json"))
+            from hf_zero.checkpoint.final import make_shareable
+
+            make_shareable(staged)  # before the manifest: permissions change no size or checksum anyway
+            meta = build_checkpoint_metadata(self)
+            meta["bytes"] = size_breakdown(file_sizes(staged))
+            meta["save_seconds"] = round(time.time() - started, 3)
+            write_json_atomic(staged / METADATA_NAME, meta)
+        self.accelerator.wait_for_everyone()
+        # Checksums are shared out over the ranks (each also fsyncs its files), then gathered on rank 0.
+        rels = sorted(file_sizes(staged))
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        mine = {rel: crc32_of(staged / rel, fsync=True) for rel in rels[rank::world] if (staged / rel).is_file()}
+        parts = [None] * world
+        if world > 1:
+            dist.all_gather_object(parts, mine)
+        else:
+            parts = [mine]
+        best = [None]
+        if self.is_world_process_zero():
+            checksums = {k: v for part in parts for k, v in part.items()}
+            for rel in rels:  # a file another node could not see (no shared filesystem) is checked here
+                checksums.setdefault(rel, crc32_of(staged / rel, fsync=True))
+            manifest = write_manifest(staged, checksums)
+            final = publish_checkpoint(staged, run_dir)
+            from hf_zero.core.console import say
+
+            kept_best = rotate_checkpoints(run_dir, self.args.save_total_limit, self.args.metric_for_best_model,
+                                           bool(self.args.greater_is_better), log=say)
+            best = [str(kept_best) if kept_best is not None else None]
+            kinds = size_breakdown({k: v["bytes"] for k, v in manifest["files"].items()})
+            say(f"[hf_zero] {final.name}: {human_bytes(manifest['total_bytes'])} (weights "
+                f"{human_bytes(kinds['weights'])}, optimizer {human_bytes(kinds['optimizer'])}, other "
+                f"{human_bytes(kinds['other'])}), complete in {time.time() - started:.1f} s")
+        if world > 1:
+            dist.broadcast_object_list(best, src=0)  # every rank agrees on the best (load_best_model_at_end)
+        if best[0] is not None:
+            self.state.best_model_checkpoint = best[0]

@@ -1,0 +1,1 @@
+"""What every layer uses: errors, files, console, waits, profiles, recipe arguments and their reconciliation."""

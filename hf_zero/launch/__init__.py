@@ -1,0 +1,1 @@
+"""From a command line to running ranks: `hf-zero train`/`profiles`, the launcher, the worker wrapper, Slurm."""

@@ -1,0 +1,1 @@
+"""The other commands: check, preview, generate."""

@@ -1,0 +1,288 @@
+"""`hf-zero check`: every configuration mistake in one line each, before any process starts.
+
+    hf-zero check --profile zero3 --config recipes/configs/tiny_curriculum.yaml
+    hf-zero check --profile h100x8 --gpus 8 --config my.yaml --output-dir /scratch/run1 --per_device_train_batch_size 8
+
+Prints `ok <check>: ...`, `FAIL <check>: ...` or `skip <check>: not checked (...)` (when what it needs failed
+earlier) per check and exits 0 when none fails, 2 otherwise. Recipe flags after the known ones are checked as
+`hf-zero train` would pass them. The checks themselves live in hf_zero.tools.check_rules; `hf-zero train` runs them all
+(light: files read but not tokenized, no cpu_adam build) before it starts any process, and the cheapest run again
+inside the recipe before the engine is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from hf_zero.core.errors import EXIT_USAGE, UserError
+
+__all__ = ["CHECKS", "CheckResult", "run_checks", "add_arguments", "run", "ACCEPTS_EXTRA"]
+
+CHECKS = ("profile", "recipe", "batch", "devices", "precision", "launch", "hostfile", "model", "data", "offload",
+          "fsdp", "output")
+ACCEPTS_EXTRA = True  # recipe flags (e.g. --learning_rate 1e-4) are checked with the YAML
+
+
+@dataclass
+class CheckResult:
+    name: str
+    ok: bool | None  # None: not checked, because what it needs failed earlier (reported there, once)
+    message: str
+    error: UserError | None = None
+
+    def line(self) -> str:
+        return f"{ {True: 'ok', False: 'FAIL', None: 'skip'}[self.ok]} {self.name}: {self.message}"
+
+
+class _State:
+    """What earlier checks produced for later ones; None when that check failed."""
+
+    def __init__(self, args, light: bool = False):
+        self.args, self.profile, self.raw, self.parsed = args, None, None, None
+        self.light = light
+        recipe = _recipe_module(getattr(args, "recipe", None))
+        self.types = recipe_argument_types(recipe)
+        self.check_data = getattr(recipe, "CHECK_DATA", None)  # a recipe's own data checker (curriculum: built in)
+        self.tokenizer = self.count = self.pool_sizes = None
+        self.hosts = None
+        if args.hostfile:  # as `hf-zero train --hostfile` does; a bad file is the hostfile check's to report
+            from hf_zero.launch.hostfile import read_hostfile
+
+            with contextlib.suppress(UserError), contextlib.redirect_stdout(sys.stderr):
+                self.hosts = read_hostfile(args.hostfile)
+
+    @property
+    def machines(self) -> int:
+        return len(self.hosts) if self.hosts else self.profile.num_machines
+
+    @property
+    def nproc(self) -> int:
+        if self.args.nproc or self.hosts:
+            return self.args.nproc or self.hosts[0][1]
+        return max(self.profile.num_processes // max(self.profile.num_machines, 1), 1)
+
+    def value(self, key, default=None):
+        if self.parsed is None:
+            return default
+        *instances, _, training = self.parsed
+        for source in (training, *map(vars, instances)):
+            if key in source:
+                return source[key]
+        return default
+
+    @property
+    def curriculum(self) -> bool:
+        """The model and data checks know the curriculum recipe's loaders; other recipes bring their own."""
+        from hf_zero.core.config import CurriculumArguments
+
+        return CurriculumArguments in self.types
+
+
+def _recipe_module(recipe: str | None):
+    """The recipe script as a module, for what it declares to the tools: ARGUMENT_TYPES and CHECK_DATA."""
+    import importlib.util
+
+    if not recipe or not Path(recipe).is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(f"hf_zero_recipe_{Path(recipe).stem}", recipe)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # recipes keep their heavy imports inside main()
+    return module
+
+
+def recipe_argument_types(recipe_module) -> tuple:
+    """The dataclasses a recipe parses (its ARGUMENT_TYPES) plus TrainingArguments, as setup_run gets them."""
+    from transformers import TrainingArguments
+
+    from hf_zero.core.config import CurriculumArguments, ModelArguments
+
+    return (*getattr(recipe_module, "ARGUMENT_TYPES", (ModelArguments, CurriculumArguments)), TrainingArguments)
+
+
+def _profile(st):
+    from hf_zero.tools.check_rules import verify_profile_keys
+    from hf_zero.core.profiles import load_profile, pick_profile
+
+    prof = load_profile(st.args.profile or pick_profile()[0])
+    message = verify_profile_keys(prof)
+    if st.args.precision:
+        if st.args.precision not in ("fp32", "bf16", "fp16"):
+            raise UserError("--precision", f"unknown precision {st.args.precision!r}", "use fp32, bf16 or fp16")
+        prof = replace(prof, mixed_precision="no" if st.args.precision == "fp32" else st.args.precision)
+    st.profile = prof
+    return message
+
+
+def _parse(st, yaml_values: dict, extra: list):
+    """parse_recipe_args on the YAML's known keys only, so that one misspelled key does not hide every other
+    mistake (paths and line numbers still come from the file)."""
+    from hf_zero.core.config import parse_recipe_args
+
+    return parse_recipe_args(st.types, ["--config", st.args.config, *extra], yaml_values=yaml_values)[:len(st.types) + 1]
+
+
+def _recipe(st):
+    import difflib
+
+    from hf_zero.core.config import Stage, load_yaml_config
+    from hf_zero.core.validate import resolve_recipe_paths
+
+    config = st.args.config
+    raw = load_yaml_config(config)
+    st.raw = resolve_recipe_paths(raw, config)
+    known = {f.name for t in st.types for f in fields(t) if f.init}
+    stage_keys = {f.name for f in fields(Stage)}
+    stages = raw.get("stages") if isinstance(raw.get("stages"), list) else []
+    unknown = [(k, k, known) for k in raw if k not in known | {"stages", "recipe"}]
+    unknown += [(f"stages[{s.get('name', i)}].{k}", k, stage_keys) for i, s in enumerate(stages)
+                if isinstance(s, dict) for k in s if k not in stage_keys]
+    hints = [f"{label} (did you mean {c[0]}?)" if (c := difflib.get_close_matches(key, sorted(options), n=1))
+             else label for label, key, options in unknown]
+    problems = [f"unknown keys: {', '.join(hints)}"] if hints else []
+    clean = {k: v for k, v in raw.items() if k in known}
+    try:
+        st.parsed = _parse(st, {**clean, "stages": [{k: v for k, v in s.items() if k in stage_keys} for s in stages
+                                                    if isinstance(s, dict)] or None}, st.args.extra)
+    except UserError as err:
+        if not err.field.startswith("stages"):  # a stage's own mistake is the data check's to report, once
+            problems.append(err.line())
+        # Later checks still get values: without the stages (checked one by one under `data`), then without flags.
+        for extra in (st.args.extra, []):
+            with contextlib.suppress(UserError):
+                st.parsed = st.parsed or _parse(st, clean, extra)
+    if problems:
+        raise UserError(f"--config {config}", "; ".join(problems), "fix the spelling or remove those keys" if hints
+                        else "")
+    flags = f", flags {' '.join(st.args.extra)}" if st.args.extra else ""
+    return f"{config}: {len(raw)} settings, {len(stages)} stage(s){flags}"
+
+
+def _batch(st):
+    from hf_zero.core.reconcile import plan_batch
+
+    accum = st.value("gradient_accumulation_steps")
+    accum = int(1 if accum is None else accum)
+    in_profile = (st.profile.raw.get("deepspeed_config") or {}).get("gradient_accumulation_steps")
+    if in_profile not in (None, 1, "1") and int(in_profile) != accum:
+        raise UserError("gradient_accumulation_steps", f"profile {st.profile.name} says {in_profile} but the recipe "
+                        f"says {accum}", "remove gradient_accumulation_steps from the profile (the recipe owns it)")
+    world = st.nproc * st.machines
+    micro = st.value("per_device_train_batch_size")
+    plan = plan_batch(int(1 if micro is None else micro), accum, world, st.value("global_batch_size"))
+    return plan.line()
+
+
+def _devices(st):
+    from hf_zero.tools.check_rules import verify_devices
+    from hf_zero.core.profiles import gpu_count
+
+    return verify_devices(st.profile, st.nproc, gpu_count() if st.args.gpus is None else st.args.gpus)
+
+
+def _precision(st):
+    from hf_zero.tools.check_rules import verify_precision
+    from hf_zero.core.profiles import gpu_count
+
+    real = gpu_count()
+    gpus = real if st.args.gpus is None else st.args.gpus
+    return verify_precision(st.profile, st.profile.mixed_precision, st.parsed[3] if st.parsed else {}, gpus,
+                            real_gpus=real > 0 and st.args.gpus in (None, real))
+
+
+def _launch(st):
+    from hf_zero.tools.check_rules import verify_launch
+
+    flags = "".join(f" --{k} {v}" for k, v in (("nproc", st.args.nproc), ("hostfile", st.args.hostfile)) if v)
+    return verify_launch(st.profile, dict(os.environ), st.args.config, in_recipe=False, hosts=st.hosts,
+                         world=st.nproc * st.machines, flags=flags)
+
+
+def _hostfile(st):
+    from hf_zero.tools.check_rules import verify_hostfile
+
+    return verify_hostfile(st.args.hostfile or (st.profile.raw.get("deepspeed_config") or {}).get(
+        "deepspeed_hostfile"), st.nproc)
+
+
+from hf_zero.tools.check_io import _data, _model, _offload, _output  # noqa: E402  (after _State, which they use)
+
+
+def _fsdp(st):
+    from hf_zero.train.fsdp import verify_fsdp
+    from hf_zero.data.model_names import get_model_config
+    from hf_zero.core.profiles import gpu_count
+
+    config = None
+    if st.profile.uses_fsdp:
+        with contextlib.suppress(UserError):  # an unloadable model is the model check's to report
+            config = get_model_config(st.parsed[0].model_name_or_path)
+    return verify_fsdp(st.profile, st.parsed[3], gpu_count() if st.args.gpus is None else st.args.gpus, config)
+
+
+
+# check -> (function, what it needs from earlier checks)
+_TABLE = {"profile": (_profile, ()), "recipe": (_recipe, ()), "batch": (_batch, ("profile", "parsed")),
+          "devices": (_devices, ("profile",)), "precision": (_precision, ("profile",)),
+          "launch": (_launch, ("profile",)), "hostfile": (_hostfile, ("profile",)), "model": (_model, ("parsed",)),
+          "data": (_data, ("raw",)), "offload": (_offload, ("profile",)), "fsdp": (_fsdp, ("profile", "parsed")),
+          "output": (_output, ("profile", "parsed"))}
+_WHO = {"profile": "the profile", "parsed": "the recipe", "raw": "the recipe", "count": "the model"}
+
+
+def run_checks(args, on_result=None, light: bool = False) -> list[CheckResult]:
+    """Every check in CHECKS order; a check whose inputs failed earlier is reported as not checked. `light`: what
+    `hf-zero train` runs before a launch (data files read, not tokenized; cpu_adam not built)."""
+    st, results = _State(args, light), []
+    for name in CHECKS:
+        func, needs = _TABLE[name]
+        missing = [_WHO[n] for n in needs if getattr(st, n) is None]
+        if missing:
+            result = CheckResult(name, None, f"not checked: {' and '.join(dict.fromkeys(missing))} did not load "
+                                 "(see above)")
+        else:
+            try:
+                with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout on import
+                    message = func(st)
+                result = CheckResult(name, True, message) if message is not None else CheckResult(
+                    name, None, f"not checked: {Path(args.recipe).name} builds its {name} itself")
+            except UserError as err:  # "FAIL devices: devices: ..." says it twice
+                line = err.line()[len(name) + 2:] if err.field == name else err.line()
+                result = CheckResult(name, False, line, err)
+            except Exception as err:  # a check must report, never crash the others
+                first = str(err).splitlines()[0][:200] if str(err) else ""
+                result = CheckResult(name, False, f"{type(err).__name__}: {first}")
+        results.append(result)
+        if on_result:
+            on_result(result)
+    return results
+
+
+def add_arguments(parser) -> None:
+    from hf_zero.launch.command import DEFAULT_CONFIG
+
+    parser.add_argument("--profile", help="profile name or accelerate YAML (default: picked from the hardware)")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML")
+    parser.add_argument("--nproc", type=int, help="processes per machine (default: the profile's)")
+    parser.add_argument("--hostfile", help="DeepSpeed hostfile (`host slots=N` per line) for a multi-node run")
+    parser.add_argument("--output-dir", help="where the run will write (default: the recipe's output_dir)")
+    parser.add_argument("--gpus", type=int, help="GPUs per machine to check against (default: this machine's)")
+    parser.add_argument("--precision", help="override the profile's precision, as `hf-zero train --precision`")
+    parser.add_argument("--recipe", help="recipe script whose arguments the YAML sets (default: the YAML's "
+                        "`recipe:`, else the curriculum recipe)")
+
+
+def run(args) -> int:
+    from hf_zero.core.shipped import recipe_script
+
+    args.recipe = str(recipe_script(args.recipe, args.config))
+    if args.nproc is not None and args.nproc < 1:
+        raise UserError("--nproc", f"must be at least 1, got {args.nproc}")
+    if args.gpus is not None and args.gpus < 0:
+        raise UserError("--gpus", f"cannot be negative, got {args.gpus}")
+    args.extra = [a for a in args.extra if a != "--"]
+    results = run_checks(args, on_result=lambda r: print(r.line(), flush=True))
+    return EXIT_USAGE if any(r.ok is False for r in results) else 0

@@ -1,0 +1,119 @@
+"""`hf-zero check`'s checks of what a run loads and writes: the model (and tokenizer), the stages' data, offload
+targets and the output folder. Each takes the check state (hf_zero.tools.check) and returns a one-line verdict, None for
+"not checked for this recipe", or raises UserError."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from pathlib import Path
+
+from hf_zero.core.errors import UserError
+
+
+def _model(st):
+    from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
+    from hf_zero.tools.check_rules import count_for
+
+    if not st.curriculum:
+        return None
+    model_args = st.parsed[0]
+    name = model_args.model_name_or_path
+    resolve_model_path(name)
+    config = get_model_config(name)
+    try:
+        st.tokenizer = get_tokenizer(name, model_args.tokenizer_name_or_path)
+    except (OSError, ValueError) as err:
+        raise UserError("tokenizer_name_or_path", f"no tokenizer for {name} ({str(err).splitlines()[0][:120]})",
+                        "point tokenizer_name_or_path at a folder with tokenizer files") from None
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and len(st.tokenizer) > vocab:
+        raise UserError("tokenizer_name_or_path", f"the tokenizer has {len(st.tokenizer)} tokens but the model only "
+                        f"{vocab} embeddings", "use the model's own tokenizer")
+    st.count = c = count_for(model_args)
+    lora = f", LoRA r={model_args.lora_r}: {c.trainable_params:,} trainable" if model_args.use_peft else ""
+    return f"{name}: {type(config).__name__.replace('Config', '')}, {c.total_params:,} parameters{lora}"
+
+
+def _data(st):
+    from hf_zero.data.chat import FormatOptions
+    from hf_zero.core.config import Stage, build_stage
+    from hf_zero.data.stages import load_source, load_stage_data
+    from hf_zero.core.validate import yaml_lines
+
+    if not st.curriculum:
+        return _recipe_data(st)
+    stages = st.raw.get("stages")
+    if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
+        raise UserError("stages", "the recipe needs a non-empty `stages:` list of mappings",
+                        "see recipes/configs/tiny_curriculum.yaml")
+    names = [s.get("name") for s in stages]
+    problems = [f"stage name {n!r} is used {names.count(n)} times" for n in dict.fromkeys(names) if names.count(n) > 1]
+    keys = {f.name for f in fields(Stage)}
+    seq, text, held, seed = (st.value(k, d) for k, d in (("max_seq_length", 128), ("text_field", "text"),
+                                                         ("eval_samples", 32), ("seed", 42)))
+    sizes, seen, lines = [], [], yaml_lines(st.args.config)
+    formats = FormatOptions.from_args(st.parsed[1]) if st.parsed else None  # chat formats and column names
+    for i, s in enumerate(stages):
+        try:
+            stage = build_stage({k: v for k, v in s.items() if k in keys}, i, st.args.config, lines)
+            if st.tokenizer is None or st.light:
+                for j, spec in enumerate(stage.data):
+                    load_source(spec, f"stages[{stage.name}].data[{j}]")
+                continue
+            data = load_stage_data(stage, st.tokenizer, seq, text, held, seed, formats=formats)
+            pools, kinds = data.sources, sorted({r.format for r in data.reports} - {"text"})
+            sizes.append(sum(map(len, pools)))
+            kind = f" ({', '.join(kinds)})" if kinds else ""
+            seen.append(f"{stage.name} {'+'.join(str(len(p)) for p in pools)}{kind}")
+        except (UserError, TypeError) as err:
+            problems.append(err.line() if isinstance(err, UserError) else f"stage {s.get('name')}: {err}")
+    if problems:
+        raise UserError("stages", "; ".join(problems), "fix the stages in the recipe")
+    if st.tokenizer is None or st.light:
+        why = "`hf-zero check` tokenizes them" if st.light else "not checked: the model did not load (see above)"
+        return f"{len(stages)} stage(s), every data file readable; tokenization {why}"
+    st.pool_sizes = sizes
+    return f"{len(stages)} stage(s), training samples after tokenization: {', '.join(seen)}"
+
+
+def _recipe_data(st):
+    """Another recipe's data, through the checker it declares (CHECK_DATA: stages and its data arguments in, one
+    line out); None when it declares none."""
+    if st.check_data is None or st.parsed is None:
+        return None
+    _, data_args, stages, _ = st.parsed
+    return st.check_data(stages, data_args)
+
+
+def _offload(st):
+    from hf_zero.estimate.memory import estimate
+    from hf_zero.tools.check_rules import strategy_of, verify_offload
+
+    nvme = None
+    if st.count is not None and "nvme" in (st.profile.offload_optimizer, st.profile.offload_param):
+        nvme = estimate(st.count, strategy_of(st.profile), gpus_per_node=st.nproc, nodes=st.machines,
+                        precision=st.profile.precision)["nvme_bytes"]
+    return verify_offload(st.profile, nvme, build_cpu_adam=not st.light)
+
+
+def _output(st):
+    from hf_zero.data.curriculum import build_schedule
+    from hf_zero.tools.check_rules import output_needs, verify_output
+
+    *_, stages, training = st.parsed
+    where = st.args.output_dir or training["output_dir"]
+    if (Path(where) / "summary.json").is_file() and not st.value("fresh_start") and not training.get(
+            "resume_from_checkpoint"):
+        st.args.finished_run = where  # `hf-zero train` says so without launching
+        return (f"{where} holds a finished run: `hf-zero train` will say so and change nothing (--fresh_start true "
+                "trains again, keeping it in previous-run/)")
+    if st.count is None:  # the model did not load, or the recipe loads its own: writable is all we can say
+        return verify_output(where, 0, "size not estimated")
+    if stages and st.pool_sizes is not None:  # epoch-based stages are sized by their data
+        world = st.nproc * st.machines
+        per_step = max(1, training["per_device_train_batch_size"] * world * training["gradient_accumulation_steps"])
+        steps = build_schedule(stages, st.pool_sizes, per_step, 1.0).total_steps
+    else:
+        steps = sum(int(s.get("steps") or 0) for s in st.raw.get("stages") or [] if isinstance(s, dict))
+    needed, what, _ = output_needs(st.count, st.profile, st.nproc, training, steps)
+    return verify_output(where, needed, what)

@@ -1,0 +1,114 @@
+"""`hf-zero generate`: answer a prompt with a trained model or adapter, formatted by the chat template it was trained
+with; and the greedy generation the stage-end samples use (hf_zero.train.samples).
+
+    hf-zero generate --adapter runs/smollm2_chat/final --chat --system "..." --prompt "..."
+    hf-zero generate --model runs/tiny/final --prompt "The big hen"
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from hf_zero.core.errors import UserError
+
+__all__ = ["add_arguments", "run", "load_for_generation", "generate_answers", "exact_match", "contains"]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", help="model folder, offline name or hub id (default: the adapter's base model)")
+    parser.add_argument("--adapter", help="LoRA adapter folder (a run's final/ with use_peft); its tokenizer and chat "
+                                          "template are used")
+    parser.add_argument("--prompt", required=True, help="the text to continue, or with --chat the user's message")
+    parser.add_argument("--chat", action="store_true", help="format the prompt with the chat template, as a user turn")
+    parser.add_argument("--system", help="with --chat: a system turn before the user's")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="longest answer, in tokens (default 64)")
+
+
+def load_for_generation(model: str | None, adapter: str | None = None):
+    """(model, tokenizer) in eval mode: the adapter's tokenizer when there is one (it holds the training template and
+    any tokens the template added), the base model's embeddings grown to match, then the adapter on top."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_zero.data.model_names import get_tokenizer, resolve_model_path
+
+    if adapter is not None:
+        config = Path(adapter) / "adapter_config.json"
+        if not config.is_file():
+            raise UserError("--adapter", f"{adapter} has no adapter_config.json", "point it at a run's final/ folder")
+        model = model or json.loads(config.read_text())["base_model_name_or_path"]
+    if not model:
+        raise UserError("--model", "no model given", "pass --model DIR (or --adapter DIR)")
+    path = resolve_model_path(model)
+    tokenizer = get_tokenizer(path, adapter) if adapter else get_tokenizer(path)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if len(tokenizer) > lm.get_input_embeddings().num_embeddings:
+        lm.resize_token_embeddings(len(tokenizer))
+    if adapter is not None:
+        from peft import PeftModel
+
+        lm = PeftModel.from_pretrained(lm, adapter)
+    return lm.eval(), tokenizer
+
+
+def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, synced_gpus: bool = False,
+                     batch_size: int = 8) -> list[str]:
+    """Greedy answers to already formatted prompts, stopping at EOS or the template's end of turn. Prompts are
+    left-padded in batches; the model's train/eval mode and the tokenizer's padding side are restored after."""
+    import torch
+
+    from hf_zero.data.chat_template import end_of_turn_ids
+
+    was_training, side = model.training, tokenizer.padding_side
+    model.eval()
+    tokenizer.padding_side = "left"
+    answers = []
+    try:
+        with torch.no_grad():
+            for start in range(0, len(prompts), batch_size):
+                enc = tokenizer(prompts[start:start + batch_size], return_tensors="pt", padding=True,
+                                add_special_tokens=False).to(model.device)
+                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, temperature=None,
+                                     top_p=None, top_k=None, eos_token_id=end_of_turn_ids(tokenizer),
+                                     pad_token_id=tokenizer.pad_token_id, synced_gpus=synced_gpus)
+                answers += [tokenizer.decode(row, skip_special_tokens=True).strip()
+                            for row in out[:, enc["input_ids"].shape[1]:]]
+    finally:
+        tokenizer.padding_side = side
+        model.train(was_training)
+    return answers
+
+
+def _normal(text: str) -> str:
+    return " ".join(re.sub(r"^[\s\"'“‘(]+|[\s\"'”’).!?,;:]+$", "", text).casefold().split())
+
+
+def exact_match(answer: str, reference: str) -> bool:
+    """Equal after case, surrounding quotes and final punctuation are set aside ("Hamlet." matches "hamlet")."""
+    return _normal(answer) == _normal(reference)
+
+
+def contains(answer: str, reference: str) -> bool:
+    """The reference appears in the answer (same normalisation), e.g. 'It is from "Hamlet".' for Hamlet."""
+    words = re.sub(r"[\"“”.,;:!?()]", " ", answer)
+    return f" {_normal(reference)} " in f" {_normal(words)} "
+
+
+def run(args) -> int:
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens", f"must be at least 1, got {args.max_new_tokens}")
+    model, tokenizer = load_for_generation(args.model, args.adapter)
+    prompt = args.prompt
+    if args.chat:
+        if not tokenizer.chat_template:
+            raise UserError("--chat", "this tokenizer has no chat template",
+                            "train with chat data (the template is saved with the model), or drop --chat")
+        turns = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = tokenizer.apply_chat_template(turns + [{"role": "user", "content": prompt}], tokenize=False,
+                                               add_generation_prompt=True)
+    elif args.system:
+        raise UserError("--system", "needs --chat", "add --chat, or put the text in --prompt")
+    print(generate_answers(model, tokenizer, [prompt], args.max_new_tokens)[0], flush=True)
+    return 0

@@ -1,0 +1,94 @@
+"""`hf-zero preview`: a recipe's training samples as the model will see them, before anything is launched.
+
+    hf-zero preview --config recipes/configs/smollm2_chat.yaml -n 1
+    hf-zero preview --config my.yaml --stage chat --max_seq_length 256
+
+Per stage and source: the format detected, what carries the loss, token lengths (min / median / p95 / max), how many
+samples were truncated or dropped (cut before their answer), the share of tokens that carry loss; then samples
+decoded with the tokens that carry loss between [[ and ]]. Recipe flags after the known ones apply as in training.
+"""
+
+from __future__ import annotations
+
+from hf_zero.core.errors import UserError
+
+__all__ = ["add_arguments", "run", "marked_text", "source_lines", "ACCEPTS_EXTRA"]
+
+ACCEPTS_EXTRA = True  # recipe flags, e.g. --max_seq_length 64
+OPEN, CLOSE = "[[", "]]"
+
+
+def add_arguments(parser) -> None:
+    from hf_zero.launch.command import DEFAULT_CONFIG
+
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML")
+    parser.add_argument("--stage", help="only this stage (default: all)")
+    parser.add_argument("-n", "--samples", type=int, default=3, help="samples shown per source (default 3)")
+
+
+def marked_text(tokenizer, sample: dict) -> str:
+    """The sample decoded, special tokens included, with the tokens that carry loss between [[ and ]]."""
+    out, run, trained = [], [], None
+    for tok, label in zip(sample["input_ids"], sample["labels"]):
+        if (label != -100) != trained and run:
+            text = tokenizer.decode(run, skip_special_tokens=False)
+            out.append(f"{OPEN}{text}{CLOSE}" if trained else text)
+            run = []
+        trained = label != -100
+        run.append(tok)
+    if run:
+        text = tokenizer.decode(run, skip_special_tokens=False)
+        out.append(f"{OPEN}{text}{CLOSE}" if trained else text)
+    return "".join(out)
+
+
+def source_lines(report) -> list[str]:
+    import numpy as np
+
+    n = np.asarray(report.lengths)
+    lines = [f"{report.format}, loss on {report.trains}",
+             f"{report.rows:,} rows -> {len(n):,} samples; {report.truncated:,} truncated, {report.dropped:,} dropped "
+             f"(cut before the answer){f', {report.empty:,} empty' if report.empty else ''}"]
+    if len(n):
+        lines.append(f"tokens per sample: min {n.min()} / median {int(np.median(n))} / p95 "
+                     f"{int(np.percentile(n, 95))} / max {n.max()}; {100 * report.loss_tokens / n.sum():.1f}% carry loss")
+    return lines
+
+
+def run(args) -> int:
+    from transformers import TrainingArguments
+
+    from hf_zero.data.chat import FormatOptions
+    from hf_zero.core.config import CurriculumArguments, ModelArguments, parse_recipe_args
+    from hf_zero.data.stages import load_stage_data
+    from hf_zero.data.model_names import get_tokenizer
+
+    if args.samples < 0:
+        raise UserError("-n", f"must be 0 or more, got {args.samples}")
+    model_args, data_args, stages, training, _ = parse_recipe_args(
+        (ModelArguments, CurriculumArguments, TrainingArguments), ["--config", args.config, *args.extra])
+    if args.stage:
+        names = [s.name for s in stages]
+        if args.stage not in names:
+            raise UserError("--stage", f"no stage {args.stage!r} in {args.config}", f"use one of: {', '.join(names)}")
+        stages = [s for s in stages if s.name == args.stage]
+    tokenizer = get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)
+    for stage in stages:
+        length = stage.max_seq_length or data_args.max_seq_length
+        data = load_stage_data(stage, tokenizer, data_args.max_seq_length, data_args.text_field, data_args.eval_samples,
+                               training.get("seed", 42), formats=FormatOptions.from_args(data_args))
+        print(f"stage {stage.name!r}: {len(stage.data)} source(s), max_seq_length {length}, {data.pool_size:,} training "
+              f"samples, {len(data.eval_samples):,} held out")
+        if data_args.packing:
+            from hf_zero.data.packing import pack_documents, padding_stats
+
+            rows = pack_documents([s for src in data.sources for s in src], length, tokenizer.pad_token_id)
+            print(f"  packing: {len(rows):,} rows of {length} tokens, "
+                  f"{100 * padding_stats(rows, 1)['non_padding_fraction']:.1f}% text")
+        for j, (report, samples) in enumerate(zip(data.reports, data.sources)):
+            print(f"  data[{j}] {report.spec}: " + "\n    ".join(source_lines(report)))
+            for i, sample in enumerate(samples[: args.samples]):
+                print(f"  sample {i + 1} ({len(sample['input_ids'])} tokens; loss on the tokens between "
+                      f"{OPEN} and {CLOSE}):")
+                print("    " + marked_text(tokenizer, sample).rstrip().replace("\n", "\n    "))
+    return 0

@@ -1,0 +1,1 @@
+"""The model, the Trainer subclass and what happens around each step."""

@@ -1,0 +1,176 @@
+"""What every recipe does around its model and data: parse and reconcile arguments once, print the banner, find
+the checkpoint to resume from, save and verify the final model, write summary.json."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hf_zero.core.profiles import Profile, gpu_count, one_rank_note, profile_from_env
+from hf_zero.core.reconcile import BatchPlan, reconcile_training_kwargs
+
+__all__ = ["RunContext", "setup_run", "print_banner", "write_summary", "main_process_print"]
+
+
+@dataclass
+class RunContext:
+    args: tuple  # the parsed non-Trainer dataclasses, in the order given
+    stages: list
+    training_args: object
+    profile: Profile
+    plan: BatchPlan
+    config_path: str | None
+    started: float = field(default_factory=time.time)
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.training_args.output_dir)
+
+
+def main_process_print(*parts) -> None:
+    from hf_zero.core.console import say
+
+    say(*parts)  # rank 0 only, through the progress bar when one is on screen
+
+
+def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str | None = None) -> RunContext:
+    """Parse `--config` + flags, relaunch under a profile given after the script, reconcile with the profile,
+    and build TrainingArguments exactly once (which also arms zero.Init for ZeRO-3 model construction)."""
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from hf_zero.core.config import parse_recipe_args
+
+    # torch 2.13 warns on every collective DeepSpeed issues through the old names; thousands of identical lines
+    # would bury the banner and the stage logs.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    from hf_zero.launch.command import ensure_launched
+
+    argv = ensure_launched(list(sys.argv[1:] if argv is None else argv), script or sys.argv[0])
+    from hf_zero.core.config import _pop_flag
+    from hf_zero.core.shipped import check_recipe_matches
+
+    check_recipe_matches(_pop_flag(list(argv), "--config")[0], script or sys.argv[0])
+    *parsed, stages, training_kwargs, config_path = parse_recipe_args((*dataclass_types, TrainingArguments), argv)
+    profile = profile_from_env()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    curriculum = next((a for a in parsed if hasattr(a, "global_batch_size")), None)
+    kwargs, plan = reconcile_training_kwargs(
+        training_kwargs, profile, world, has_gpu=gpu_count() > 0,
+        global_batch=getattr(curriculum, "global_batch_size", None),
+        model_args=next((a for a in parsed if hasattr(a, "model_name_or_path")), None),
+    )
+    from hf_zero.tools.check_rules import check_launch_at_start, check_room_at_start
+
+    # `hf-zero check`'s cheap checks (launch, devices, profile keys) before any process group exists.
+    check_launch_at_start(profile, tuple(parsed), world, config_path)
+    from hf_zero.launch.interrupt import note_run
+
+    note_run(kwargs["output_dir"])  # for the line an interruption prints
+    if kwargs.get("disable_tqdm") is None:  # a progress bar only where it can redraw itself: not in a log file
+        kwargs["disable_tqdm"] = not sys.stdout.isatty()
+    # The curriculum lays samples out in step order itself: a random sampler would mix stages.
+    kwargs["train_sampling_strategy"] = "sequential"
+    # accelerate refuses a DeepSpeed config next to DeepSpeed fields from its YAML, to stop them being silently
+    # dropped. Here nothing is dropped: the config hf_zero built *is* those fields (read back by profile_from_env).
+    os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+    try:
+        training_args = TrainingArguments(**kwargs)
+    except ValueError as err:  # TrainingArguments' own checks of combinations: still a mistake in the recipe
+        from hf_zero.core.errors import UserError
+
+        raise UserError("TrainingArguments", str(err).strip().splitlines()[0],
+                        "change the recipe YAML or flags it names") from None
+    # Touching .device sets up the process group now; zero.Init (model construction under ZeRO-3) reads the
+    # world size from it, and would otherwise assume 1 and fail DeepSpeed's batch assertion.
+    _ = training_args.device
+    from hf_zero.core.distributed import set_dist_timeout
+
+    set_dist_timeout(training_args.ddp_timeout)  # a stuck rank fails the run in minutes (HF_ZERO_DIST_TIMEOUT)
+    if profile.uses_deepspeed:
+        import contextlib
+        from datetime import timedelta
+
+        import deepspeed
+
+        from hf_zero.core.console import verbose
+
+        # With use_cpu the process group comes from accelerate's MULTI_CPU path; DeepSpeed's comm layer must be
+        # attached to it too, or zero.Init sees a world of 1. (It prints "... built successfully" per rank.)
+        with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sys.stdout if verbose() else sink):
+            deepspeed.init_distributed(dist_backend="gloo" if gpu_count() == 0 else None,
+                                       timeout=timedelta(seconds=training_args.ddp_timeout))
+    from hf_zero.data.assets import prepare_assets_in_worker
+
+    model = next((a.model_name_or_path for a in parsed if hasattr(a, "model_name_or_path")), None)
+    prepare_assets_in_worker(training_args, model, [d for s in stages for d in s.data])
+    # NVMe and output room for the model's size, now that its config is in the cache; still before any engine.
+    check_room_at_start(profile, kwargs, tuple(parsed), stages, world)
+    return RunContext(tuple(parsed), stages, training_args, profile, plan, config_path)
+
+
+def print_banner(ctx: RunContext, trainable: int, total: int) -> None:
+    """Rank 0 prints what will run; every rank contributes its device to the rank -> device map."""
+    import torch.distributed as dist
+
+    device = str(ctx.training_args.device)
+    devices = [device]
+    if dist.is_available() and dist.is_initialized():
+        from hf_zero.core.distributed import waiting_for
+
+        devices = [None] * dist.get_world_size()
+        with waiting_for("the other ranks' devices for the banner (they are still building the model or data)"):
+            dist.all_gather_object(devices, device)
+    p = ctx.profile
+    lines = [
+        "=" * 72,
+        f"hf_zero | profile {p.name} | {p.sharding if p.uses_deepspeed or p.uses_fsdp else p.distributed_type}",
+        f"  offload: optimizer={p.offload_optimizer} params={p.offload_param} | precision: {p.precision}",
+        *one_rank_note(p, ctx.plan.world),
+        f"  world size {ctx.plan.world} | ranks -> devices: {', '.join(f'{i}:{d}' for i, d in enumerate(devices))}",
+        f"  batch: {ctx.plan.line()}",
+        f"  parameters: {trainable:,} trainable / {total:,} total ({100 * trainable / max(total, 1):.2f}%)",
+        f"  output: {ctx.output_dir}",
+        "=" * 72,
+    ]
+    main_process_print("\n".join(lines))
+
+
+def _write_json(path: Path, data) -> None:
+    """Atomically, on rank 0 only: a reader never sees half a file."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    from hf_zero.core.files import write_json_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, data)
+
+
+def write_summary(ctx: RunContext, extra: dict, log_history: list | None = None) -> Path:
+    """summary.json (and log_history.json, every logged step) on rank 0: what ran, where, and how it went."""
+    p = ctx.profile
+    summary = {
+        "profile": p.name,
+        "zero_stage": int(p.zero_stage or 0),
+        "engine": p.engine,
+        "sharding": p.sharding,
+        "offload_optimizer": p.offload_optimizer,
+        "offload_param": p.offload_param,
+        "precision": p.precision,
+        "world_size": ctx.plan.world,
+        "micro_batch": ctx.plan.micro,
+        "grad_accum": ctx.plan.accumulation,
+        "global_batch": ctx.plan.global_batch,
+        "runtime_s": round(time.time() - ctx.started, 2),
+        "config": ctx.config_path,
+        **extra,
+    }
+    if log_history is not None:
+        _write_json(ctx.output_dir / "log_history.json", log_history)
+    path = ctx.output_dir / "summary.json"
+    _write_json(path, summary)
+    return path

@@ -1,0 +1,121 @@
+"""`CurriculumTrainer`: a thin `transformers.Trainer` subclass. Public hooks only (crash-safe saving aside, see checkpoint/write.py): the scheduler follows the
+curriculum, logs carry the stage index and eval perplexity, the causal-LM loss skips the full logits (train/fused_ce.py)."""
+
+from __future__ import annotations
+
+import math
+
+from transformers import Trainer
+
+from hf_zero.checkpoint.write import SafeCheckpointMixin
+from hf_zero.data.curriculum import CurriculumCallback, CurriculumSchedule
+from hf_zero.train.fused_ce import FusedCrossEntropyMixin
+
+__all__ = ["CurriculumTrainer", "stage_table", "step_losses", "eval_rounds", "eval_means"]
+
+
+class CurriculumTrainer(FusedCrossEntropyMixin, SafeCheckpointMixin, Trainer):
+    # FusedCrossEntropyMixin: compute_loss without full logits, `fused_cross_entropy=` auto|True|False (fused_ce.py).
+    # SafeCheckpointMixin: staged, verified checkpoints with a manifest, rotation keeping the best (checkpoint/store.py).
+    def __init__(self, *args, schedule: CurriculumSchedule, **kwargs):
+        from transformers import PrinterCallback, ProgressCallback
+
+        from hf_zero.core.console import console_callback, say
+        from hf_zero.launch.interrupt import stop_on_signal
+        from hf_zero.train.throughput import throughput_callback
+
+        self.schedule = schedule
+        super().__init__(*args, **kwargs)
+        for noisy in (ProgressCallback, PrinterCallback):  # raw dicts per step; hf_zero.core.console prints lines
+            self.remove_callback(noisy)
+        sets = len(self.eval_dataset) if isinstance(self.eval_dataset, dict) else 1
+        self.add_callback(console_callback(schedule, sets))  # before the stage-switch line: eval lines come first
+        self.add_callback(CurriculumCallback(schedule, has_eval=self.eval_dataset is not None, log=say))
+        self.throughput = throughput_callback(self.model)
+        self.add_callback(self.throughput)
+        self.add_callback(stop_on_signal())  # last: at a stop it overrides what the others asked for
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        """Each stage's own peak LR, warmup and decay, as one LambdaLR over the optimizer's base LR."""
+        import torch
+
+        if self.lr_scheduler is None:
+            # The Trainer's own call does its bookkeeping (it then owns, saves and restores the scheduler); its
+            # scheduler is replaced before any step. LambdaLR keeps the optimizer's `initial_lr`, so the base LR
+            # below is the optimizer's, whatever the first one did to the current LR.
+            super().create_scheduler(num_training_steps, optimizer)
+            optimizer = optimizer or self.optimizer
+            base = self.args.learning_rate
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lambda step: self.schedule.lr_at(step) / base
+            )
+        return self.lr_scheduler
+
+    def train(self, *args, **kwargs):
+        from hf_zero.core.distributed import waiting_for
+
+        with waiting_for("the other ranks during training (a step's collectives, an evaluation or a checkpoint)"):
+            return super().train(*args, **kwargs)
+
+    def log(self, logs: dict, start_time=None) -> None:
+        if "loss" in logs:
+            logs["stage"] = self.schedule.stage_at(max(0, self.state.global_step - 1)).index
+            logs.update(self.throughput.metrics(self.state, self.args))
+        for key in [k for k in logs if k.startswith("eval_") and k.endswith("_loss")]:
+            logs[key[: -len("_loss")] + "_perplexity"] = math.exp(min(logs[key], 50.0))
+        super().log(logs, start_time)
+
+
+def eval_rounds(log_history: list[dict]) -> dict[int, dict[str, float]]:
+    """step -> {eval set: loss} for every evaluation; the Trainer logs each held-out set separately."""
+    rounds: dict[int, dict[str, float]] = {}
+    for h in log_history:
+        for key, value in h.items():
+            if key.startswith("eval_") and key.endswith("_loss") and key != "eval_loss":
+                rounds.setdefault(h["step"], {})[key[len("eval_"):-len("_loss")]] = value
+    return rounds
+
+
+def eval_means(log_history: list[dict], names: list[str]) -> tuple[float | None, float | None]:
+    """Mean held-out loss over all `names` before training (step 0) and at the last evaluation."""
+    complete = {step: r for step, r in eval_rounds(log_history).items() if all(n in r for n in names)}
+    if not names or not complete:
+        return None, None
+
+    def mean(r):
+        return sum(r[n] for n in names) / len(names)
+
+    last = max(complete)
+    return (mean(complete[0]) if 0 in complete else None), (mean(complete[last]) if last > 0 else None)
+
+
+def stage_table(schedule: CurriculumSchedule, log_history: list[dict]) -> list[dict]:
+    """Per stage: steps, first and last training loss, its held-out loss before training, at the stage's end and
+    at the end of training, and its throughput (mean tokens/s; on GPUs mean MFU and peak memory)."""
+    rounds = eval_rounds(log_history)
+    last = max(rounds) if rounds else None
+    rows = []
+    for span in schedule.spans:
+        logs = [h for h in log_history if "loss" in h and span.start_step < h["step"] <= span.end_step]
+        row = {
+            "name": span.name,
+            "steps": span.steps,
+            "first_step": span.start_step + 1,
+            "last_step": span.end_step,
+            "first_loss": logs[0]["loss"] if logs else None,
+            "last_loss": logs[-1]["loss"] if logs else None,
+            "eval_loss_before": rounds.get(0, {}).get(span.name),
+            "eval_loss": rounds.get(span.end_step, {}).get(span.name),
+            "eval_loss_after": rounds.get(last, {}).get(span.name) if last else None,
+        }
+        for key, pick in (("tokens_per_second", "mean"), ("mfu", "mean"), ("peak_memory_bytes", "max")):
+            values = [h[key] for h in logs if h.get(key) is not None]
+            if values:
+                row[key] = max(values) if pick == "max" else sum(values) / len(values)
+        rows.append(row)
+    return rows
+
+
+def step_losses(log_history: list[dict]) -> list[float]:
+    """The training loss of every logged step, in order (one per step with hf_zero's logging_steps=1)."""
+    return [h["loss"] for h in log_history if "loss" in h and "step" in h]
