@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_zero.data import assets
-
-from hf_zero.data import cache
 from hf_zero.core.errors import UserError
+from hf_zero.data import assets, cache
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_TOKENIZER = REPO / "hf_zero" / "assets" / "tiny_tokenizer"

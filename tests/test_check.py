@@ -6,16 +6,14 @@ import os
 import shutil
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
+from conftest import PROFILES, RECIPE, REPO, TINY
 
-from hf_zero.tools.check import CHECKS
 from hf_zero.cli import main
 from hf_zero.core.errors import UserError
-
-from conftest import PROFILES, RECIPE, REPO, TINY
+from hf_zero.tools.check import CHECKS
 
 GOOD = ["--profile", "zero2", "--config", str(TINY)]
 
@@ -306,8 +304,8 @@ def _start_args(tmp_path):
 
 
 def test_recipe_start_checks_raise_the_first_failure(tmp_path):
-    from hf_zero.tools.check_rules import check_at_start
     from hf_zero.core.profiles import load_profile
+    from hf_zero.tools.check_rules import check_at_start
 
     kwargs, parsed, stages = _start_args(tmp_path)
     zero2 = load_profile("zero2")

@@ -18,14 +18,25 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
+from conftest import PROFILES, RECIPE, REPO, TINY, launch_recipe, read_summary
 from safetensors.torch import load_file
 
-from conftest import PROFILES, RECIPE, REPO, TINY, launch_recipe, read_summary
-
-from hf_zero.checkpoint.store import (MANIFEST_NAME, STAGING_DIR, checkpoint_step, checkpoints_to_keep, crc32_of,
-                                 file_sizes, find_resume_checkpoint, list_checkpoints, publish_checkpoint,
-                                 read_metadata, rotate_checkpoints, validate_checkpoint, write_json_atomic,
-                                 write_manifest)
+from hf_zero.checkpoint.store import (
+    MANIFEST_NAME,
+    STAGING_DIR,
+    checkpoint_step,
+    checkpoints_to_keep,
+    crc32_of,
+    file_sizes,
+    find_resume_checkpoint,
+    list_checkpoints,
+    publish_checkpoint,
+    read_metadata,
+    rotate_checkpoints,
+    validate_checkpoint,
+    write_json_atomic,
+    write_manifest,
+)
 from hf_zero.core.errors import UserError
 
 COMMON = ["--save_strategy", "steps", "--save_steps", "3", "--global_batch_size", "4"]

@@ -9,14 +9,19 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import REPO, launch_recipe, read_summary
 from transformers import TrainingArguments
 
-from hf_zero.data.classification import (ClassificationArguments, ImageSource, get_data_kind, load_classification_data,
-                                    random_affine, split_indices)
 from hf_zero.core.config import ModelArguments, Stage, parse_recipe_args
 from hf_zero.core.errors import UserError
-
-from conftest import REPO, launch_recipe, read_summary
+from hf_zero.data.classification import (
+    ClassificationArguments,
+    ImageSource,
+    get_data_kind,
+    load_classification_data,
+    random_affine,
+    split_indices,
+)
 
 CLASSIFY = REPO / "recipes" / "classify.py"
 CONFIGS = REPO / "recipes" / "configs"

@@ -4,11 +4,10 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 
 from hf_zero.cli import main
 from hf_zero.launch.command import build_launch_command
-
-from conftest import REPO
 
 
 def test_help_does_not_import_torch():

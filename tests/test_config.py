@@ -3,12 +3,11 @@
 from pathlib import Path
 
 import pytest
+from conftest import REPO, TINY
 from transformers import TrainingArguments
 
 from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage, parse_recipe_args
 from hf_zero.core.errors import UserError
-
-from conftest import REPO, TINY
 
 TYPES = (ModelArguments, CurriculumArguments, TrainingArguments)
 

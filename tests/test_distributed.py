@@ -5,9 +5,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import launch_recipe, read_summary
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.multiproc
 STRATEGIES = ["zero1", "zero2", "zero3", "zero3_offload"]

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import PROFILES, RECIPE, REPO, TINY, read_summary
 
 ERROR = "hf-zero: error:"

@@ -14,11 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
-
-from hf_zero.estimate.memory import count_model, estimate
-from hf_zero.data.model_names import get_model_config
-
 from conftest import REPO
+
+from hf_zero.data.model_names import get_model_config
+from hf_zero.estimate.memory import count_model, estimate
 
 DATA = Path(__file__).parent / "data" / "calibration"
 RUNS = [json.loads(line) for line in (DATA / "h100-bf16-peak-memory.jsonl").read_text().splitlines() if line]

@@ -10,11 +10,10 @@ ZeRO-1 and ZeRO-3 offload, full and LoRA: `pytest -m slow tests/test_estimate_me
 """
 
 import pytest
+from conftest import REPO, launch_recipe, read_summary
 
 from hf_zero.estimate.measure import read_measurements
 from hf_zero.estimate.memory import count_model, estimate
-
-from conftest import REPO, launch_recipe, read_summary
 
 pytestmark = pytest.mark.multiproc
 

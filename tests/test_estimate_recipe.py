@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from hf_zero.cli import main
-
-from conftest import REPO
 
 GIB = 2**30
 SHAKESPEARE = "recipes/configs/smollm2_shakespeare.yaml"

@@ -9,12 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-
-from hf_zero.data import cache
-from hf_zero.core.errors import UserError
-
 from conftest import PROFILES, RECIPE, REPO, TINY, read_summary, run_cmd
 from scale_helpers import write_short_config
+
+from hf_zero.core.errors import UserError
+from hf_zero.data import cache
 
 
 def _stderr_lines(text: str) -> list[str]:

@@ -9,9 +9,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import TINY, launch_recipe, read_summary
+from safetensors.torch import load_file
 from test_check import check, failed, profile, recipe
 from test_checkpoints import COMMON, config, losses_after, max_weight_diff, published  # noqa: F401 (fixture)
 
@@ -90,8 +89,8 @@ def test_check_refuses_what_fsdp2_cannot_do_in_one_line(capsys, tmp_path, replac
 def test_layer_classes_follow_what_accelerate_can_shard():
     """BERT lists its embeddings among _no_split_modules, but accelerate shards the input embeddings in a group of
     their own (twice would crash in fully_shard); a ResNet has no input embeddings at all (accelerate fails)."""
-    from hf_zero.train.fsdp import verify_fsdp
     from hf_zero.data.model_names import get_model_config
+    from hf_zero.train.fsdp import verify_fsdp
 
     fsdp2 = load_profile("fsdp2")
     assert verify_fsdp(fsdp2, {}, 0, get_model_config("minilm")).startswith("FSDP2: one shard group per BertLayer,")
@@ -107,8 +106,9 @@ def test_misspelled_fsdp_key_is_refused_with_a_hint(capsys, tmp_path):
 
 
 def test_recipe_refuses_fsdp_mistakes_before_the_engine(tmp_path):
-    from hf_zero.tools.check_rules import check_at_start
     from test_check import _start_args
+
+    from hf_zero.tools.check_rules import check_at_start
 
     kwargs, parsed, stages = _start_args(tmp_path)
     launched = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}
@@ -122,9 +122,10 @@ def test_recipe_refuses_fsdp_mistakes_before_the_engine(tmp_path):
 def test_resume_refuses_a_checkpoint_of_another_engine(tmp_path):
     from types import SimpleNamespace
 
-    from hf_zero.core.reconcile import BatchPlan
-    from hf_zero.checkpoint.resume import _choose
     from test_checkpoints import _with_meta
+
+    from hf_zero.checkpoint.resume import _choose
+    from hf_zero.core.reconcile import BatchPlan
 
     ck = _with_meta(tmp_path, engine="fsdp2", profile="fsdp2", zero_stage=0)
 

@@ -8,11 +8,10 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO
 
 from hf_zero.core.errors import UserError
 from hf_zero.train.fused_ce import ChunkedLinearCrossEntropy, chunk_tokens, linear_cross_entropy, plan_fused_head
-
-from conftest import REPO
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 

@@ -12,7 +12,6 @@ import math
 import sys
 
 import pytest
-
 from conftest import REPO, read_summary, run_cmd
 from scale_helpers import write_short_config
 

@@ -13,7 +13,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 

@@ -7,13 +7,12 @@ import subprocess
 import sys
 
 import pytest
-
-from hf_zero.estimate import memory
-from hf_zero.cli import main
-from hf_zero.estimate.memory import ModelCount, count_model, estimate, estimate_all, largest_micro_batch, recommend
-from hf_zero.data.model_names import get_model_config
-
 from conftest import REPO
+
+from hf_zero.cli import main
+from hf_zero.data.model_names import get_model_config
+from hf_zero.estimate import memory
+from hf_zero.estimate.memory import ModelCount, count_model, estimate, estimate_all, largest_micro_batch, recommend
 
 GB, GIB = 10**9, 2**30
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import PROFILES, RECIPE, REPO, TINY, launch_recipe, read_summary
 from scale_helpers import free_port, write_short_config
 

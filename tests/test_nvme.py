@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import PROFILES, RECIPE, REPO, read_summary, run_cmd
 from scale_helpers import libaio_missing_reason, write_short_config
 
@@ -144,8 +143,8 @@ def test_system_deps_script_is_idempotent():
 ])
 def test_nvme_preflight_names_the_path_and_the_fix(tmp_path, monkeypatch, async_io, where, nvme_bytes, says):
     from hf_zero.core.errors import UserError
-    from hf_zero.tools.check_rules import verify_offload
     from hf_zero.core.profiles import load_profile
+    from hf_zero.tools.check_rules import verify_offload
 
     (tmp_path / "file").write_text("")
     path = tmp_path / "file" / "nvme" if where == "under_a_file" else tmp_path / "nvme"

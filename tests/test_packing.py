@@ -8,10 +8,9 @@ import sys
 
 import pytest
 import torch
+from conftest import RECIPE, REPO, TINY, read_summary, run_cmd
 
 from hf_zero.data.packing import IGNORE, PackedCollator, pack_documents, padding_stats, real_tokens
-
-from conftest import RECIPE, REPO, TINY, read_summary, run_cmd
 
 PAD = 1
 
@@ -55,8 +54,8 @@ def test_a_document_longer_than_a_row_is_refused():
 
 
 def test_collator_sends_unpacked_samples_to_the_fallback():
-    from hf_zero.data.stages import build_collator
     from hf_zero.data.model_names import get_tokenizer
+    from hf_zero.data.stages import build_collator
 
     collate = build_collator(get_tokenizer("tiny-llama"), packing=True)
     packed = collate(pack_documents([_doc(2, 5), _doc(20, 4)], 12, PAD))
@@ -191,8 +190,8 @@ def test_varlen_collator_flattens_the_documents_of_every_row(tiny_docs):
 def test_the_collator_flattens_for_flash_attention_only():
     from types import SimpleNamespace
 
-    from hf_zero.data.stages import build_collator
     from hf_zero.data.model_names import get_tokenizer
+    from hf_zero.data.stages import build_collator
 
     tok = get_tokenizer("tiny-llama")
     for attn, flat in (("sdpa", False), ("eager", False), ("flash_attention_2", True),

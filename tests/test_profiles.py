@@ -3,11 +3,10 @@
 from pathlib import Path
 
 import pytest
+from conftest import PROFILES
 
 from hf_zero.core.errors import UserError
 from hf_zero.core.profiles import build_deepspeed_config, list_profiles, load_profile, pick_profile, profile_from_env
-
-from conftest import PROFILES
 
 REQUIRED = {"cpu", "single_gpu", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "zero3_nvme", "l40x4",
             "h100x8", "multinode", "fsdp2", "fsdp2_offload"}
@@ -100,8 +99,8 @@ LLAMA_1B = str(Path(__file__).parent / "data" / "calibration" / "models" / "llam
 
 def _peaks(recipe, gpus, strategies):
     """The estimator's peak per GPU for each strategy, as pick_profile sizes them (bf16)."""
-    from hf_zero.estimate.memory import count_model, estimate
     from hf_zero.data.model_names import get_model_config
+    from hf_zero.estimate.memory import count_model, estimate
 
     model = get_model_config(recipe.model) if isinstance(recipe.model, str) else recipe.model
     count = count_model(model, lora=recipe.lora)

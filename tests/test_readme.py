@@ -9,11 +9,10 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-
-from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
-
 from conftest import REPO
 from scale_helpers import libaio_missing_reason
+
+from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
 
 README = (REPO / "README.md").read_text()
 # `make test` is this suite itself (CI runs it through .ci/run); running it from inside would recurse. The suite never

@@ -3,11 +3,9 @@
 import json
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
-
 from conftest import RECIPE, REPO, TINY, read_summary, run_cmd
 
 SUMMARY_KEYS = {"profile", "zero_stage", "offload_optimizer", "offload_param", "precision", "world_size",

@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, TINY, read_summary
 from scale_helpers import SingleHostSlurm, slurm_missing_reason, write_short_config
 

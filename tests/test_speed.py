@@ -9,9 +9,9 @@ import torch
 
 from hf_zero.core.config import ModelArguments
 from hf_zero.core.errors import UserError
-from hf_zero.data.model_names import get_model_config
 from hf_zero.core.profiles import Profile, load_profile, one_rank_note, zero3_speed_settings
 from hf_zero.core.reconcile import reconcile_training_kwargs
+from hf_zero.data.model_names import get_model_config
 
 
 def _tiny_layer_params():
@@ -92,8 +92,8 @@ def test_liger_kernels_keep_the_loss():
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
     from transformers import AutoModelForCausalLM
 
-    from hf_zero.train.fused_ce import FusedCrossEntropyMixin  # noqa: F401 (the loss both runs use)
     from hf_zero.data.model_names import get_tiny_llama_path
+    from hf_zero.train.fused_ce import FusedCrossEntropyMixin  # noqa: F401 (the loss both runs use)
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 200, (2, 48), generator=g).cuda()
@@ -118,8 +118,8 @@ def test_torch_compile_keeps_the_losses(tmp_path, quiet_env):
     three steps' losses equal the eager run's."""
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from hf_zero.train.fused_ce import FusedCrossEntropyMixin
     from hf_zero.data.model_names import get_tiny_llama_path
+    from hf_zero.train.fused_ce import FusedCrossEntropyMixin
 
     class FusedTrainer(FusedCrossEntropyMixin, Trainer):
         pass

@@ -72,13 +72,13 @@ def build_plan(config: str, model: str | None, steps: int | None, nproc: int, ex
     import yaml
 
     from hf_zero.core.config import load_yaml_config, parse_recipe_args, parse_stages
+    from hf_zero.core.reconcile import plan_batch
     from hf_zero.data.curriculum import build_sample_order, build_schedule
+    from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
+    from hf_zero.data.packing import padding_stats, real_tokens
     from hf_zero.data.stages import load_stage_data
     from hf_zero.estimate.memory import count_model
     from hf_zero.train.model import lora_kwargs
-    from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
-    from hf_zero.data.packing import padding_stats, real_tokens
-    from hf_zero.core.reconcile import plan_batch
 
     raw = load_yaml_config(config)
     # A benchmark measures training: evaluation and checkpoints would land inside the timed steps.
@@ -166,13 +166,13 @@ def write_plain_spec(plan: BenchPlan, profile_name: str, precision: str | None, 
 
     from transformers import TrainingArguments
 
-    from hf_zero.train.model import causal_lm_load_kwargs, lora_kwargs
-    from hf_zero.core.profiles import gpu_count, load_profile
+    from hf_zero.core.profiles import accelerate_precision, gpu_count, load_profile
     from hf_zero.core.reconcile import reconcile_training_kwargs
+    from hf_zero.train.model import causal_lm_load_kwargs, lora_kwargs
 
     prof = load_profile(profile_name)
     if precision:
-        prof.mixed_precision = "no" if precision == "fp32" else precision
+        prof.mixed_precision = accelerate_precision(precision)
     kwargs, _ = reconcile_training_kwargs(dict(plan.training_kwargs), prof, plan.nproc, has_gpu=gpu_count() > 0,
                                           global_batch=plan.global_batch)
     kwargs.update(max_steps=plan.total_steps, train_sampling_strategy="sequential", disable_tqdm=True,

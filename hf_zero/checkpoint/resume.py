@@ -15,8 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hf_zero.checkpoint.store import (STAGING_DIR, _TRASH_DIR, archive_checkpoints, find_resume_checkpoint, read_metadata,
-                          validate_checkpoint)
+from hf_zero.checkpoint.store import (
+    _TRASH_DIR,
+    STAGING_DIR,
+    archive_checkpoints,
+    find_resume_checkpoint,
+    read_metadata,
+    validate_checkpoint,
+)
 from hf_zero.core.errors import RunComplete, UserError
 from hf_zero.core.lazy import trainer_callback
 

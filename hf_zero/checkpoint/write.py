@@ -13,9 +13,19 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from hf_zero.checkpoint.store import (
+    LATEST_NAME,
+    METADATA_NAME,
+    STAGING_DIR,
+    crc32_of,
+    file_sizes,
+    publish_checkpoint,
+    rotate_checkpoints,
+    size_breakdown,
+    write_json_atomic,
+    write_manifest,
+)
 from hf_zero.core.files import human_bytes
-from hf_zero.checkpoint.store import (LATEST_NAME, METADATA_NAME, STAGING_DIR, crc32_of, file_sizes,
-                          publish_checkpoint, rotate_checkpoints, size_breakdown, write_json_atomic, write_manifest)
 
 __all__ = ["SafeCheckpointMixin", "CheckpointCallback", "build_checkpoint_metadata", "is_disk_full"]
 
@@ -53,8 +63,8 @@ def _versions() -> dict:
 
 def build_checkpoint_metadata(trainer) -> dict:
     """What a resume (or a person) needs to know about the checkpoint being written at trainer.state.global_step."""
+    from hf_zero.core.profiles import profile_from_env, training_precision
     from hf_zero.train.model import count_parameters
-    from hf_zero.core.profiles import profile_from_env
 
     state, args = trainer.state, trainer.args
     step = state.global_step
@@ -80,7 +90,7 @@ def build_checkpoint_metadata(trainer) -> dict:
         "zero_stage": int(ds.get("stage", 0)) if ds else 0,
         "offload_optimizer": profile.offload_optimizer,
         "offload_param": profile.offload_param,
-        "precision": "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
+        "precision": training_precision(args),
         "micro_batch": args.per_device_train_batch_size,
         "grad_accum": args.gradient_accumulation_steps,
         "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,

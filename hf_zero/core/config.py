@@ -267,7 +267,7 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yam
     from transformers import HfArgumentParser
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    config_path, argv = _pop_flag(argv, "--config")
+    config_path, argv = pop_flag(argv, "--config")
     if yaml_values is None:
         yaml_values = load_yaml_config(config_path) if config_path else {}
     from hf_zero.core.validate import check_values, check_yaml_types, resolve_recipe_paths, yaml_lines
@@ -336,17 +336,16 @@ def _accept_str_or_bool(parser, dataclass_types) -> None:
             action.type = _str_or_bool
 
 
-def _pop_flag(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
-    out, value, i = [], None, 0
-    while i < len(argv):
-        if argv[i] == flag:
-            if i + 1 >= len(argv):
-                raise UserError(flag, "needs a value", f"{flag} PATH")
-            value, i = argv[i + 1], i + 2
-            continue
-        if argv[i].startswith(flag + "="):
-            value = argv[i].split("=", 1)[1]
-        else:
-            out.append(argv[i])
-        i += 1
-    return value, out
+def pop_flag(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
+    """`flag`'s value (`--flag V` or `--flag=V`, the last one wins as argparse has it) and argv without it: the tools
+    read `--config` before the recipe's own parser sees the rest."""
+    import argparse
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise UserError(flag, "needs a value", f"{flag} PATH")
+
+    parser = _Parser(add_help=False, allow_abbrev=False)
+    parser.add_argument(flag, dest="value")
+    namespace, rest = parser.parse_known_args(argv)
+    return namespace.value, rest

@@ -30,6 +30,9 @@ __all__ = [
     "zero3_speed_settings",
     "one_rank_note",
     "gpu_count",
+    "precision_name",
+    "accelerate_precision",
+    "training_precision",
 ]
 
 PROFILES_DIR = shipped_dir("accelerate_configs")
@@ -90,7 +93,27 @@ class Profile:
 
     @property
     def precision(self) -> str:
-        return {"no": "fp32"}.get(self.mixed_precision, self.mixed_precision)
+        return precision_name(self.mixed_precision)
+
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def precision_name(mixed_precision: str) -> str:
+    """hf_zero's word for a precision (fp32, bf16, fp16) from accelerate's `mixed_precision` (no, bf16, fp16)."""
+    return {"no": "fp32"}.get(mixed_precision, mixed_precision)
+
+
+def training_precision(training_args) -> str:
+    """The precision a run's TrainingArguments train in (after reconciliation with the profile)."""
+    return "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "fp32"
+
+
+def accelerate_precision(precision: str) -> str:
+    """accelerate's `mixed_precision` for a user's `--precision` (fp32 -> no); a word it does not know is one line."""
+    if precision not in (*PRECISIONS, "no"):
+        raise UserError("--precision", f"unknown precision {precision!r}", "use fp32, bf16 or fp16")
+    return "no" if precision == "fp32" else precision
 
 
 def list_profiles() -> list[str]:

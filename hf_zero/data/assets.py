@@ -12,8 +12,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from hf_zero.data.cache import build_once, get_cache_dir, model_folder_problem, usable
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.data.cache import build_once, get_cache_dir, model_folder_problem, usable
 
 __all__ = [
     "get_cache_dir", "get_smollm2_path", "get_shakespeare_texts_dir", "prepare_shakespeare_curriculum",
@@ -286,11 +286,11 @@ def prepare_run_assets(model: str | None, data=()) -> None:
 
 def recipe_assets(argv: list[str]) -> tuple[str, list[str]]:
     """(model, data sources) a recipe's `--config YAML` + flags name, read as the recipe will read them."""
-    from hf_zero.core.config import ModelArguments, _pop_flag, load_yaml_config
+    from hf_zero.core.config import ModelArguments, load_yaml_config, pop_flag
 
-    config, rest = _pop_flag(list(argv), "--config")
+    config, rest = pop_flag(list(argv), "--config")
     values = load_yaml_config(config) if config else {}
-    model, _ = _pop_flag(rest, "--model_name_or_path")
+    model, _ = pop_flag(rest, "--model_name_or_path")
     model = model or values.get("model_name_or_path") or ModelArguments.model_name_or_path
     data = []
     for stage in values.get("stages") or []:

@@ -71,8 +71,8 @@ def add_arguments(parser) -> None:
 
 def _strategy_of(name: str):
     """(strategy names, profile or None) for --profile."""
-    from hf_zero.estimate.memory import STRATEGIES
     from hf_zero.core.profiles import list_profiles, load_profile
+    from hf_zero.estimate.memory import STRATEGIES
 
     if name == "all":
         return list(STRATEGIES), None
@@ -147,8 +147,8 @@ def _recipe(args):
 
 
 def run(args) -> int:
-    from hf_zero.estimate import memory
     from hf_zero.data.model_names import get_model_config
+    from hf_zero.estimate import memory
     from hf_zero.estimate.recipe import HEADROOM, plan
 
     recipe = _recipe(args)

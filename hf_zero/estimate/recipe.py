@@ -81,8 +81,14 @@ def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
 
     from transformers import TrainingArguments
 
-    from hf_zero.core.config import HF_ZERO_TRAINING_DEFAULTS, CurriculumArguments, ModelArguments, _pop_flag, load_yaml_config, \
-        parse_stages
+    from hf_zero.core.config import (
+        HF_ZERO_TRAINING_DEFAULTS,
+        CurriculumArguments,
+        ModelArguments,
+        load_yaml_config,
+        parse_stages,
+        pop_flag,
+    )
 
     raw = load_yaml_config(path)
     name = path.rsplit("/", 1)[-1]
@@ -95,7 +101,7 @@ def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
     values = {}
     for key in (*INT_KEYS, *BOOL_KEYS, "model_name_or_path", "attn_implementation", "lora_alpha", "lora_dropout",
                 "lora_target_modules"):
-        given, rest = _pop_flag(rest, f"--{key}")
+        given, rest = pop_flag(rest, f"--{key}")
         if given is not None:
             flags.append((key, given))
         value = given if given is not None else raw.get(key, defaults.get(key))
@@ -167,9 +173,9 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
     """The fastest profile (and micro-batch x accumulation keeping the global batch) that fits, its command, the
     headroom it leaves and why; "profile": None and what would fit when nothing does. `choices`: (profile,
     strategy) pairs to try in order (default: candidates(world)); `only_own`: keep the recipe's micro-batch."""
-    from hf_zero.estimate.memory import count_model
-    from hf_zero.data.model_names import get_model_config
     from hf_zero.core.reconcile import plan_batch
+    from hf_zero.data.model_names import get_model_config
+    from hf_zero.estimate.memory import count_model
 
     world = gpus_per_node * nodes
     batch = plan_batch(recipe.micro, recipe.accumulation, world, recipe.global_batch)

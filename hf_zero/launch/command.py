@@ -9,7 +9,14 @@ import sys
 from pathlib import Path
 
 from hf_zero.core.errors import EXIT_USAGE, UserError
-from hf_zero.core.profiles import PROFILE_ENV, list_profiles, load_profile, pick_profile, resolve_profile_path
+from hf_zero.core.profiles import (
+    PROFILE_ENV,
+    accelerate_precision,
+    list_profiles,
+    load_profile,
+    pick_profile,
+    resolve_profile_path,
+)
 from hf_zero.core.shipped import shipped_dir
 
 __all__ = ["build_launch_command", "ensure_launched", "add_arguments", "run", "DEFAULT_RECIPE", "DEFAULT_CONFIG"]
@@ -38,9 +45,7 @@ def build_launch_command(profile: str, script: str, script_args: list[str], npro
     if main_port:
         cmd += ["--main_process_port", str(main_port)]
     if precision:
-        if precision not in ("no", "fp32", "bf16", "fp16"):
-            raise UserError("--precision", f"unknown precision {precision!r}", "use fp32, bf16 or fp16")
-        cmd += ["--mixed_precision", "no" if precision == "fp32" else precision]
+        cmd += ["--mixed_precision", accelerate_precision(precision)]
     if prof.num_machines > 1 or (nodes or 1) > 1:
         cmd += ["--deepspeed_multinode_launcher", "standard"] if prof.uses_deepspeed else []
     env = {PROFILE_ENV: prof.path}
@@ -55,9 +60,9 @@ def ensure_launched(argv: list[str], script: str) -> list[str]:
     """
     if "--config_file" not in argv and not any(a.startswith("--config_file=") for a in argv):
         return argv
-    from hf_zero.core.config import _pop_flag
+    from hf_zero.core.config import pop_flag
 
-    profile, rest = _pop_flag(argv, "--config_file")
+    profile, rest = pop_flag(argv, "--config_file")
     path = str(resolve_profile_path(profile))
     if os.environ.get(PROFILE_ENV) and str(resolve_profile_path(os.environ[PROFILE_ENV])) == path:
         return rest

@@ -14,7 +14,15 @@ import sys
 from pathlib import Path
 
 from hf_zero.core.errors import RunInterrupted
-from hf_zero.launch.worker import STATUS_ENV, interrupt_requested, rank, read_status, resume_command, set_training, write_status
+from hf_zero.launch.worker import (
+    STATUS_ENV,
+    interrupt_requested,
+    rank,
+    read_status,
+    resume_command,
+    set_training,
+    write_status,
+)
 
 __all__ = ["stop_on_signal", "note_run", "report_interrupt", "raise_if_interrupted", "interrupt_line",
            "newest_complete_checkpoint"]

@@ -104,15 +104,13 @@ def recipe_argument_types(recipe_module) -> tuple:
 
 
 def _profile(st):
+    from hf_zero.core.profiles import accelerate_precision, load_profile, pick_profile
     from hf_zero.tools.check_rules import verify_profile_keys
-    from hf_zero.core.profiles import load_profile, pick_profile
 
     prof = load_profile(st.args.profile or pick_profile()[0])
     message = verify_profile_keys(prof)
     if st.args.precision:
-        if st.args.precision not in ("fp32", "bf16", "fp16"):
-            raise UserError("--precision", f"unknown precision {st.args.precision!r}", "use fp32, bf16 or fp16")
-        prof = replace(prof, mixed_precision="no" if st.args.precision == "fp32" else st.args.precision)
+        prof = replace(prof, mixed_precision=accelerate_precision(st.args.precision))
     st.profile = prof
     return message
 
@@ -177,15 +175,15 @@ def _batch(st):
 
 
 def _devices(st):
-    from hf_zero.tools.check_rules import verify_devices
     from hf_zero.core.profiles import gpu_count
+    from hf_zero.tools.check_rules import verify_devices
 
     return verify_devices(st.profile, st.nproc, gpu_count() if st.args.gpus is None else st.args.gpus)
 
 
 def _precision(st):
-    from hf_zero.tools.check_rules import verify_precision
     from hf_zero.core.profiles import gpu_count
+    from hf_zero.tools.check_rules import verify_precision
 
     real = gpu_count()
     gpus = real if st.args.gpus is None else st.args.gpus
@@ -212,9 +210,9 @@ from hf_zero.tools.check_io import _data, _model, _offload, _output  # noqa: E40
 
 
 def _fsdp(st):
-    from hf_zero.train.fsdp import verify_fsdp
-    from hf_zero.data.model_names import get_model_config
     from hf_zero.core.profiles import gpu_count
+    from hf_zero.data.model_names import get_model_config
+    from hf_zero.train.fsdp import verify_fsdp
 
     config = None
     if st.profile.uses_fsdp:

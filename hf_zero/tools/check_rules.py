@@ -75,7 +75,9 @@ def verify_precision(profile, precision: str, recipe_kwargs: dict, gpus: int, re
 
     if recipe_kwargs:
         _profile_precision(profile, recipe_kwargs)  # a recipe saying bf16/fp16 against the profile: both named
-    name = {"no": "fp32"}.get(precision, precision)
+    from hf_zero.core.profiles import precision_name
+
+    name = precision_name(precision)
     if gpus == 0:
         if name == "fp16":
             raise UserError("precision", f"profile {profile.name} asks for fp16, which needs a GPU",
@@ -202,8 +204,8 @@ def strategy_of(profile) -> str:
 
 def count_for(model_args):
     """Parameter counts of the recipe's model (LoRA included), from its config on the meta device."""
-    from hf_zero.estimate.memory import count_model
     from hf_zero.data.model_names import get_model_config
+    from hf_zero.estimate.memory import count_model
 
     lora = None
     if model_args.use_peft:
@@ -284,8 +286,8 @@ def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: l
                         env: dict | None = None) -> None:
     """NVMe and output room for the model's size: after its offline assets are in the cache (it reads its config)."""
     model = next((a for a in parsed if hasattr(a, "model_name_or_path")), None)
-    from hf_zero.train.fsdp import verify_fsdp
     from hf_zero.core.profiles import gpu_count
+    from hf_zero.train.fsdp import verify_fsdp
 
     config = None
     if profile.uses_fsdp and model is not None:

@@ -51,10 +51,10 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     from hf_zero.launch.command import ensure_launched
 
     argv = ensure_launched(list(sys.argv[1:] if argv is None else argv), script or sys.argv[0])
-    from hf_zero.core.config import _pop_flag
+    from hf_zero.core.config import pop_flag
     from hf_zero.core.shipped import check_recipe_matches
 
-    check_recipe_matches(_pop_flag(list(argv), "--config")[0], script or sys.argv[0])
+    check_recipe_matches(pop_flag(list(argv), "--config")[0], script or sys.argv[0])
     *parsed, stages, training_kwargs, config_path = parse_recipe_args((*dataclass_types, TrainingArguments), argv)
     profile = profile_from_env()
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,98 @@
+"""The steps every recipe takes around its own data and model, so a recipe reads parse -> data -> model -> trainer ->
+train -> save top to bottom and holds only what is its own: resume before any engine, the curriculum's step order,
+the measuring callbacks the tools ask for, the banner, train() with a clean stop, and the summary fields every
+recipe records."""
+
+from __future__ import annotations
+
+import math
+
+from hf_zero.train.run import RunContext, main_process_print, print_banner
+
+__all__ = ["start", "lay_out", "attach_probes", "announce", "train", "summary_fields", "loss_words"]
+
+
+def start(ctx: RunContext, fresh_start: bool, example: str) -> str | None:
+    """Seed, insist on stages, and pick the checkpoint to resume from (checked against this run before any engine
+    exists). `example` is the YAML line the error suggests when the recipe has no stages."""
+    from transformers import set_seed
+
+    from hf_zero.checkpoint.resume import prepare_resume
+    from hf_zero.core.errors import UserError
+
+    set_seed(ctx.training_args.seed)
+    if not ctx.stages:
+        raise UserError("stages", "the recipe has no stages", f"add a `stages:` list to the YAML, e.g. {example}")
+    return prepare_resume(ctx, fresh_start=fresh_start)
+
+
+def lay_out(ctx: RunContext, pool_sizes: list[int], source_sizes: list[list[int]]):
+    """The curriculum's schedule and its step-ordered sample indices; the Trainer runs exactly its steps."""
+    from hf_zero.data.curriculum import build_sample_order, build_schedule
+
+    args = ctx.training_args
+    schedule = build_schedule(ctx.stages, pool_sizes, ctx.plan.global_batch, args.learning_rate)
+    order = build_sample_order(schedule, source_sizes, [s.weights for s in ctx.stages], args.seed)
+    args.max_steps = schedule.total_steps
+    return schedule, order
+
+
+def attach_probes(trainer, ctx: RunContext, measure_memory: bool = False) -> None:
+    """The callbacks the tools switch on: bytes per rank at step 1 (`hf-zero estimate` checks) and step times,
+    start-up and peak memory (`hf-zero bench`)."""
+    from hf_zero.bench.probe import BenchProbeCallback, bench_requested
+    from hf_zero.estimate.measure import MemoryMeasureCallback, measure_requested
+
+    if measure_requested(measure_memory):
+        trainer.add_callback(MemoryMeasureCallback(ctx.output_dir))
+    if bench_requested():
+        trainer.add_callback(BenchProbeCallback(ctx.output_dir, trainer))
+
+
+def announce(ctx: RunContext, schedule, trainable: int, total: int, *lines: str) -> None:
+    """The banner, the recipe's own lines, then each stage's steps and learning rate."""
+    print_banner(ctx, trainable, total)
+    for line in lines:
+        main_process_print(f"[hf_zero] {line}")
+    main_process_print("[hf_zero] stages: " + " | ".join(
+        f"{r['stage']}: steps {r['first_step']}-{r['last_step']} lr {r['lr']:g}" for r in schedule.table()))
+
+
+def train(trainer, resume: str | None):
+    """One train() for every stage, from `resume` when there is one; after Ctrl-C / SIGTERM every rank stops here
+    with the one line that says where the run stands."""
+    from hf_zero.launch.interrupt import raise_if_interrupted
+
+    result = trainer.train(resume_from_checkpoint=resume)
+    raise_if_interrupted(trainer)
+    return result
+
+
+def summary_fields(model_args, trainable: int, total: int, schedule, result, history: list, resume: str | None,
+                   final_dir, before: float | None, after: float | None) -> dict:
+    """What every recipe's summary.json records beside its own results (write_summary adds the run's plan)."""
+    from hf_zero.train.trainer import step_losses
+
+    return {
+        "model": model_args.model_name_or_path,
+        "use_peft": model_args.use_peft,
+        "trainable_params": trainable,
+        "total_params": total,
+        "total_steps": schedule.total_steps,
+        "train_loss": result.training_loss,
+        "eval_loss_before": before,
+        "eval_loss_after": after,
+        "eval_perplexity_before": math.exp(before) if before is not None else None,
+        "eval_perplexity_after": math.exp(after) if after is not None else None,
+        "resumed_from": resume,
+        "final_dir": str(final_dir) if final_dir else None,
+        "losses": step_losses(history),
+    }
+
+
+def loss_words(before: float | None, after: float | None, stages: int) -> str:
+    """The result in the last line: mean held-out loss before -> after, with perplexities."""
+    if not (before and after):
+        return ""
+    return (f"eval loss {before:.4f} -> {after:.4f} (perplexity {math.exp(before):,.1f} -> {math.exp(after):,.1f}), "
+            f"mean over {stages} stages' held-out sets; ")
