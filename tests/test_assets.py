@@ -13,7 +13,7 @@ from hf_zero.core.errors import UserError
 from hf_zero.data import assets, cache
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_TOKENIZER = REPO / "hf_zero" / "assets" / "tiny_tokenizer"
+TINY_TOKENIZER = REPO / "hf_zero" / "data" / "tiny_assets" / "tiny_tokenizer"
 TINY_DATA = REPO / "recipes" / "data" / "tiny"
 
 

@@ -21,7 +21,7 @@ def load_metric(name: str):
 
     folder = METRICS_DIR / name
     if not (folder / f"{name}.py").is_file():
-        from ..errors import UserError
+        from hf_zero.core.errors import UserError
 
         known = sorted(p.name for p in METRICS_DIR.iterdir() if (p / f"{p.name}.py").is_file())
         raise UserError("metric", f"hf_zero ships no metric {name!r}", f"use one of {', '.join(known)}")
