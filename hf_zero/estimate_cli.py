@@ -1,4 +1,4 @@
-"""`hf-zero estimate`: memory per rank for DDP and every ZeRO strategy, before you pay for GPUs.
+"""`hf-zero estimate`: memory per rank for DDP, every ZeRO strategy and FSDP2, before you pay for GPUs.
 
     hf-zero estimate --model smollm2-135m-instruct --gpus-per-node 4 --gpu-memory 48GiB
     hf-zero estimate --config recipes/configs/my_recipe.yaml --gpus-per-node 1 --gpu-memory 24GiB
@@ -82,6 +82,8 @@ def _strategy_of(name: str):
         prof = load_profile(name)
     except UserError as err:
         raise UserError("--profile", err.problem, f"{err.fix}, a strategy ({', '.join(STRATEGIES)}) or all") from None
+    if prof.uses_fsdp:
+        return ["fsdp2_offload" if prof.offload_param == "cpu" else "fsdp2"], prof
     if not prof.uses_deepspeed or not prof.zero_stage:
         return ["ddp"], prof
     devices = (prof.offload_optimizer, prof.offload_param)
