@@ -217,6 +217,8 @@ def _print_table(summary, inputs, convention, estimates, rec) -> None:
         g = e["gpu_bytes_per_rank"]
         cells = [g[k] for k in ("params", "grads", "optimizer", "model_states", "resident", "activations", "buffers",
                                 "total")]
+        if e["name"].startswith("fsdp"):  # FSDP2 has resharded every layer by its optimizer step
+            cells[3] -= g["gathered"]
         rows.append([e["name"], *map(_human, cells), e["peak"], _human(e["cpu_bytes_per_node"]),
                      _human(e["nvme_bytes"]) if e["nvme_bytes"] else "-",
                      {None: "-", True: "yes", False: "no"}[e["fits"]]])
