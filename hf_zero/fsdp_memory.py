@@ -52,9 +52,11 @@ def describe_shards(model) -> tuple[tuple, tuple]:
                     total, trainable = total + p.numel(), trainable + p.numel() * p.requires_grad
         return total, trainable
 
-    groups = [size([m]) for m in model.modules() if type(m).__name__ in classes]
-    get = (lambda name: getattr(model, name, lambda: None)())
-    embed, head = get("get_input_embeddings"), get("get_output_embeddings")
+    embed, head = _get(model, "get_input_embeddings"), _get(model, "get_output_embeddings")
+    # accelerate shards the input embeddings in a group of their own, so a class holding them gets none (fsdp.py)
+    holders = {type(m).__name__ for m in model.modules()
+               if embed is not None and m is not embed and any(x is embed for x in m.modules())}
+    groups = [size([m]) for m in model.modules() if type(m).__name__ in classes - holders]
     tied = embed is not None and head is not None and getattr(embed, "weight", None) is getattr(head, "weight", 0)
     if embed is not None and not tied:
         groups.append(size([embed]))
@@ -64,6 +66,13 @@ def describe_shards(model) -> tuple[tuple, tuple]:
         groups.append(size([model]))
     largest = max(groups)
     return shapes, (*largest, *tail)
+
+
+def _get(model, method: str):
+    try:
+        return getattr(model, method, lambda: None)()
+    except NotImplementedError:  # e.g. a vision model: no input embeddings (FSDP2 refuses it; the estimate need not)
+        return None
 
 
 def _final_norm(model):
