@@ -258,7 +258,8 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     gpu["resident"] = int(resident)
     gpu["activations"] = int(phases.get(phase, max(phases.values(), default=0)))
     gpu["total"] = int(peaks[phase]) + gpu["buffers"]
-    # On disk: weights (LoRA: adapter only) + fp32 master and Adam moments over all ranks; DDP: fp32 weights + moments
+    # On disk: weights (LoRA: adapter only) + fp32 master and Adam moments over all ranks; DDP and FSDP2: fp32 weights
+    # + moments (FSDP2's fp32 shards are the master copy)
     saved = c.trainable_params if c.trainable_params < c.total_params else c.total_params
     ckpt = (4 * saved + 8 * c.trainable_params) if strategy == "ddp" or strategy.startswith("fsdp") else \
         ((2 if mixed else 4) * saved + 12 * c.trainable_params)
