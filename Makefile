@@ -41,7 +41,8 @@ train: install
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# DDP vs ZeRO-1/2/3/offload side by side (time, memory, loss parity, plots) into bench_out/; ~10 min on 2 CPU cores.
+# DDP vs ZeRO-1/2/3/offload and FSDP2/offload side by side (time, memory, loss parity, plots) into bench_out/;
+# ~12 min on 2 CPU cores.
 bench: install
 	$(BIN)/hf-zero bench --out bench_out $(ARGS)
 

@@ -18,7 +18,8 @@ from hf_zero.cli import main
 
 QUICK = REPO / "recipes" / "configs" / "bench_quick.yaml"
 # The README's quick bench: what this module runs (plus --out).
-QUICK_ARGS = ["--config", "recipes/configs/bench_quick.yaml", "--strategies", "ddp,zero1,zero2,zero3", "--warmup",
+QUICK_ARGS = ["--config", "recipes/configs/bench_quick.yaml", "--strategies", "ddp,zero1,zero2,zero3,fsdp2",
+              "--warmup",
               "1", "--overhead-repeats", "1", "--no-packing"]
 STRATEGY_KEYS = {"name", "step_time_median_s", "samples_per_s", "tokens_per_s", "peak_rss_bytes_per_rank",
                  "model_state_bytes_per_rank", "model_state_device_bytes_per_rank", "model_state_host_bytes_per_rank",
@@ -39,7 +40,7 @@ def test_reports_name_the_machine_and_hold_every_field(bench):
     out, proc, report = bench
     m = report["machine"]
     assert report["nproc"] == m["ranks"] == 2 and m["device"] == "cpu" and m["torch"] and m["deepspeed"]
-    assert [s["name"] for s in report["strategies"]] == ["ddp", "zero1", "zero2", "zero3"]
+    assert [s["name"] for s in report["strategies"]] == ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
     for s in report["strategies"]:
         assert s["status"] == "ok" and STRATEGY_KEYS <= set(s), s.get("error")
         assert len(s["losses"]) == 3 and len(s["peak_rss_bytes_by_rank"]) == 2
@@ -48,11 +49,11 @@ def test_reports_name_the_machine_and_hold_every_field(bench):
     assert report["loss_reference"] == "ddp" and not list(out.glob("runs/*/final"))  # no model left behind
     machine = f"torch {m['torch']}"
     md = (out / "bench.md").read_text()
-    assert machine in md and "2 ranks" in md and "| strategy | s/step |" in md and md.count("\n| zero") == 3
+    assert machine in md and "2 ranks" in md and "| strategy | s/step |" in md and md.count("\n| zero") == 3 and "\n| fsdp2 |" in md
     lines = (out / "bench.csv").read_text().splitlines()
     assert lines[0].startswith("#") and machine in lines[0]
     rows = list(csv.DictReader(lines[1:]))
-    assert [r["name"] for r in rows] == ["ddp", "zero1", "zero2", "zero3"]
+    assert [r["name"] for r in rows] == ["ddp", "zero1", "zero2", "zero3", "fsdp2"]
     png = (out / "bench.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     from PIL import Image
@@ -91,6 +92,12 @@ def test_model_state_bytes_follow_the_zero_paper(bench):
     assert part["zero2"]["grads"] < 0.6 * params and part["zero3"]["grads"] < 0.6 * params
     assert part["zero3"]["params"] == pytest.approx(params / 2, rel=0.02)
     assert report["checks"]["model_state_in_paper_order"] is True
+    # FSDP2 shards all three like ZeRO-3, and its fp32 parameter shards are Adam's master copy: no third copy.
+    # Adam's step counters add 4 bytes per parameter tensor.
+    assert part["fsdp2"]["params"] == part["fsdp2"]["grads"] == pytest.approx(params / 2, rel=0.01)
+    assert part["fsdp2"]["optimizer"] == pytest.approx(params, rel=0.01)
+    assert state["fsdp2"] < state["zero3"] and state["zero2"] > state["fsdp2"]
+    assert report["checks"]["fsdp2_in_zero3_place"] is True and report["checks"]["fsdp2_over_ddp_within_target"]
     for s in by.values():  # nothing offloaded: every byte on the device
         assert s["model_state_device_bytes_per_rank"] == s["model_state_bytes_per_rank"]
         assert s["model_state_host_bytes_per_rank"] == 0 == s["estimate_host_bytes_per_rank"]
@@ -101,6 +108,8 @@ def test_estimate_stands_next_to_the_measurement(bench):
     _, _, report = bench
     for s in report["strategies"]:  # the estimate predicts the peak inside the optimizer step
         assert s["estimate_bytes_per_rank"] == pytest.approx(s["model_state_peak_bytes_per_rank"], rel=0.25), s["name"]
+    fsdp2 = report["strategies"][-1]  # FSDP2's shards are counted exactly (tests/test_fsdp_memory.py)
+    assert fsdp2["estimate_bytes_per_rank"] == pytest.approx(fsdp2["model_state_peak_bytes_per_rank"], rel=0.01)
 
 
 @pytest.mark.multiproc
@@ -225,11 +234,18 @@ def test_root_cause_skips_the_launchers_banner():
 
 def test_model_state_counts_the_held_gradients_not_the_step_temporaries():
     record = {"measured": {"params": 100, "grads": 90, "optimizer": 150},
-              "in_backward": {"grads": 50, "buffers": 8}, "before_step": {"grads": 90, "buffers": 0},
+              "in_backward": {"params": 100, "grads": 50, "buffers": 8}, "before_step": {"grads": 90, "buffers": 0},
               "after_step": {"grads": 45, "buffers": 8}}
     got = model_state_bytes(record, ddp_buckets=0)
     assert (got["grads"], got["grad_buckets"], got["total"], got["total_with_step_temporaries"]) == (50, 8, 308, 348)
     assert model_state_bytes(record, ddp_buckets=100)["grad_buckets"] == 108
+    # FSDP2: no in-backward snapshot (its sharded parameters get their gradients assigned, not accumulated), and
+    # zero_grad has freed them by the end of the step: the gradients held are those seen just before the step.
+    fsdp2 = {"measured": {"params": 50, "grads": 50, "optimizer": 104},
+             "in_backward": dict.fromkeys(("params", "grads", "buffers"), 0), "before_step": {"grads": 50},
+             "after_step": {"grads": 0}}
+    got = model_state_bytes(fsdp2, ddp_buckets=0)
+    assert (got["grads"], got["total"], got["total_with_step_temporaries"]) == (50, 204, 204)
 
 
 @pytest.mark.parametrize("argv,field", [
@@ -262,7 +278,13 @@ def test_make_bench_default(tmp_path):
     out = tmp_path / "out"
     run_cmd([sys.executable, "-m", "hf_zero.cli", "bench", "--out", out], timeout=3600)
     report = json.loads((out / "bench.json").read_text())
-    assert [s["name"] for s in report["strategies"]] == ["ddp", "zero1", "zero2", "zero3", "zero3_offload"]
+    assert [s["name"] for s in report["strategies"]] == ["ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2",
+                                                         "fsdp2_offload"]
     checks = report["checks"]
     assert checks["loss_parity"] and checks["model_state_in_paper_order"] and checks["zero3_over_ddp_within_target"]
+    assert checks["fsdp2_in_zero3_place"] and checks["fsdp2_over_ddp_within_target"]
+    offload = report["strategies"][-1]  # everything FSDP2 shards is in host RAM, as the estimate says
+    assert offload["model_state_device_bytes_per_rank"] == 0 == offload["estimate_device_bytes_per_rank"]
+    assert offload["model_state_host_bytes_per_rank"] == pytest.approx(offload["estimate_host_bytes_per_rank"],
+                                                                       rel=0.01)
     assert checks["packing_within_target"] and report["packing_comparison"]["tokens_per_s_ratio"] > 1

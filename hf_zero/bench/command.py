@@ -1,4 +1,4 @@
-"""`hf-zero bench`: DDP vs ZeRO-1/2/3/offload side by side on the same model, data, seed, precision and global batch.
+"""`hf-zero bench`: DDP vs ZeRO-1/2/3/offload and FSDP2 side by side on the same model, data, seed, precision and global batch.
 
 Every strategy runs the real recipe through the real launcher (`accelerate launch`, N ranks). Each rank reports its
 step times, start-up and peak memory (hf_zero.bench.probe) and the bytes it holds in parameters, gradients and
@@ -27,7 +27,7 @@ __all__ = ["add_arguments", "run", "execute", "DEFAULT_STRATEGIES", "DEFAULT_BEN
 DEFAULT_BENCH_CONFIG = shipped_dir("recipes") / "configs" / "bench.yaml"
 PLAIN_SCRIPT = shipped_dir("benchmarks") / "plain_trainer.py"
 REFERENCE_SCRIPT = shipped_dir("benchmarks") / "torch_loop.py"
-DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3_offload"
+DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3_offload,fsdp2,fsdp2_offload"
 ACCEPTS_EXTRA = True  # unknown flags go to the recipe (e.g. --per_device_train_batch_size 4)
 
 
@@ -35,7 +35,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--config", help="recipe YAML (default: the shipped recipes/configs/bench.yaml)")
     parser.add_argument("--model", help="model instead of the recipe's (offline name, folder or hub id)")
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                        help="comma-separated profiles to compare (zero3_nvme too, with libaio and an NVMe path)")
+                        help="comma-separated profiles to compare (default: DDP, ZeRO-1/2/3, zero3_offload, fsdp2, "
+                        "fsdp2_offload; zero3_nvme too, with libaio and an NVMe path)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per strategy (default 2)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run (default: the recipe's)")
     parser.add_argument("--out", default="bench_out", help="output folder (default bench_out)")

@@ -210,9 +210,14 @@ def estimate_bytes(plan: BenchPlan, profile_name: str, precision: str) -> dict:
     (strategy,), _ = _strategy_of(profile_name)
     e = estimate(plan.count, strategy, world_size=plan.nproc, gpus_per_node=plan.nproc, precision=precision,
                  micro_batch=plan.micro, seq_len=plan.seq_len, additional_buffer_factor=1.0)
-    device = e["gpu_bytes_per_rank"]["model_states"] + e["gpu_bytes_per_rank"]["buffers"]
+    g = e["gpu_bytes_per_rank"]
+    device = g["model_states"] + g["buffers"]
     # the states moved to host RAM, per rank (no load-time buffer factor)
     host = e["cpu_bytes_per_node"] // plan.nproc if "offload" in strategy else 0
+    if strategy.startswith("fsdp"):
+        # FSDP2 has resharded every layer and freed its all-gather buffer by the optimizer step, where bench
+        # measures; host: its shards alone (the fp32 model each rank reads before sharding is gone by then).
+        device, host = g["model_states"] - g["gathered"], e["offloaded_bytes_per_rank"]
     return {"device": int(device), "host": int(host), "source": e["source"]}
 
 

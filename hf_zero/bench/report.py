@@ -148,6 +148,9 @@ def _checks(report, ok, precision) -> dict:
     sharded = report["nproc"] >= 2
     state = {n: r.get("model_state_bytes_per_rank") for n, r in ok.items()} if sharded else {}
     z3 = _ratio(state.get("zero3"), state.get("ddp"))
+    fsdp2 = _ratio(state.get("fsdp2"), state.get("ddp"))
+    # FSDP2 shards what ZeRO-3 shards: it belongs below every stage that keeps whole parameters or gradients.
+    above = [n for n in ("ddp", "zero1", "zero2") if state.get(n)]
     peak = {n: r.get("model_state_peak_bytes_per_rank") for n, r in ok.items()}
     paper = [n for n in ("ddp", "zero1", "zero2", "zero3") if state.get(n)]
     over, pack = report["plain_trainer"], report["packing_comparison"]
@@ -159,6 +162,12 @@ def _checks(report, ok, precision) -> dict:
         "model_state_order": paper,
         "model_state_in_paper_order": all(state[a] > state[b] for a, b in zip(paper, paper[1:]))
         if len(paper) > 1 else None,
+        "fsdp2_over_ddp_model_state": fsdp2,
+        "fsdp2_over_ddp_within_target": _within(fsdp2, t["zero3_over_ddp_model_state_max"]),
+        "fsdp2_over_zero3_model_state": _ratio(state.get("fsdp2"), state.get("zero3")) if sharded else None,
+        "fsdp2_below": above if state.get("fsdp2") else [],
+        "fsdp2_in_zero3_place": all(state[n] > state["fsdp2"] for n in above) if state.get("fsdp2") and above
+        else None,
         "overhead_verdict": over["verdict"],
         "step_time_ratio_within_target": {"yes": True, "no": False}.get(over["verdict"]),
         "startup_ratio_within_target": _within(over["startup_ratio"], t["startup_ratio_max"]),

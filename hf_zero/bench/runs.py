@@ -119,7 +119,10 @@ def model_state_bytes(record: dict, ddp_buckets: int) -> dict:
     strategy, as they must be: only DeepSpeed's can be seen. `total_with_step_temporaries` adds DeepSpeed's."""
     snaps = {k: record.get(k) or {} for k in ("in_backward", "before_step", "after_step")}
     buckets = max(s.get("buffers", 0) for s in snaps.values()) + ddp_buckets
-    held = max(snaps["in_backward"].get("grads", 0), snaps["after_step"].get("grads", 0))
+    # FSDP2 writes its sharded gradients straight into `.grad` (its sharded parameters are no autograd leaves, so the
+    # in-backward hook never fires): they are held from backward to the step, as seen just before it.
+    backward = snaps["in_backward"] if snaps["in_backward"].get("params") else snaps["before_step"]
+    held = max(backward.get("grads", 0), snaps["after_step"].get("grads", 0))
     parts = {"params": record["measured"]["params"], "grads": held, "grad_buckets": buckets,
              "optimizer": record["measured"]["optimizer"]}
     total = sum(parts.values())

@@ -110,6 +110,15 @@ def _notes(report) -> list[str]:
     if c["model_state_in_paper_order"] is not None:
         out.append(f"- Model-state bytes fall in the ZeRO paper's order ({' > '.join(c['model_state_order'])}): "
                    f"{_yes(c['model_state_in_paper_order'])}.")
+    if c.get("fsdp2_over_ddp_model_state") is not None:
+        line = (f"- FSDP2 shards like ZeRO-3: model-state bytes per rank, FSDP2 / DDP = "
+                f"{c['fsdp2_over_ddp_model_state']:.3f} (target <= {t['zero3_over_ddp_model_state_max']}): "
+                f"{_yes(c['fsdp2_over_ddp_within_target'])}")
+        if c.get("fsdp2_over_zero3_model_state") is not None:
+            line += f"; FSDP2 / ZeRO-3 = {c['fsdp2_over_zero3_model_state']:.3f}"
+        if c.get("fsdp2_in_zero3_place") is not None:
+            line += f"; below {', '.join(c['fsdp2_below'])}: {_yes(c['fsdp2_in_zero3_place'])}"
+        out.append(line + ".")
     out.append(_overhead_line(report))
     line = (f"- Packing ({pack['strategy']}; the recipe {'packs' if pack['recipe_packs'] else 'does not pack'}): "
             f"non-padding tokens {pack['non_padding_fraction_unpacked']:.3f} unpacked, "
@@ -130,11 +139,13 @@ def _notes(report) -> list[str]:
             "them: parameters, gradients as held through backward, optimizer state; plus the gradient communication "
             "buckets (DDP keeps a second full copy of the gradients in its buckets unless gradient_as_bucket_view is "
             "on). On the device / offloaded to host: where DeepSpeed keeps them (offload_optimizer: fp32 master "
-            "weights, Adam's moments and the fp32 gradient partition; offload_param: the parameter partitions). On a "
+            "weights, Adam's moments and the fp32 gradient partition; offload_param: the parameter partitions; "
+            "fsdp2_offload: the parameter shards, their gradients and Adam's state). On a "
             "CPU machine both are the same RAM. The optimizer step's own temporaries are left out (next column).",
             "- in optimizer step: the same plus what exists only inside DeepSpeed's optimizer step (its flattened "
             "fp32 copy of the gradient partition); this is what `hf-zero estimate` predicts.",
-            f"- estimate: `hf-zero estimate`'s params + grads + optimizer + gathered layer + buffers per rank, on the "
+            f"- estimate: `hf-zero estimate`'s params + grads + optimizer + gathered layer + buffers per rank (FSDP2: "
+            f"without its gathered layer and all-gather buffer, freed before the step), on the "
             f"device + offloaded ({sources}).",
             f"- GFLOP/s: {report['flops_per_token']:,.0f} model FLOPs per text token (6N + 12·L·h·s, N the matmul "
             "parameters, LoRA-aware) x tokens/s, all ranks together; MFU: the same over the devices' dense peak "

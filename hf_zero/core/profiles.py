@@ -273,7 +273,7 @@ def pick_profile(gpus: int | None = None, model=None, gpu_memory_bytes: int | No
     With GPUs and a known run (`recipe`: hf_zero.estimate.recipe.RecipeMemory, or just a `model` and LoRA rank at
     micro-batch 1 x 1024 tokens), hf_zero's estimator picks the fastest profile whose peak fits the device less 10%
     headroom, at the recipe's own micro-batch and length, in `precision` (default bf16): 1 GPU single_gpu, zero2,
-    zero3_offload; k GPUs zero2, zero3, zero3_offload. Nothing fits: a one-line error with the estimate and what
+    zero3_offload, fsdp2_offload; k GPUs zero2, zero3, fsdp2, zero3_offload, fsdp2_offload. Nothing fits: a one-line error with the estimate and what
     would fit. Without a known run: single_gpu on 1 GPU, ZeRO-2 on several.
     """
     gpus = gpu_count() if gpus is None else gpus

@@ -1,4 +1,4 @@
-"""`hf-zero estimate`: memory per rank for DDP and every ZeRO strategy, before you pay for GPUs.
+"""`hf-zero estimate`: memory per rank for DDP, every ZeRO strategy and FSDP2, before you pay for GPUs.
 
     hf-zero estimate --model smollm2-135m-instruct --gpus-per-node 4 --gpu-memory 48GiB
     hf-zero estimate --config recipes/configs/my_recipe.yaml --gpus-per-node 1 --gpu-memory 24GiB
@@ -82,6 +82,8 @@ def _strategy_of(name: str):
         prof = load_profile(name)
     except UserError as err:
         raise UserError("--profile", err.problem, f"{err.fix}, a strategy ({', '.join(STRATEGIES)}) or all") from None
+    if prof.uses_fsdp:
+        return ["fsdp2_offload" if prof.offload_param == "cpu" else "fsdp2"], prof
     if not prof.uses_deepspeed or not prof.zero_stage:
         return ["ddp"], prof
     devices = (prof.offload_optimizer, prof.offload_param)
@@ -215,6 +217,8 @@ def _print_table(summary, inputs, convention, estimates, rec) -> None:
         g = e["gpu_bytes_per_rank"]
         cells = [g[k] for k in ("params", "grads", "optimizer", "model_states", "resident", "activations", "buffers",
                                 "total")]
+        if e["name"].startswith("fsdp"):  # FSDP2 has resharded every layer by its optimizer step
+            cells[3] -= g["gathered"]
         rows.append([e["name"], *map(_human, cells), e["peak"], _human(e["cpu_bytes_per_node"]),
                      _human(e["nvme_bytes"]) if e["nvme_bytes"] else "-",
                      {None: "-", True: "yes", False: "no"}[e["fits"]]])

@@ -28,6 +28,8 @@ parameter offload "gathering" is a view of the partition (no copy).
 Buffers: DDP gradient buckets (a 4Ψt copy, N > 1); ZeRO-1/2 one reduce bucket (p x reduce_bucket_size; allgather
 is in place); ZeRO-3 reduce + prefetch buckets + persistent params (numel <= threshold), sized as the Trainer fills
 hf_zero's "auto": h², 0.9·h², 10·h (DeepSpeed's defaults 5e8, 5e7, 1e5 when h is unknown).
+fsdp2 / fsdp2_offload (torch FSDP2, one shard group per decoder layer): hf_zero/estimate/fsdp.py, 16Ψ/N at the step in
+fp32 and bf16 (the sharded fp32 parameters are the master copy); its gathered layers exist only in forward/backward.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ __all__ = ["STRATEGIES", "SPEED_ORDER", "ModelCount", "count_model", "estimate",
            "largest_micro_batch"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload_optimizer", "zero3_offload",
-              "zero3_nvme")
-SPEED_ORDER = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload_optimizer", "zero3_offload",
-               "zero3_nvme")
+              "zero3_nvme", "fsdp2", "fsdp2_offload")
+# ZeRO before FSDP2 at equal footing: it is hf_zero's established path, so FSDP2 is picked only where it fits and
+# the ZeRO strategy just ahead of it does not.
+SPEED_ORDER = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "zero2_offload", "zero3_offload_optimizer", "zero3_offload",
+               "fsdp2_offload", "zero3_nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")
 CONVENTIONS = ("deepspeed", "paper")
 _DS = {"zero2": ("zero2", dict(cpu_offload=False)), "zero2_offload": ("zero2", dict(cpu_offload=True)),
@@ -64,6 +68,8 @@ class ModelCount:
     param_numels: tuple = ()
     name: str = ""
     layer: object = None  # hf_zero.estimate.activations.LayerShape: what the activation count needs
+    param_shapes: tuple = ()  # (dim0, numel, trainable) per parameter: FSDP2's padded dim-0 shards
+    shard_groups: tuple = ()  # FSDP2's largest group and tail group (elements, trainable): hf_zero.estimate.fsdp
 
     def persistent_params(self, threshold: int) -> int:  # ZeRO-3 keeps params with numel <= threshold whole
         return sum(n for n in self.param_numels if n <= threshold)
@@ -107,13 +113,16 @@ def count_model(config_or_name, lora=None) -> ModelCount:
     layer, tlayer = (max((sum(p.numel() for p in ps if keep(p)) for ps in own), default=0)
                      for keep in (lambda p: True, lambda p: p.requires_grad))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    from hf_zero.estimate.fsdp import describe_shards
+
+    shapes, groups = describe_shards(model)
     return ModelCount(
         total_params=sum(p.numel() for p in params), largest_layer_params=layer,
         trainable_params=sum(p.numel() for p in params if p.requires_grad), largest_trainable_layer_params=tlayer,
         num_layers=_attr(text, "num_hidden_layers", "n_layer", "num_layers"),
         hidden_size=_attr(text, "hidden_size", "d_model", "n_embd"),
         num_heads=_attr(text, "num_attention_heads", "n_head"), vocab_size=_attr(text, "vocab_size"),
-        param_numels=tuple(p.numel() for p in params), name=name,
+        param_numels=tuple(p.numel() for p in params), name=name, param_shapes=shapes, shard_groups=groups,
         layer=describe_layers(model, getattr(model, "config", config), text) if text is not None else None)
 
 
@@ -126,6 +135,9 @@ def _deepspeed_estimators():
 
 def _states(s, c: ModelCount, n, mixed, convention):
     """(params, grads, optimizer, gathered) per GPU, (cpu, nvme) bytes offloaded per rank: the accounting above."""
+    if s.startswith("fsdp"):  # both conventions: the paper has no FSDP2 row, and FSDP2 keeps no separate master
+        from hf_zero.estimate import fsdp as fsdp_memory
+        return fsdp_memory.states(s, c, n, mixed)
     psi, t, L = c.total_params, c.trainable_params, c.largest_layer_params
     Lt = c.largest_trainable_layer_params or (L if t == psi else min(L, t))
     p = 2 if mixed else 4
@@ -159,6 +171,9 @@ def _states(s, c: ModelCount, n, mixed, convention):
 def _resident(s, c: ModelCount, n, mixed, max_reuse_distance):
     """(states alive through forward and backward, gradients alive during backward) per GPU rank, deepspeed
     convention: what the forward/backward peak adds activations to."""
+    if s.startswith("fsdp"):
+        from hf_zero.estimate import fsdp as fsdp_memory
+        return fsdp_memory.resident(s, c, n, mixed)
     psi, t, p = c.total_params, c.trainable_params, (2 if mixed else 4)
     offload_params = s in ("zero3_offload", "zero3_nvme")
     gathered = p * min(psi, max_reuse_distance / 2) if s.startswith("zero3") and (n > 1 or offload_params) else 0
@@ -171,6 +186,9 @@ def _resident(s, c: ModelCount, n, mixed, max_reuse_distance):
 
 def _buffers(s, c: ModelCount, n, mixed, reduce_bucket, prefetch, persistence):
     h, p, rb = c.hidden_size, (2 if mixed else 4), reduce_bucket or (c.hidden_size ** 2 or 5e8)
+    if s.startswith("fsdp"):
+        from hf_zero.estimate import fsdp as fsdp_memory
+        return fsdp_memory.buffers(s, c, n, mixed)
     if not s.startswith("zero3"):
         return (4 * c.trainable_params if n > 1 else 0) if s == "ddp" else p * rb  # one GPU: no DDP wrapper
     pb = prefetch if prefetch is not None else (int(0.9 * h * h) if h else 5e7)
@@ -229,21 +247,24 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
         c.layer, c.num_layers, c.vocab_size, mode, micro_batch, seq_len, grad_checkpointing, attn,
         full=c.trainable_params == c.total_params)
     peaks = {name: resident + act + (grads_bwd if name == "recompute" else 0) for name, act in phases.items()}
-    peaks["optimizer step"] = gpu["model_states"]
+    # FSDP2 reshards every group by the end of backward: nothing is gathered at its optimizer step.
+    peaks["optimizer step"] = gpu["model_states"] - (gpu["gathered"] if strategy.startswith("fsdp") else 0)
     if convention == "paper":  # the textbook sum: every state and the largest activations at once
         peaks = {"sum": gpu["model_states"] + max(phases.values(), default=0)}
     phase = max(peaks, key=peaks.get)
     gpu["resident"] = int(resident)
     gpu["activations"] = int(phases.get(phase, max(phases.values(), default=0)))
     gpu["total"] = int(peaks[phase]) + gpu["buffers"]
-    # On disk: weights (LoRA: adapter only) + fp32 master and Adam moments over all ranks; DDP: fp32 weights + moments
+    # On disk: weights (LoRA: adapter only) + fp32 master and Adam moments over all ranks; DDP and FSDP2: fp32 weights
+    # + moments (FSDP2's fp32 shards are the master copy)
     saved = c.trainable_params if c.trainable_params < c.total_params else c.total_params
-    ckpt = (4 * saved + 8 * c.trainable_params) if strategy == "ddp" else \
+    ckpt = (4 * saved + 8 * c.trainable_params) if strategy == "ddp" or strategy.startswith("fsdp") else \
         ((2 if mixed else 4) * saved + 12 * c.trainable_params)
     fits = None if gpu_memory_bytes is None else \
         gpu["total"] <= gpu_memory_bytes and (cpu_memory_bytes is None or cpu <= cpu_memory_bytes)
     return {"name": strategy, "convention": convention, "source": source, "gpu_bytes_per_rank": gpu, "peak": phase,
-            "cpu_bytes_per_node": int(cpu), "nvme_bytes": int(gpn * nvme_rank), "checkpoint_bytes": int(ckpt),
+            "cpu_bytes_per_node": int(cpu), "offloaded_bytes_per_rank": int(cpu_rank),
+            "nvme_bytes": int(gpn * nvme_rank), "checkpoint_bytes": int(ckpt),
             "fits": fits}
 
 

@@ -186,11 +186,7 @@ def verify_offload(profile, nvme_bytes: int | None, build_cpu_adam: bool = True)
 def strategy_of(profile) -> str:
     """The memory.estimate strategy a profile runs."""
     if profile.uses_fsdp:
-        from hf_zero.estimate.memory import STRATEGIES
-
-        name = "fsdp2_offload" if profile.offload_param == "cpu" else "fsdp2"
-        # Until the estimator has FSDP2 rows, ZeRO-3's: the same sharded parameters, gradients and Adam state.
-        return name if name in STRATEGIES else name.replace("fsdp2", "zero3")
+        return "fsdp2_offload" if profile.offload_param == "cpu" else "fsdp2"
     if not profile.uses_deepspeed or not profile.zero_stage:
         return "ddp"
     devices = (profile.offload_optimizer, profile.offload_param)
