@@ -80,8 +80,8 @@ def main(argv=None):
     after = evals[-1] if evals else {}
     summary = write_summary(ctx, {
         **steps.summary_fields(model_args, trainable, total, schedule, result, history, resume, final_dir,
-                               before.get("eval_loss"), after.get("eval_loss")),
-        "stages": classification_stage_table(schedule, history),
+                               before.get("eval_loss"), after.get("eval_loss"),
+                               classification_stage_table(schedule, history)),
         "labels": data.label_names,
         "eval_samples": len(data.eval_samples),
         "eval_accuracy": after.get("eval_accuracy"),

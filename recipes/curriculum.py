@@ -72,11 +72,10 @@ def main(argv=None):
     before, after = eval_means(history, list(eval_sets))  # over every stage's held-out set
     summary = write_summary(ctx, {
         **steps.summary_fields(model_args, trainable, total, schedule, result, history, resume, final_dir,
-                               before, after),
+                               before, after, stage_table(schedule, history)),
         "model_path": resolve_model_path(model_args.model_name_or_path),
         "zero3_partitioned_at_build": partitioned,
         **exact_match_summary(history),
-        "stages": stage_table(schedule, history),
     }, history)
     main_process_print(f"[hf_zero] done: {steps.loss_words(before, after, len(eval_sets))}"
                        + (f"model in {final_dir}" if final_dir else "no model written (save_final_model: false)")

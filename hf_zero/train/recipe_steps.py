@@ -69,8 +69,9 @@ def train(trainer, resume: str | None):
 
 
 def summary_fields(model_args, trainable: int, total: int, schedule, result, history: list, resume: str | None,
-                   final_dir, before: float | None, after: float | None) -> dict:
-    """What every recipe's summary.json records beside its own results (write_summary adds the run's plan)."""
+                   final_dir, before: float | None, after: float | None, stages: list) -> dict:
+    """What every recipe's summary.json records beside its own results (write_summary puts the run's plan first;
+    the recipe's own keys come after these, so every summary opens the same way)."""
     from hf_zero.train.trainer import step_losses
 
     return {
@@ -86,6 +87,7 @@ def summary_fields(model_args, trainable: int, total: int, schedule, result, his
         "eval_perplexity_after": math.exp(after) if after is not None else None,
         "resumed_from": resume,
         "final_dir": str(final_dir) if final_dir else None,
+        "stages": stages,
         "losses": step_losses(history),
     }
 
