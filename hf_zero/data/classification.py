@@ -127,6 +127,17 @@ def _load_digits() -> tuple[list, list[int], list[str]]:
     return list(images), digits.target.tolist(), [str(i) for i in range(10)]
 
 
+def _eval_spec(stages, args: ClassificationArguments) -> str:
+    """The held-out data: `eval_data`, else the validation split of the first stage's built-in data."""
+    if args.eval_data is not None:
+        return args.eval_data
+    first = _parse_builtin(stages[0].data[0], f"stages[{stages[0].name}].data[0]")
+    if first is None:
+        raise UserError("eval_data", "no held-out data: the first stage's data is not built-in",
+                        "set eval_data: path/to/validation.jsonl (same columns as the training files)")
+    return f"builtin:{first[0]}/validation"
+
+
 def check_classification_data(stages, args: ClassificationArguments) -> str:
     """`hf-zero check`'s data check for recipes/classify.py (its CHECK_DATA): every source readable with its
     columns, one data kind, held-out data present; one line with the samples per stage."""
@@ -139,13 +150,7 @@ def check_classification_data(stages, args: ClassificationArguments) -> str:
             parsed = _parse_builtin(spec, where)
             n += len((_builtin(*parsed, args) if parsed else _load_local(spec, args, where))[1])
         counts.append(f"{s.name} {n}")
-    eval_spec = args.eval_data
-    if eval_spec is None:
-        first = _parse_builtin(stages[0].data[0], f"stages[{stages[0].name}].data[0]")
-        if first is None:
-            raise UserError("eval_data", "no held-out data: the first stage's data is not built-in",
-                            "set eval_data: path/to/validation.jsonl (same columns as the training files)")
-        eval_spec = f"builtin:{first[0]}/validation"
+    eval_spec = _eval_spec(stages, args)
     parsed = _parse_builtin(eval_spec, "eval_data")
     held = len((_builtin(*parsed, args) if parsed else _load_local(eval_spec, args, "eval_data"))[1])
     return f"{len(stages)} stage(s) of {kind} data, training samples: {', '.join(counts)}; held out: {held}"
@@ -204,13 +209,7 @@ def load_classification_data(stages, args: ClassificationArguments, processing, 
     """Every stage's training sources and the evaluation samples, with one label numbering for all of them.
 
     `processing` is the tokenizer (text) or the image processor (images)."""
-    eval_spec = args.eval_data
-    if eval_spec is None:
-        first = _parse_builtin(stages[0].data[0], f"stages[{stages[0].name}].data[0]")
-        if first is None:
-            raise UserError("eval_data", "no held-out data: the first stage's data is not built-in",
-                            "set eval_data: path/to/validation.jsonl (same columns as the training files)")
-        eval_spec = f"builtin:{first[0]}/validation"
+    eval_spec = _eval_spec(stages, args)
     raw = {}  # where -> (items, labels, names or None)
     for s in stages:
         for j, spec in enumerate(s.data):
