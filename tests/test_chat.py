@@ -14,7 +14,7 @@ from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
 from hf_zero.data.chat import FormatOptions
 from hf_zero.data.chat_template import CHATML_TEMPLATE, end_of_turn_ids, prepare_chat_template
-from hf_zero.data.packing import IGNORE, PackedCollator, pack_documents
+from hf_zero.data.packing import IGNORE, PackedCollator
 from hf_zero.data.stages import load_stage_data
 
 Q1, A1 = "What is the capital of France?", "Paris is."

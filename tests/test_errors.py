@@ -7,7 +7,6 @@ Runs go through the real launchers: `hf-zero train` (hf_zero's launcher around a
 import hashlib
 import json
 import math
-import os
 import re
 import signal
 import subprocess

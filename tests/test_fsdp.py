@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import TINY, launch_recipe, read_summary
 from safetensors.torch import load_file
-from test_check import check, failed, profile, recipe
+from test_check import check, failed, profile
 from test_checkpoints import COMMON, config, losses_after, max_weight_diff, published  # noqa: F401 (fixture)
 
 from hf_zero.checkpoint.store import read_metadata, size_breakdown, validate_checkpoint

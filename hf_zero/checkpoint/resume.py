@@ -71,10 +71,10 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
                         "optimizer state is laid out differently",
                         f"resume with profile {meta.get('profile')}, or `hf-zero export {checkpoint} --out DIR` and "
                         "start a new run from DIR with --fresh_start true")
-    if meta.get("global_batch") != plan.global_batch:
+    if meta.get("global_batch") != plan.batch.global_batch:
         raise UserError("global_batch_size", f"{name} was trained with a global batch of {meta.get('global_batch')} "
                         f"({meta.get('micro_batch')} micro x {meta.get('grad_accum')} accum x {meta.get('world_size')} "
-                        f"ranks) but this run has {plan.line()}, which changes the data order and the LR schedule",
+                        f"ranks) but this run has {plan.batch.line()}, which changes the data order and the LR schedule",
                         f"pass --global_batch_size {meta.get('global_batch')} (accumulation adapts to the rank count) "
                         "or --fresh_start true")
     if meta.get("world_size") == plan.world or not prof.uses_deepspeed:

@@ -62,8 +62,9 @@ def _versions() -> dict:
 
 
 def build_checkpoint_metadata(trainer) -> dict:
-    """What a resume (or a person) needs to know about the checkpoint being written at trainer.state.global_step."""
-    from hf_zero.core.profiles import profile_from_env, training_precision
+    """What a resume (or a person) needs to know about the checkpoint being written at trainer.state.global_step.
+    How the run is laid out (profile, precision, ranks, batch) is copied from its run plan."""
+    from hf_zero.core.plan import current_plan
     from hf_zero.train.model import count_parameters
 
     state, args = trainer.state, trainer.args
@@ -75,25 +76,15 @@ def build_checkpoint_metadata(trainer) -> dict:
     stage_losses = [v for k, v in metrics.items() if k.startswith("eval_") and k.endswith("_loss") and k != "eval_loss"]
     if stage_losses and "eval_loss" not in metrics:
         metrics["eval_loss"] = sum(stage_losses) / len(stage_losses)  # same mean as SafeCheckpointMixin.evaluate
-    profile = profile_from_env()
-    ds = (args.hf_deepspeed_config.config.get("zero_optimization", {}) if getattr(args, "hf_deepspeed_config", None)
-          else {})
+    plan = current_plan()  # set by setup_run, which every recipe calls before it builds a Trainer
     meta = {
         "format": 1,
         "global_step": step,
         "max_steps": state.max_steps,
         "epoch": state.epoch,
         "metrics": metrics,
-        "world_size": args.world_size,
-        "profile": profile.name,
-        "engine": profile.engine,
-        "zero_stage": int(ds.get("stage", 0)) if ds else 0,
-        "offload_optimizer": profile.offload_optimizer,
-        "offload_param": profile.offload_param,
-        "precision": training_precision(args),
-        "micro_batch": args.per_device_train_batch_size,
-        "grad_accum": args.gradient_accumulation_steps,
-        "global_batch": args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size,
+        **plan.record(),
+        "nodes": plan.nodes,
         "peft": hasattr(trainer.model, "peft_config"),
         # The adapter names its base model as the user did; this is where that name resolved on this machine.
         "base_model_path": getattr(getattr(trainer.model, "config", None), "_name_or_path", None),

@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from hf_zero.core.deepspeed_config import build_deepspeed_config
 from hf_zero.core.errors import UserError
-from hf_zero.core.profiles import Profile, build_deepspeed_config
+from hf_zero.core.profiles import Profile
 
-__all__ = ["BatchPlan", "plan_batch", "reconcile_training_kwargs"]
+__all__ = ["BatchPlan", "plan_batch", "check_profile_accumulation", "reconcile_training_kwargs"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,16 @@ def plan_batch(micro: int, accumulation: int, world: int, global_batch: int | No
     return BatchPlan(micro, global_batch // per_step, world)
 
 
+def check_profile_accumulation(profile: Profile, accum: int, env=os.environ) -> None:
+    """The recipe owns gradient accumulation; a DeepSpeed profile that sets another value is a disagreement. The
+    profile's YAML says it, or (in a plain `accelerate launch`) the environment accelerate built from it."""
+    said = (profile.raw.get("deepspeed_config") or {}).get("gradient_accumulation_steps")
+    said = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS") if said is None else said
+    if profile.uses_deepspeed and said not in (None, "", 1, "1") and int(said) != accum:
+        raise UserError("gradient_accumulation_steps", f"profile {profile.name} says {said} but the recipe says "
+                        f"{accum}", "remove gradient_accumulation_steps from the profile (the recipe owns it)")
+
+
 def _profile_precision(profile: Profile, kwargs: dict) -> dict:
     recipe_bf16, recipe_fp16 = bool(kwargs.get("bf16")), bool(kwargs.get("fp16"))
     wants = profile.mixed_precision
@@ -75,16 +86,12 @@ def reconcile_training_kwargs(
         # On CPU the Trainer must be told use_cpu, else bf16 is refused and a non-accelerate launch sees one
         # process; DeepSpeed stays on either way.
         out["use_cpu"] = True
-    env_accum = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
     accum = int(out.get("gradient_accumulation_steps") or 1)
-    if env_accum and int(env_accum) != accum and profile.uses_deepspeed and int(env_accum) != 1:
-        raise UserError(
-            "gradient_accumulation_steps",
-            f"the profile says {env_accum} but the recipe says {accum}",
-            "remove gradient_accumulation_steps from the profile (the recipe owns it)",
-        )
+    check_profile_accumulation(profile, accum)
     plan = plan_batch(int(out.get("per_device_train_batch_size") or 1), accum, world, global_batch)
     out["gradient_accumulation_steps"] = plan.accumulation
+    # The curriculum lays samples out in step order itself: a random sampler would mix stages.
+    out["train_sampling_strategy"] = "sequential"
     if profile.uses_deepspeed:
         if out.get("deepspeed"):
             raise UserError("deepspeed", "the recipe sets a DeepSpeed config but the profile already owns it",

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-__all__ = ["shipped_dir"]
+__all__ = ["shipped_dir", "recipe_script", "check_recipe_matches", "load_recipe", "recipe_argument_types"]
 
 _KINDS = ("accelerate_configs", "recipes", "benchmarks")
 
@@ -78,3 +78,26 @@ def _named_recipe(config: str | None) -> str | None:
     except UserError:  # unreadable YAML: the recipe itself (or check's recipe check) says where, in one line
         return None
     return str(value) if value is not None else None
+
+
+def load_recipe(script: str | None):
+    """The recipe script as a module, for what it declares to the tools (ARGUMENT_TYPES, CHECK_DATA); None when
+    there is no such file."""
+    import importlib.util
+
+    if not script or not Path(script).is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(f"hf_zero_recipe_{Path(script).stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # recipes keep their heavy imports inside main()
+    return module
+
+
+def recipe_argument_types(recipe_module) -> tuple:
+    """The dataclasses a recipe parses (its ARGUMENT_TYPES; the curriculum recipe's when it declares none) plus
+    TrainingArguments."""
+    from transformers import TrainingArguments
+
+    from hf_zero.core.config import CurriculumArguments, ModelArguments
+
+    return (*getattr(recipe_module, "ARGUMENT_TYPES", (ModelArguments, CurriculumArguments)), TrainingArguments)

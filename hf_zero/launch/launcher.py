@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.launch.worker import RESUME_ENV, STATUS_ENV, read_status
 
 __all__ = ["main", "VERBOSE_ENV", "quiet_environment"]
@@ -121,6 +122,26 @@ def _on_sigterm(signum, frame):
     raise _Terminated(signum)
 
 
+def _resolve_plan(args, folder: Path) -> None:
+    """The run plan, resolved here once before any rank starts, from the launch this process was given (the
+    profile, and the process count, machines and precision hf_zero put on accelerate's command line); its path goes
+    to every rank in the environment (hf_zero.core.plan)."""
+    from dataclasses import replace
+
+    from hf_zero.core.plan import PLAN_ENV, plan_for_launch
+    from hf_zero.core.profiles import load_profile
+
+    if not args.config_file or not args.training_script.endswith(".py"):
+        return  # not a recipe under a profile: the ranks resolve it themselves, as under plain `accelerate launch`
+    profile = load_profile(args.config_file)
+    if args.mixed_precision:
+        profile = replace(profile, mixed_precision=args.mixed_precision)
+    nodes = args.num_machines or profile.num_machines
+    world = args.num_processes or profile.num_processes
+    os.environ[PLAN_ENV] = str(plan_for_launch(profile, args.training_script, args.training_script_args, world, nodes,
+                                               folder))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     quiet_environment()
@@ -135,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     args = launch_command_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        _resolve_plan(args, status)
         launch_command(args)
         return 0
     except ChildFailedError as err:
@@ -149,7 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         return _interrupted(status, signum)
     except subprocess.CalledProcessError as err:  # one process (simple launcher), or a multi-node pdsh/MPI launcher
         return _failed(status, 0, err.returncode)
+    except UserError as err:  # the plan could not be resolved: no rank was started
+        _say(f"hf-zero: error: {err.line()}")
+        return EXIT_USAGE
     finally:
+        from hf_zero.core.plan import PLAN_ENV
+
+        os.environ.pop(PLAN_ENV, None)  # an in-process caller (hf-zero train, tests) must not pass it to a later launch
         shutil.rmtree(status, ignore_errors=True)
 
 

@@ -44,10 +44,12 @@ class _State:
     def __init__(self, args, light: bool = False):
         self.args, self.profile, self.raw, self.parsed = args, None, None, None
         self.light = light
-        recipe = _recipe_module(getattr(args, "recipe", None))
+        from hf_zero.core.shipped import load_recipe, recipe_argument_types
+
+        recipe = load_recipe(getattr(args, "recipe", None))
         self.types = recipe_argument_types(recipe)
         self.check_data = getattr(recipe, "CHECK_DATA", None)  # a recipe's own data checker (curriculum: built in)
-        self.tokenizer = self.count = self.pool_sizes = None
+        self.tokenizer = self.count = self.pool_sizes = self.batch = None
         self.hosts = None
         if args.hostfile:  # as `hf-zero train --hostfile` does; a bad file is the hostfile check's to report
             from hf_zero.launch.hostfile import read_hostfile
@@ -80,27 +82,6 @@ class _State:
         from hf_zero.core.config import CurriculumArguments
 
         return CurriculumArguments in self.types
-
-
-def _recipe_module(recipe: str | None):
-    """The recipe script as a module, for what it declares to the tools: ARGUMENT_TYPES and CHECK_DATA."""
-    import importlib.util
-
-    if not recipe or not Path(recipe).is_file():
-        return None
-    spec = importlib.util.spec_from_file_location(f"hf_zero_recipe_{Path(recipe).stem}", recipe)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # recipes keep their heavy imports inside main()
-    return module
-
-
-def recipe_argument_types(recipe_module) -> tuple:
-    """The dataclasses a recipe parses (its ARGUMENT_TYPES) plus TrainingArguments, as setup_run gets them."""
-    from transformers import TrainingArguments
-
-    from hf_zero.core.config import CurriculumArguments, ModelArguments
-
-    return (*getattr(recipe_module, "ARGUMENT_TYPES", (ModelArguments, CurriculumArguments)), TrainingArguments)
 
 
 def _profile(st):
@@ -160,18 +141,15 @@ def _recipe(st):
 
 
 def _batch(st):
-    from hf_zero.core.reconcile import plan_batch
+    from hf_zero.core.reconcile import check_profile_accumulation, plan_batch
 
     accum = st.value("gradient_accumulation_steps")
     accum = int(1 if accum is None else accum)
-    in_profile = (st.profile.raw.get("deepspeed_config") or {}).get("gradient_accumulation_steps")
-    if in_profile not in (None, 1, "1") and int(in_profile) != accum:
-        raise UserError("gradient_accumulation_steps", f"profile {st.profile.name} says {in_profile} but the recipe "
-                        f"says {accum}", "remove gradient_accumulation_steps from the profile (the recipe owns it)")
+    check_profile_accumulation(st.profile, accum, env={})
     world = st.nproc * st.machines
     micro = st.value("per_device_train_batch_size")
-    plan = plan_batch(int(1 if micro is None else micro), accum, world, st.value("global_batch_size"))
-    return plan.line()
+    st.batch = plan_batch(int(1 if micro is None else micro), accum, world, st.value("global_batch_size"))
+    return st.batch.line()
 
 
 def _devices(st):

@@ -109,10 +109,8 @@ def _output(st):
                 "trains again, keeping it in previous-run/)")
     if st.count is None:  # the model did not load, or the recipe loads its own: writable is all we can say
         return verify_output(where, 0, "size not estimated")
-    if stages and st.pool_sizes is not None:  # epoch-based stages are sized by their data
-        world = st.nproc * st.machines
-        per_step = max(1, training["per_device_train_batch_size"] * world * training["gradient_accumulation_steps"])
-        steps = build_schedule(stages, st.pool_sizes, per_step, 1.0).total_steps
+    if stages and st.pool_sizes is not None and st.batch is not None:  # epoch-based stages are sized by their data
+        steps = build_schedule(stages, st.pool_sizes, st.batch.global_batch, 1.0).total_steps
     else:
         steps = sum(int(s.get("steps") or 0) for s in st.raw.get("stages") or [] if isinstance(s, dict))
     needed, what, _ = output_needs(st.count, st.profile, st.nproc, training, steps)

@@ -13,8 +13,8 @@ __all__ = ["start", "lay_out", "attach_probes", "announce", "train", "summary_fi
 
 
 def start(ctx: RunContext, fresh_start: bool, example: str) -> str | None:
-    """Seed, insist on stages, and pick the checkpoint to resume from (checked against this run before any engine
-    exists). `example` is the YAML line the error suggests when the recipe has no stages."""
+    """Seed, insist on stages, pick the checkpoint to resume from (checked against this run before any engine
+    exists) and write run_plan.json. `example` is the YAML line the error suggests when the recipe has no stages."""
     from transformers import set_seed
 
     from hf_zero.checkpoint.resume import prepare_resume
@@ -23,7 +23,10 @@ def start(ctx: RunContext, fresh_start: bool, example: str) -> str | None:
     set_seed(ctx.training_args.seed)
     if not ctx.stages:
         raise UserError("stages", "the recipe has no stages", f"add a `stages:` list to the YAML, e.g. {example}")
-    return prepare_resume(ctx, fresh_start=fresh_start)
+    resume = prepare_resume(ctx, fresh_start=fresh_start)
+    if ctx.training_args.process_index == 0:  # this run goes ahead: its plan beside its outputs
+        ctx.plan.write()
+    return resume
 
 
 def lay_out(ctx: RunContext, pool_sizes: list[int], source_sizes: list[list[int]]):
@@ -31,7 +34,7 @@ def lay_out(ctx: RunContext, pool_sizes: list[int], source_sizes: list[list[int]
     from hf_zero.data.curriculum import build_sample_order, build_schedule
 
     args = ctx.training_args
-    schedule = build_schedule(ctx.stages, pool_sizes, ctx.plan.global_batch, args.learning_rate)
+    schedule = build_schedule(ctx.stages, pool_sizes, ctx.plan.batch.global_batch, args.learning_rate)
     order = build_sample_order(schedule, source_sizes, [s.weights for s in ctx.stages], args.seed)
     args.max_steps = schedule.total_steps
     return schedule, order

@@ -9,8 +9,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_zero.core.profiles import Profile, gpu_count, one_rank_note, profile_from_env
-from hf_zero.core.reconcile import BatchPlan, reconcile_training_kwargs
+from hf_zero.core.plan import RunPlan
+from hf_zero.core.profiles import Profile, gpu_count, one_rank_note
 
 __all__ = ["RunContext", "setup_run", "print_banner", "write_summary", "main_process_print"]
 
@@ -20,14 +20,20 @@ class RunContext:
     args: tuple  # the parsed non-Trainer dataclasses, in the order given
     stages: list
     training_args: object
-    profile: Profile
-    plan: BatchPlan
-    config_path: str | None
+    plan: RunPlan  # profile, precision, ranks, batch: read from here, never re-derived
     started: float = field(default_factory=time.time)
 
     @property
     def output_dir(self) -> Path:
         return Path(self.training_args.output_dir)
+
+    @property
+    def profile(self) -> Profile:
+        return self.plan.profile
+
+    @property
+    def config_path(self) -> str | None:
+        return self.plan.config
 
 
 def main_process_print(*parts) -> None:
@@ -37,13 +43,12 @@ def main_process_print(*parts) -> None:
 
 
 def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str | None = None) -> RunContext:
-    """Parse `--config` + flags, relaunch under a profile given after the script, reconcile with the profile,
-    and build TrainingArguments exactly once (which also arms zero.Init for ZeRO-3 model construction)."""
+    """Parse `--config` + flags, relaunch under a profile given after the script, take the run plan (from the
+    launcher, or resolved here), and build TrainingArguments exactly once from the recipe's values and the plan's
+    decisions (which also arms zero.Init for ZeRO-3 model construction)."""
     import warnings
 
     from transformers import TrainingArguments
-
-    from hf_zero.core.config import parse_recipe_args
 
     # torch 2.13 warns on every collective DeepSpeed issues through the old names; thousands of identical lines
     # would bury the banner and the stage logs.
@@ -55,15 +60,13 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     from hf_zero.core.shipped import check_recipe_matches
 
     check_recipe_matches(pop_flag(list(argv), "--config")[0], script or sys.argv[0])
-    *parsed, stages, training_kwargs, config_path = parse_recipe_args((*dataclass_types, TrainingArguments), argv)
-    profile = profile_from_env()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    curriculum = next((a for a in parsed if hasattr(a, "global_batch_size")), None)
-    kwargs, plan = reconcile_training_kwargs(
-        training_kwargs, profile, world, has_gpu=gpu_count() > 0,
-        global_batch=getattr(curriculum, "global_batch_size", None),
-        model_args=next((a for a in parsed if hasattr(a, "model_name_or_path")), None),
-    )
+    from hf_zero.core.plan import plan_in_worker
+
+    # The run plan (the launcher's run_plan.json, or resolved here under a plain `accelerate launch`): profile,
+    # precision, ranks, batch and DeepSpeed dict come from it, never from re-reading the environment.
+    parsed, stages, kwargs, plan = plan_in_worker(tuple(dataclass_types) + (TrainingArguments,), argv,
+                                                  script or sys.argv[0])
+    profile, world, config_path = plan.profile, plan.world, plan.config
     from hf_zero.tools.check_rules import check_launch_at_start, check_room_at_start
 
     # `hf-zero check`'s cheap checks (launch, devices, profile keys) before any process group exists.
@@ -73,10 +76,8 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     note_run(kwargs["output_dir"])  # for the line an interruption prints
     if kwargs.get("disable_tqdm") is None:  # a progress bar only where it can redraw itself: not in a log file
         kwargs["disable_tqdm"] = not sys.stdout.isatty()
-    # The curriculum lays samples out in step order itself: a random sampler would mix stages.
-    kwargs["train_sampling_strategy"] = "sequential"
     # accelerate refuses a DeepSpeed config next to DeepSpeed fields from its YAML, to stop them being silently
-    # dropped. Here nothing is dropped: the config hf_zero built *is* those fields (read back by profile_from_env).
+    # dropped. Here nothing is dropped: the config hf_zero built *is* those fields (the run plan's DeepSpeed dict).
     os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
     try:
         training_args = TrainingArguments(**kwargs)
@@ -110,7 +111,7 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     prepare_assets_in_worker(training_args, model, [d for s in stages for d in s.data])
     # NVMe and output room for the model's size, now that its config is in the cache; still before any engine.
     check_room_at_start(profile, kwargs, tuple(parsed), stages, world)
-    return RunContext(tuple(parsed), stages, training_args, profile, plan, config_path)
+    return RunContext(tuple(parsed), stages, training_args, plan)
 
 
 def print_banner(ctx: RunContext, trainable: int, total: int) -> None:
@@ -132,7 +133,7 @@ def print_banner(ctx: RunContext, trainable: int, total: int) -> None:
         f"  offload: optimizer={p.offload_optimizer} params={p.offload_param} | precision: {p.precision}",
         *one_rank_note(p, ctx.plan.world),
         f"  world size {ctx.plan.world} | ranks -> devices: {', '.join(f'{i}:{d}' for i, d in enumerate(devices))}",
-        f"  batch: {ctx.plan.line()}",
+        f"  batch: {ctx.plan.batch.line()}",
         f"  parameters: {trainable:,} trainable / {total:,} total ({100 * trainable / max(total, 1):.2f}%)",
         f"  output: {ctx.output_dir}",
         "=" * 72,
@@ -152,19 +153,10 @@ def _write_json(path: Path, data) -> None:
 
 def write_summary(ctx: RunContext, extra: dict, log_history: list | None = None) -> Path:
     """summary.json (and log_history.json, every logged step) on rank 0: what ran, where, and how it went."""
-    p = ctx.profile
     summary = {
-        "profile": p.name,
-        "zero_stage": int(p.zero_stage or 0),
-        "engine": p.engine,
-        "sharding": p.sharding,
-        "offload_optimizer": p.offload_optimizer,
-        "offload_param": p.offload_param,
-        "precision": p.precision,
-        "world_size": ctx.plan.world,
-        "micro_batch": ctx.plan.micro,
-        "grad_accum": ctx.plan.accumulation,
-        "global_batch": ctx.plan.global_batch,
+        **ctx.plan.record(),
+        "nodes": ctx.plan.nodes,
+        "run_plan": str(ctx.plan.path),
         "runtime_s": round(time.time() - ctx.started, 2),
         "config": ctx.config_path,
         **extra,
