@@ -14,8 +14,8 @@ from hf_zero.core.config import ModelArguments
 from hf_zero.data.classification import ClassificationArguments, check_classification_data
 from hf_zero.launch.worker import recipe_entry
 
-# What the tools know of this recipe (`hf-zero check`): the argument classes its YAMLs set (TrainingArguments comes on
-# top) and how to check their data.
+# What the tools know of this recipe (`hf-zero check`): the argument classes its YAMLs set (the last one extends
+# TrainingArguments) and how to check their data.
 ARGUMENT_TYPES = (ModelArguments, ClassificationArguments)
 CHECK_DATA = check_classification_data
 
@@ -41,14 +41,13 @@ def main(argv=None):
 
     # Parse: YAML + flags, reconciled with the profile before any engine exists; the checkpoint to resume from.
     ctx = setup_run(ARGUMENT_TYPES, argv, script=__file__)
-    model_args, data_args = ctx.args
-    args = ctx.training_args
-    resume = steps.start(ctx, data_args.fresh_start, "- {name: news, data: builtin:bbc/train, steps: 30}")
+    (model_args,), args = ctx.args, ctx.training_args  # args: ClassificationArguments, a TrainingArguments
+    resume = steps.start(ctx, args.fresh_start, "- {name: news, data: builtin:bbc/train, steps: 30}")
 
     # Data: one label numbering for all sources, a seeded held-out split, one flat step-ordered training set.
-    kind = get_data_kind(ctx.stages, data_args)
+    kind = get_data_kind(ctx.stages, args)
     processor = build_processor(model_args, kind)
-    data = load_classification_data(ctx.stages, data_args, processor, kind, args.seed)
+    data = load_classification_data(ctx.stages, args, processor, kind, args.seed)
     schedule, order = steps.lay_out(ctx, data.pool_sizes, [[len(src) for src in stage] for stage in data.sources])
     args.label_names = ["labels"]  # peft's wrapper hides the forward signature the Trainer reads them from
 

@@ -12,7 +12,7 @@ import sys
 from hf_zero.core.config import CurriculumArguments, ModelArguments
 from hf_zero.launch.worker import recipe_entry
 
-# What the YAMLs of this recipe are checked against (`hf-zero check`); TrainingArguments comes on top.
+# What the YAMLs of this recipe are checked against (`hf-zero check`); the last class extends TrainingArguments.
 ARGUMENT_TYPES = (ModelArguments, CurriculumArguments)
 
 
@@ -31,14 +31,13 @@ def main(argv=None):
 
     # Parse: YAML + flags, reconciled with the profile before any engine exists; the checkpoint to resume from.
     ctx = setup_run(ARGUMENT_TYPES, argv, script=__file__)
-    model_args, data_args = ctx.args
-    args = ctx.training_args
-    resume = steps.start(ctx, data_args.fresh_start, "- {name: short, data: short.jsonl, steps: 5}")
+    (model_args,), args = ctx.args, ctx.training_args  # args: CurriculumArguments, a TrainingArguments
+    resume = steps.start(ctx, args.fresh_start, "- {name: short, data: short.jsonl, steps: 5}")
 
     # Data: every stage tokenized at its own length, a held-out slice per stage, one flat step-ordered dataset.
     tokenizer = get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)
-    stage_data = [load_stage_data(s, tokenizer, data_args.max_seq_length, data_args.text_field, data_args.eval_samples,
-                                  args.seed, packing=data_args.packing, formats=FormatOptions.from_args(data_args))
+    stage_data = [load_stage_data(s, tokenizer, args.max_seq_length, args.text_field, args.eval_samples,
+                                  args.seed, packing=args.packing, formats=FormatOptions.from_args(args))
                   for s in ctx.stages]
     schedule, order = steps.lay_out(ctx, [d.pool_size for d in stage_data],
                                     [[len(src) for src in d.sources] for d in stage_data])
@@ -46,7 +45,7 @@ def main(argv=None):
     args.eval_on_start = bool(eval_sets)  # the "before" eval loss, measured with the real engine
 
     # Model: under ZeRO-3 built with zero.Init; LoRA through peft.
-    model = build_causal_lm(model_args, tokenizer, packing=data_args.packing, half=args.bf16 or args.fp16)
+    model = build_causal_lm(model_args, tokenizer, packing=args.packing, half=args.bf16 or args.fp16)
     trainable, total = count_parameters(model)
     partitioned = is_zero3_partitioned(model)
 
@@ -54,20 +53,20 @@ def main(argv=None):
     trainer = CurriculumTrainer(
         model=model, args=args, train_dataset=CurriculumDataset([d.sources for d in stage_data], order),
         eval_dataset=eval_sets or None, processing_class=tokenizer, schedule=schedule,
-        data_collator=build_collator(tokenizer, packing=data_args.packing, model=model),
-        fused_cross_entropy=data_args.fused_cross_entropy,
+        data_collator=build_collator(tokenizer, packing=args.packing, model=model),
+        fused_cross_entropy=args.fused_cross_entropy,
     )
-    steps.attach_probes(trainer, ctx, data_args.measure_memory)
-    prompts = {i: d.eval_prompts[: data_args.sample_prompts] for i, d in enumerate(stage_data) if d.eval_prompts}
-    if data_args.sample_prompts > 0 and prompts:
-        trainer.add_callback(SampleCallback(trainer, schedule, prompts, ctx.output_dir, data_args.sample_max_new_tokens))
+    steps.attach_probes(trainer, ctx, args.measure_memory)
+    prompts = {i: d.eval_prompts[: args.sample_prompts] for i, d in enumerate(stage_data) if d.eval_prompts}
+    if args.sample_prompts > 0 and prompts:
+        trainer.add_callback(SampleCallback(trainer, schedule, prompts, ctx.output_dir, args.sample_max_new_tokens))
     steps.announce(ctx, schedule, trainable, total, f"cross-entropy: {trainer.fused_ce_status}")
 
     # Train: one train() call for all stages.
     result = steps.train(trainer, resume)
 
     # Save: HF-format model (adapter for LoRA) read back and compared with the trained weights; summary.json.
-    final_dir = save_final_model(trainer, ctx.output_dir / "final") if data_args.save_final_model else None
+    final_dir = save_final_model(trainer, ctx.output_dir / "final") if args.save_final_model else None
     history = trainer.state.log_history
     before, after = eval_means(history, list(eval_sets))  # over every stage's held-out set
     summary = write_summary(ctx, {

@@ -294,13 +294,11 @@ def test_plain_python_on_a_multi_process_profile_says_what_to_run(tmp_path):
 
 
 def _start_args(tmp_path):
-    from transformers import TrainingArguments
-
     from hf_zero.core.config import CurriculumArguments, ModelArguments, parse_recipe_args
 
-    m, c, stages, kwargs, _ = parse_recipe_args((ModelArguments, CurriculumArguments, TrainingArguments),
-                                                ["--config", str(TINY), "--output_dir", str(tmp_path / "o")])
-    return kwargs, (m, c), stages
+    m, stages, kwargs, _ = parse_recipe_args((ModelArguments, CurriculumArguments),
+                                             ["--config", str(TINY), "--output_dir", str(tmp_path / "o")])
+    return kwargs, (m,), stages
 
 
 def test_recipe_start_checks_raise_the_first_failure(tmp_path):

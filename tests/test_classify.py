@@ -10,7 +10,6 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO, launch_recipe, read_summary
-from transformers import TrainingArguments
 
 from hf_zero.core.config import ModelArguments, Stage, parse_recipe_args
 from hf_zero.core.errors import UserError
@@ -257,9 +256,9 @@ def _recheck(summary, predictions, references):
 
 
 def _eval_samples(config, processing, kind):
-    _, data_args, stages, training, _ = parse_recipe_args(
-        (ModelArguments, ClassificationArguments, TrainingArguments), ["--config", str(config)])
-    return load_classification_data(stages, data_args, processing, kind, training["seed"]).eval_samples
+    _, stages, training, _ = parse_recipe_args((ModelArguments, ClassificationArguments), ["--config", str(config)])
+    return load_classification_data(stages, ClassificationArguments(**training), processing, kind,
+                                    training["seed"]).eval_samples
 
 
 @pytest.mark.multiproc

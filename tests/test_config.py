@@ -6,14 +6,30 @@ import pytest
 from conftest import REPO, TINY
 from transformers import TrainingArguments
 
-from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage, parse_recipe_args
+from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage, parse_recipe_args, recipe_fields
 from hf_zero.core.errors import UserError
 
-TYPES = (ModelArguments, CurriculumArguments, TrainingArguments)
+TYPES = (ModelArguments, CurriculumArguments)
 
 
 def parse(argv):
-    return parse_recipe_args(TYPES, argv)
+    """(model arguments, the recipe's own values, stages, TrainingArguments kwargs, config path)."""
+    model, stages, training, path = parse_recipe_args(TYPES, argv)
+    return model, recipe_fields(CurriculumArguments, training), stages, training, path
+
+
+def test_the_recipe_arguments_are_training_arguments_built_once_from_what_was_parsed(tmp_path):
+    """TRL's pattern: the recipe's class extends TrainingArguments, every field documented; parsing only collects
+    its values (the run plan decides part of them), and one construction gives the Trainer its arguments."""
+    from dataclasses import fields
+
+    own = [f for f in fields(CurriculumArguments) if f.name not in {g.name for g in fields(TrainingArguments)}]
+    assert issubclass(CurriculumArguments, TrainingArguments) and own
+    assert all(f.metadata.get("help") for f in own)
+    _, data, _, training, _ = parse(["--config", str(TINY), "--packing", "true", "--output_dir", str(tmp_path)])
+    assert isinstance(training, dict) and data.packing is True and "learning_rate" not in vars(data)
+    args = CurriculumArguments(**training)
+    assert args.packing is True and args.max_seq_length == 64 and args.output_dir == str(tmp_path)
 
 
 def test_yaml_sets_defaults_and_flags_override():
@@ -107,8 +123,7 @@ def _classify_types():
     spec = importlib.util.spec_from_file_location("classify_recipe", REPO / "recipes" / "classify.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    # The recipe lists its own dataclasses; setup_run adds TrainingArguments last, as parse_recipe_args expects.
-    return (*module.ARGUMENT_TYPES, TrainingArguments)
+    return module.ARGUMENT_TYPES  # the last one the recipe's TrainingArguments subclass, as parse_recipe_args expects
 
 
 _OTHER_RECIPES = {name: _classify_types for name in ("minilm_bbc.yaml", "digits_cnn.yaml", "tiny_classify.yaml",

@@ -166,12 +166,10 @@ def test_waits_between_ranks_become_one_line(monkeypatch, raised, says):
 
 
 def test_timeout_reaches_the_trainer_and_the_recipe_can_set_it(monkeypatch):
-    from transformers import TrainingArguments
-
     from hf_zero.core.config import CurriculumArguments, ModelArguments, parse_recipe_args
 
     def timeout(*flags):
-        types = (ModelArguments, CurriculumArguments, TrainingArguments)
+        types = (ModelArguments, CurriculumArguments)
         return parse_recipe_args(types, ["--config", str(TINY), *flags])[-2]["ddp_timeout"]
 
     monkeypatch.delenv("HF_ZERO_DIST_TIMEOUT", raising=False)

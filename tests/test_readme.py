@@ -42,7 +42,14 @@ def _documented_types():
     return (ModelArguments, CurriculumArguments, Stage, ClassificationArguments)
 
 
-@pytest.mark.parametrize("field", sorted({f.name for dc in _documented_types() for f in fields(dc)}))
+def _own_fields(dc) -> set[str]:
+    """A class's fields less TrainingArguments' (documented by transformers, and a flag like any other)."""
+    from transformers import TrainingArguments
+
+    return {f.name for f in fields(dc)} - {f.name for f in fields(TrainingArguments)}
+
+
+@pytest.mark.parametrize("field", sorted({name for dc in _documented_types() for name in _own_fields(dc)}))
 def test_every_recipe_field_is_documented(field):
     assert f"`{field}`" in README
 
@@ -53,75 +60,75 @@ SLOW = {"make train CONFIG=recipes/configs/smollm2_chat.yaml"}
 SLOW |= {c for c in COMMANDS if "runs/smollm2_chat/" in c}
 
 
-def _finished_run_of(cmd: str):
-    """The output folder a README training command writes, when an earlier session left a finished run there: the
-    same command would (rightly) find it complete and train nothing."""
-    if not re.match(r"(make train|hf-zero train|accelerate launch)\b", cmd) or re.search(
-            r"--dry-run|--resume_from_checkpoint|--fresh_start", cmd):
-        return None
-    named = re.search(r"--output_dir[ =](\S+)", cmd)
-    config = re.search(r"(?:--config |CONFIG=)(\S+)", cmd)
-    out = REPO / (named.group(1) if named else f"runs/{Path(config.group(1) if config else 'smollm2_shakespeare').stem}")
-    return out if (out / "summary.json").is_file() else None
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory) -> Path:
+    """The commands run in a copy of the repository's files (modification times kept, so `make` finds its install
+    stamp current) sharing its .venv: what they write (runs/, bench_out/) never lands in the repository, and an
+    earlier session's finished run cannot make a training command a no-op."""
+    copy = tmp_path_factory.mktemp("checkout")
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for rel in filter(None, listed.split("\0")):
+        if (REPO / rel).is_file():
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, copy / rel)
+    (copy / ".venv").symlink_to(REPO / ".venv")
+    return copy
 
 
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in COMMANDS])
-def test_readme_command_runs(cmd, tmp_path):
+def test_readme_command_runs(cmd, checkout):
     if "zero3_nvme" in cmd and "--dry-run" not in cmd and (reason := libaio_missing_reason()):
         pytest.skip(reason)
-    finished = _finished_run_of(cmd)
-    if finished is not None:  # kept aside (outside the repository), not deleted
-        shutil.move(str(finished), str(tmp_path / finished.name))
     # As a user types it: not inside `make test`'s make (a nested make prints "Leaving directory" after the run).
     env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
-    env["PATH"] = f"{REPO / '.venv' / 'bin'}:{os.environ['PATH']}"
-    proc = subprocess.run(cmd, shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    env["PATH"] = f"{checkout / '.venv' / 'bin'}:{os.environ['PATH']}"
+    proc = subprocess.run(cmd, shell=True, cwd=checkout, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"{cmd}\n{(proc.stdout + proc.stderr)[-3000:]}"
     assert "Traceback" not in proc.stderr
-    CHECKS.get(cmd, lambda p: None)(proc)
+    CHECKS.get(cmd, lambda p, where: None)(proc, checkout)
 
 
-def _check_make_train(proc):
-    s = json.loads((REPO / "runs" / "smollm2_shakespeare" / "summary.json").read_text())
+def _check_make_train(proc, where):
+    s = json.loads((where / "runs" / "smollm2_shakespeare" / "summary.json").read_text())
     assert s["profile"] == "cpu" and s["world_size"] == 2 and s["use_peft"]
     assert s["eval_loss_after"] < s["eval_loss_before"]
     assert "[hf_zero] profile cpu: no GPU found" in proc.stdout
-    assert (REPO / "runs" / "smollm2_shakespeare" / "final" / "adapter_model.safetensors").is_file()
+    assert (where / "runs" / "smollm2_shakespeare" / "final" / "adapter_model.safetensors").is_file()
     last = proc.stdout.strip().splitlines()[-1]  # the result, as the last line
     assert last.startswith(f"[hf_zero] done: eval loss {s['eval_loss_before']:.4f} -> {s['eval_loss_after']:.4f}")
 
 
-def _check_dry_run(proc):
+def _check_dry_run(proc, where):
     line = proc.stdout.strip().splitlines()[-1]
     assert "h100x8.yaml" in line and "--mixed_precision bf16" in line and "HF_ZERO_PROFILE=" in line
 
 
-def _check_estimate_recipe(proc):
+def _check_estimate_recipe(proc, where):
     """The recipe's longest stage sets the length; the recommendation is a profile and a command that runs."""
     assert "micro-batch 2 x 192 tokens (stage sonnets" in proc.stdout and "recommended: profile single_gpu" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1].strip() == \
         "hf-zero train --profile single_gpu --nproc 1 --config recipes/configs/smollm2_shakespeare.yaml"
 
 
-def _check_test_gpu(proc):
+def _check_test_gpu(proc, where):
     from hf_zero.core.profiles import gpu_count
 
     if gpu_count() == 0:  # every GPU test skipped, with the reason, and nothing counted as passed
         assert "no CUDA GPU on this machine" in proc.stdout and " passed" not in proc.stdout, proc.stdout[-2000:]
 
 
-def _check_chat_demo(proc):
-    s = json.loads((REPO / "runs" / "smollm2_chat" / "summary.json").read_text())
+def _check_chat_demo(proc, where):
+    s = json.loads((where / "runs" / "smollm2_chat" / "summary.json").read_text())
     assert (s["profile"], s["world_size"], s["use_peft"]) == ("cpu", 2, True)
     assert s["exact_match_after"] >= s["exact_match_before"] + 0.3 and s["eval_loss_after"] < s["eval_loss_before"]
-    assert (REPO / "runs" / "smollm2_chat" / "final" / "chat_template.jinja").is_file()
+    assert (where / "runs" / "smollm2_chat" / "final" / "chat_template.jinja").is_file()
 
 
 def _answer(proc) -> str:
     return proc.stdout.strip().splitlines()[-1]
 
 
-def _check_generate(proc):
+def _check_generate(proc, where):
     from hf_zero.data.assets import WHICH_PLAY_TITLES
 
     if "--adapter runs/smollm2_chat/final" in proc.args:  # trained: a title, as asked

@@ -41,11 +41,9 @@ class BenchPlan:
 
 
 def _recipe_types():
-    from transformers import TrainingArguments
-
     from hf_zero.core.config import CurriculumArguments, ModelArguments
 
-    return ModelArguments, CurriculumArguments, TrainingArguments
+    return ModelArguments, CurriculumArguments
 
 
 def _truncate(stages, spans, steps: int | None) -> list[dict]:
@@ -71,7 +69,7 @@ def build_plan(config: str, model: str | None, steps: int | None, nproc: int, ex
     samples (as the recipe trains them, packed or not, and the other way for the packing comparison)."""
     import yaml
 
-    from hf_zero.core.config import load_yaml_config, parse_recipe_args, parse_stages
+    from hf_zero.core.config import load_yaml_config, parse_recipe_args, parse_stages, recipe_fields
     from hf_zero.core.reconcile import plan_batch
     from hf_zero.data.curriculum import build_sample_order, build_schedule
     from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
@@ -86,7 +84,8 @@ def build_plan(config: str, model: str | None, steps: int | None, nproc: int, ex
     forced = {"eval_samples": 0, "save_strategy": "no", **({} if keep_models else {"save_final_model": False}),
               **({"model_name_or_path": model} if model else {})}
     argv = ["--config", config, *extra, *[x for k, v in forced.items() for x in (f"--{k}", str(v))]]
-    model_args, data_args, stages, kwargs, _ = parse_recipe_args(_recipe_types(), argv)
+    model_args, stages, kwargs, _ = parse_recipe_args(_recipe_types(), argv)
+    data_args = recipe_fields(_recipe_types()[-1], kwargs)
     if not stages:
         raise UserError("--config", f"{config} has no stages", "use a recipe with a `stages:` list")
     tokenizer = get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)

@@ -1,7 +1,7 @@
-"""Saving checkpoints that survive crashes: the Trainer writes each checkpoint into a staging folder; once every
-rank has finished, the LoRA adapter / model file is verified, the metadata and manifest are written, and the folder
-is renamed to checkpoint-N (atomic), then older ones are rotated out (the best one never is). A full disk stops
-the run with one line and leaves every earlier checkpoint intact."""
+"""Saving checkpoints that survive crashes: the Trainer writes each checkpoint into a staging folder
+(checkpoint/staging.py); once every rank has finished, the LoRA adapter / model file is verified, the metadata and
+manifest are written, and the folder is renamed to checkpoint-N (atomic), then older ones are rotated out (the best
+one never is). A full disk stops the run with one line and leaves every earlier checkpoint intact."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from transformers import TrainerCallback
 from hf_zero.checkpoint.store import (
     LATEST_NAME,
     METADATA_NAME,
-    STAGING_DIR,
     crc32_of,
     file_sizes,
     publish_checkpoint,
@@ -27,7 +26,8 @@ from hf_zero.checkpoint.store import (
 )
 from hf_zero.core.files import human_bytes
 
-__all__ = ["SafeCheckpointMixin", "CheckpointCallback", "build_checkpoint_metadata", "is_disk_full"]
+__all__ = ["CheckpointCallback", "build_checkpoint_metadata", "complete_checkpoint", "verify_saved_model", "is_disk_full",
+           "stop_on_full_disk"]
 
 
 class CheckpointCallback(TrainerCallback):
@@ -75,7 +75,7 @@ def build_checkpoint_metadata(trainer) -> dict:
             metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "step"})
     stage_losses = [v for k, v in metrics.items() if k.startswith("eval_") and k.endswith("_loss") and k != "eval_loss"]
     if stage_losses and "eval_loss" not in metrics:
-        metrics["eval_loss"] = sum(stage_losses) / len(stage_losses)  # same mean as SafeCheckpointMixin.evaluate
+        metrics["eval_loss"] = sum(stage_losses) / len(stage_losses)  # same mean as CurriculumTrainer.evaluate
     plan = current_plan()  # set by setup_run, which every recipe calls before it builds a Trainer
     meta = {
         "format": 1,
@@ -114,7 +114,7 @@ def is_disk_full(err: BaseException, path) -> bool:
         return False
 
 
-def _stop_on_full_disk(run_dir: Path, staged: Path) -> None:
+def stop_on_full_disk(run_dir: Path, staged: Path) -> None:
     free = shutil.disk_usage(run_dir).free
     shutil.rmtree(staged, ignore_errors=True)
     latest = (run_dir / LATEST_NAME).read_text().strip() if (run_dir / LATEST_NAME).is_file() else None
@@ -130,136 +130,81 @@ def _stop_on_full_disk(run_dir: Path, staged: Path) -> None:
     os._exit(2)
 
 
-class SafeCheckpointMixin:
-    """Mix into a Trainer subclass (before Trainer) to get staged, verified, manifest-checked checkpoints."""
+def complete_checkpoint(trainer, staged: Path, run_dir: Path, started: float) -> None:
+    """After the Trainer wrote `staged` (checkpoint/staging.py): what FSDP2 leaves out, the saved weights read back,
+    then metadata, manifest, the rename into place and rotation."""
+    if trainer.is_fsdp_enabled:
+        from hf_zero.train.fsdp import save_pretrained_gathered
 
-    def __init__(self, *args, **kwargs):
-        self._hf_zero_staging_root = None
-        super().__init__(*args, **kwargs)
-        self.add_callback(CheckpointCallback(has_eval=self.eval_dataset is not None))
+        # The Trainer writes only the distributed checkpoint; config and tokenizer make it exportable, and
+        # a LoRA adapter (small) is gathered so the checkpoint loads with peft as under ZeRO.
+        save_pretrained_gathered(trainer, staged, weights=False)
+    verify_saved_model(trainer, staged)
+    trainer.accelerator.wait_for_everyone()  # every rank has written its shards
+    _publish(trainer, staged, run_dir, started)
 
-    def create_accelerator_and_postprocess(self) -> None:
-        super().create_accelerator_and_postprocess()
-        from hf_zero.train.fsdp import announce_layers, enable_fsdp_on_cpu
 
-        enable_fsdp_on_cpu(self)  # an FSDP profile on a machine without GPUs: FSDP2, not a silent DDP
-        if self.is_fsdp_enabled:
-            announce_layers(self)
+def verify_saved_model(trainer, staged: Path) -> None:
+    """A LoRA adapter is read back and compared with the gathered weights (collective under ZeRO-3/FSDP2); any
+    saved safetensors file must hold no empty placeholder tensor (pain-points #1, #2)."""
+    from hf_zero.checkpoint.final import SavedModelMismatch, verify_saved_weights
 
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        ds = getattr(self.args, "hf_deepspeed_config", None)
-        if resume_from_checkpoint and ds is not None and ds.config.get("checkpoint", {}).get("load_universal"):
-            from hf_zero.checkpoint.resume import Zero3UniversalFix
+    wrapped = trainer.model_wrapped
+    model = trainer.accelerator.unwrap_model(wrapped) if wrapped is not None else trainer.model
+    if hasattr(model, "peft_config"):
+        verify_saved_weights(model, staged)
+    elif trainer.is_world_process_zero():
+        from safetensors import safe_open
 
-            self.add_callback(Zero3UniversalFix(resume_from_checkpoint))
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        for path in staged.glob("*.safetensors"):
+            with safe_open(str(path), "pt") as f:
+                empty = [k for k in f.keys() if 0 in f.get_slice(k).get_shape()]
+            if empty:
+                raise SavedModelMismatch(f"{path}: empty tensors (e.g. {empty[0]}): weights were not gathered")
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
-        """Adds `eval_loss`, the mean over the named eval sets, so metric_for_best_model has one loss to track."""
-        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
-        if eval_dataset is None and isinstance(self.eval_dataset, dict) and f"{metric_key_prefix}_loss" not in metrics:
-            losses = [metrics[k] for n in self.eval_dataset if (k := f"{metric_key_prefix}_{n}_loss") in metrics]
-            if losses:
-                metrics[f"{metric_key_prefix}_loss"] = sum(losses) / len(losses)
-        return metrics
 
-    def _get_output_dir(self, trial) -> str:
-        # Private override, see _save_checkpoint: while a checkpoint is written, the Trainer's "run dir" is the
-        # staging area, so its checkpoint-N lands there (and its own rotation only ever sees that one folder).
-        if self._hf_zero_staging_root is not None:
-            return str(self._hf_zero_staging_root)
-        return super()._get_output_dir(trial)
+def _publish(trainer, staged: Path, run_dir: Path, started: float) -> None:
+    import torch.distributed as dist
 
-    def _save_checkpoint(self, model, trial) -> None:
-        # Private override because the Trainer offers no hook between "every rank wrote its files" and "the folder
-        # is visible": it writes straight into checkpoint-N, so a crash mid-save leaves a folder that any resume
-        # takes for the latest checkpoint (pain-points #5). The Trainer's own saving still does all the writing.
-        run_dir = Path(super()._get_output_dir(trial))
-        staged = run_dir / STAGING_DIR / f"checkpoint-{self.state.global_step}"
-        if self.is_world_process_zero():
-            shutil.rmtree(staged, ignore_errors=True)  # left by a crash: never mixed with new files
-            staged.parent.mkdir(parents=True, exist_ok=True)
-        self.accelerator.wait_for_everyone()
-        started = time.time()
-        self._hf_zero_staging_root = staged.parent
-        try:
-            super()._save_checkpoint(model, trial)
-            if self.is_fsdp_enabled:
-                from hf_zero.train.fsdp import save_pretrained_gathered
+    if trainer.is_world_process_zero():
+        if str(trainer.state.best_model_checkpoint or "").startswith(str(staged.parent)):
+            # The Trainer recorded the staging path as best: point it where the folder is about to live.
+            trainer.state.best_model_checkpoint = str(run_dir / staged.name)
+            trainer.state.save_to_json(str(staged / "trainer_state.json"))
+        from hf_zero.checkpoint.final import make_shareable
 
-                # The Trainer writes only the distributed checkpoint; config and tokenizer make it exportable, and
-                # a LoRA adapter (small) is gathered so the checkpoint loads with peft as under ZeRO.
-                save_pretrained_gathered(self, staged, weights=False)
-            self._verify_saved_model(staged)
-            self.accelerator.wait_for_everyone()  # every rank has written its shards
-            self._finish_checkpoint(staged, run_dir, started)
-        except Exception as err:
-            if is_disk_full(err, run_dir):
-                _stop_on_full_disk(run_dir, staged)
-            raise
-        finally:
-            self._hf_zero_staging_root = None
-        self.accelerator.wait_for_everyone()
+        make_shareable(staged)  # before the manifest: permissions change no size or checksum anyway
+        meta = build_checkpoint_metadata(trainer)
+        meta["bytes"] = size_breakdown(file_sizes(staged))
+        meta["save_seconds"] = round(time.time() - started, 3)
+        write_json_atomic(staged / METADATA_NAME, meta)
+    trainer.accelerator.wait_for_everyone()
+    # Checksums are shared out over the ranks (each also fsyncs its files), then gathered on rank 0.
+    rels = sorted(file_sizes(staged))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = {rel: crc32_of(staged / rel, fsync=True) for rel in rels[rank::world] if (staged / rel).is_file()}
+    parts = [None] * world
+    if world > 1:
+        dist.all_gather_object(parts, mine)
+    else:
+        parts = [mine]
+    best = [None]
+    if trainer.is_world_process_zero():
+        checksums = {k: v for part in parts for k, v in part.items()}
+        for rel in rels:  # a file another node could not see (no shared filesystem) is checked here
+            checksums.setdefault(rel, crc32_of(staged / rel, fsync=True))
+        manifest = write_manifest(staged, checksums)
+        final = publish_checkpoint(staged, run_dir)
+        from hf_zero.core.console import say
 
-    def _verify_saved_model(self, staged: Path) -> None:
-        """A LoRA adapter is read back and compared with the gathered weights (collective under ZeRO-3/FSDP2); any
-        saved safetensors file must hold no empty placeholder tensor (pain-points #1, #2)."""
-        from hf_zero.checkpoint.final import SavedModelMismatch, verify_saved_weights
-
-        model = self.accelerator.unwrap_model(self.model_wrapped) if self.model_wrapped is not None else self.model
-        if hasattr(model, "peft_config"):
-            verify_saved_weights(model, staged)
-        elif self.is_world_process_zero():
-            from safetensors import safe_open
-
-            for path in staged.glob("*.safetensors"):
-                with safe_open(str(path), "pt") as f:
-                    empty = [k for k in f.keys() if 0 in f.get_slice(k).get_shape()]
-                if empty:
-                    raise SavedModelMismatch(f"{path}: empty tensors (e.g. {empty[0]}): weights were not gathered")
-
-    def _finish_checkpoint(self, staged: Path, run_dir: Path, started: float) -> None:
-        import torch.distributed as dist
-
-        if self.is_world_process_zero():
-            if str(self.state.best_model_checkpoint or "").startswith(str(staged.parent)):
-                # The Trainer recorded the staging path as best: point it where the folder is about to live.
-                self.state.best_model_checkpoint = str(run_dir / staged.name)
-                self.state.save_to_json(str(staged / "trainer_state.json"))
-            from hf_zero.checkpoint.final import make_shareable
-
-            make_shareable(staged)  # before the manifest: permissions change no size or checksum anyway
-            meta = build_checkpoint_metadata(self)
-            meta["bytes"] = size_breakdown(file_sizes(staged))
-            meta["save_seconds"] = round(time.time() - started, 3)
-            write_json_atomic(staged / METADATA_NAME, meta)
-        self.accelerator.wait_for_everyone()
-        # Checksums are shared out over the ranks (each also fsyncs its files), then gathered on rank 0.
-        rels = sorted(file_sizes(staged))
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        mine = {rel: crc32_of(staged / rel, fsync=True) for rel in rels[rank::world] if (staged / rel).is_file()}
-        parts = [None] * world
-        if world > 1:
-            dist.all_gather_object(parts, mine)
-        else:
-            parts = [mine]
-        best = [None]
-        if self.is_world_process_zero():
-            checksums = {k: v for part in parts for k, v in part.items()}
-            for rel in rels:  # a file another node could not see (no shared filesystem) is checked here
-                checksums.setdefault(rel, crc32_of(staged / rel, fsync=True))
-            manifest = write_manifest(staged, checksums)
-            final = publish_checkpoint(staged, run_dir)
-            from hf_zero.core.console import say
-
-            kept_best = rotate_checkpoints(run_dir, self.args.save_total_limit, self.args.metric_for_best_model,
-                                           bool(self.args.greater_is_better), log=say)
-            best = [str(kept_best) if kept_best is not None else None]
-            kinds = size_breakdown({k: v["bytes"] for k, v in manifest["files"].items()})
-            say(f"[hf_zero] {final.name}: {human_bytes(manifest['total_bytes'])} (weights "
-                f"{human_bytes(kinds['weights'])}, optimizer {human_bytes(kinds['optimizer'])}, other "
-                f"{human_bytes(kinds['other'])}), complete in {time.time() - started:.1f} s")
-        if world > 1:
-            dist.broadcast_object_list(best, src=0)  # every rank agrees on the best (load_best_model_at_end)
-        if best[0] is not None:
-            self.state.best_model_checkpoint = best[0]
+        kept_best = rotate_checkpoints(run_dir, trainer.args.save_total_limit, trainer.args.metric_for_best_model,
+                                       bool(trainer.args.greater_is_better), log=say)
+        best = [str(kept_best) if kept_best is not None else None]
+        kinds = size_breakdown({k: v["bytes"] for k, v in manifest["files"].items()})
+        say(f"[hf_zero] {final.name}: {human_bytes(manifest['total_bytes'])} (weights "
+            f"{human_bytes(kinds['weights'])}, optimizer {human_bytes(kinds['optimizer'])}, other "
+            f"{human_bytes(kinds['other'])}), complete in {time.time() - started:.1f} s")
+    if world > 1:
+        dist.broadcast_object_list(best, src=0)  # every rank agrees on the best (load_best_model_at_end)
+    if best[0] is not None:
+        trainer.state.best_model_checkpoint = best[0]

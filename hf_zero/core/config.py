@@ -1,8 +1,12 @@
 """Recipe arguments: dataclasses documented field by field, parsed by `HfArgumentParser`.
 
-`--config recipe.yaml` sets defaults, command-line flags override them, and an unknown key in either is a one-line
-error naming the key (with the closest known key). The YAML's `stages:` list is the one nested value; it is read
-into `Stage` objects with the same strictness.
+As in TRL (`SFTConfig`), a recipe's own arguments extend `TrainingArguments` (`CurriculumArguments` here,
+`ClassificationArguments` for the classifier) and the model's are a separate class (`ModelArguments`, TRL's
+`ModelConfig` names). `--config recipe.yaml` sets defaults, command-line flags override them, and an unknown key in
+either is a one-line error naming the key (with the closest known key). The YAML's `stages:` list is the one nested
+value; it is read into `Stage` objects with the same strictness. The TrainingArguments subclass is built once, in
+each rank, after the run plan has settled precision, accumulation and the DeepSpeed config (train/run.py): its
+`__post_init__` hands that config to DeepSpeed (arming zero.Init), so it must not be built before.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import yaml
+from transformers import TrainingArguments
 
 from hf_zero.core.errors import UserError
 
-__all__ = ["ModelArguments", "CurriculumArguments", "Stage", "parse_recipe_args", "HF_ZERO_TRAINING_DEFAULTS",
-           "load_yaml_config"]
+__all__ = ["ModelArguments", "CurriculumArguments", "Stage", "parse_recipe_args", "recipe_fields",
+           "HF_ZERO_TRAINING_DEFAULTS", "load_yaml_config"]
 
 
 @dataclass
@@ -42,8 +47,9 @@ class ModelArguments:
 
 
 @dataclass
-class CurriculumArguments:
-    """Data shared by all stages; the stages themselves come from the YAML's `stages:` list."""
+class CurriculumArguments(TrainingArguments):
+    """The curriculum recipe's arguments: every TrainingArguments field, then the data shared by all stages (the
+    stages themselves come from the YAML's `stages:` list)."""
 
     max_seq_length: int = field(default=128, metadata={"help": "Tokens per sample unless a stage sets its own."})
     text_field: str = field(default="text", metadata={"help": "Column holding the text in every data file."})
@@ -106,13 +112,21 @@ class CurriculumArguments:
                           "installed): auto = on for models where it is exact, true = on or an error, false = off."},
     )
 
-    def __post_init__(self):
-        # A YAML gives a bool or "auto"; a flag gives a string.
-        value = self.fused_cross_entropy
+    @staticmethod
+    def clean_values(values: dict) -> None:
+        """Checked and normalized as soon as the YAML and flags are read (parse_recipe_args), so `hf-zero check`
+        reports it too: a YAML gives a bool or "auto", a flag a string."""
+        value = values.get("fused_cross_entropy", "auto")
         mode = {"true": True, "false": False, "auto": "auto"}.get(value.lower()) if isinstance(value, str) else value
         if mode not in ("auto", True, False):
             raise UserError("fused_cross_entropy", f"{value!r} is not auto, true or false", "e.g. fused_cross_entropy: auto")
-        self.fused_cross_entropy = mode
+        values["fused_cross_entropy"] = mode
+
+    def __post_init__(self):
+        values = {"fused_cross_entropy": self.fused_cross_entropy}
+        self.clean_values(values)
+        self.fused_cross_entropy = values["fused_cross_entropy"]
+        super().__post_init__()
 
 
 @dataclass
@@ -258,11 +272,13 @@ def parse_stages(raw, where: str, lines: dict | None = None) -> list[Stage]:
 
 
 def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yaml_values: dict | None = None):
-    """Parse `--config YAML` plus flags into the given dataclasses (the last one TrainingArguments-like).
+    """Parse `--config YAML` plus flags into the given dataclasses, the last one the recipe's TrainingArguments
+    subclass.
 
-    Returns (instances..., stages, raw_training_kwargs) where TrainingArguments is *not* yet built: hf_zero first
-    reconciles it with the profile, so it is constructed exactly once. `yaml_values` replaces the file's content
-    (hf-zero check parses a copy without the keys it already reported); paths still resolve against the file.
+    Returns (instances..., stages, training_kwargs, config path): the last class is *not* yet built, only its values
+    (checked by its `clean_values`): the run plan decides part of them first, so it is constructed exactly once.
+    `yaml_values` replaces the file's content (hf-zero check parses a copy without the keys it already reported);
+    paths still resolve against the file.
     """
     from transformers import HfArgumentParser
 
@@ -311,7 +327,18 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yam
         instances.append(dtype(**{k: values.pop(k) for k in list(values) if k in names}))
     training_names = {f.name for f in fields(training_type) if f.init}
     training_kwargs = {k: v for k, v in values.items() if k in training_names}
+    if hasattr(training_type, "clean_values"):
+        training_type.clean_values(training_kwargs)
     return (*instances, stages, training_kwargs, config_path)
+
+
+def recipe_fields(recipe_type, training_kwargs: dict):
+    """The recipe's own values (not TrainingArguments') as attributes, for tools that read a recipe without
+    building its TrainingArguments (check, preview, the bench's plan)."""
+    from types import SimpleNamespace
+
+    own = {f.name for f in fields(recipe_type)} - {f.name for f in fields(TrainingArguments)}
+    return SimpleNamespace(**{k: v for k, v in training_kwargs.items() if k in own})
 
 
 def _str_or_bool(value: str):

@@ -106,10 +106,8 @@ def resolve_run(profile: Profile, parsed: tuple, training_kwargs: dict, *, world
                 recipe: str, config: str | None, argv) -> tuple[RunPlan, dict]:
     """The one resolver: the plan, and the TrainingArguments kwargs (the recipe's, with the plan's decisions)."""
     profile = replace(profile, num_processes=world, num_machines=nodes)
-    curriculum = next((a for a in parsed if hasattr(a, "global_batch_size")), None)
     kwargs, batch = reconcile_training_kwargs(
-        training_kwargs, profile, world, has_gpu=gpus > 0,
-        global_batch=getattr(curriculum, "global_batch_size", None),
+        training_kwargs, profile, world, has_gpu=gpus > 0, global_batch=training_kwargs.get("global_batch_size"),
         model_args=next((a for a in parsed if hasattr(a, "model_name_or_path")), None),
     )
     decided = {k: v for k, v in kwargs.items() if k not in training_kwargs or training_kwargs[k] != v}

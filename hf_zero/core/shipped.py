@@ -94,10 +94,8 @@ def load_recipe(script: str | None):
 
 
 def recipe_argument_types(recipe_module) -> tuple:
-    """The dataclasses a recipe parses (its ARGUMENT_TYPES; the curriculum recipe's when it declares none) plus
-    TrainingArguments."""
-    from transformers import TrainingArguments
-
+    """The dataclasses a recipe parses, the last one its TrainingArguments subclass (its ARGUMENT_TYPES; the
+    curriculum recipe's when it declares none)."""
     from hf_zero.core.config import CurriculumArguments, ModelArguments
 
-    return (*getattr(recipe_module, "ARGUMENT_TYPES", (ModelArguments, CurriculumArguments)), TrainingArguments)
+    return tuple(getattr(recipe_module, "ARGUMENT_TYPES", (ModelArguments, CurriculumArguments)))

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from transformers import TrainingArguments
+
 from hf_zero.core.errors import UserError
 
 __all__ = ["ClassificationArguments", "ClassificationData", "BUILTIN_CLASSIFICATION", "get_data_kind",
@@ -23,8 +25,9 @@ _SPLITS = ("train", "validation")
 
 
 @dataclass
-class ClassificationArguments:
-    """Data for recipes/classify.py; the stages come from the YAML's `stages:` list (data: builtin:bbc/train)."""
+class ClassificationArguments(TrainingArguments):
+    """recipes/classify.py's arguments: every TrainingArguments field, then the data (the stages come from the
+    YAML's `stages:` list, e.g. data: builtin:bbc/train)."""
 
     max_seq_length: int = field(
         default=128, metadata={"help": "Tokens per text sample unless a stage sets its own; evaluation uses this."})
@@ -47,13 +50,20 @@ class ClassificationArguments:
         metadata={"help": "Fix the global batch: gradient accumulation = global / (micro batch x world size)."})
     fresh_start: bool = field(default=False, metadata={"help": "Ignore checkpoints in output_dir and start from step 0."})
 
-    def __post_init__(self):
-        if not 0 < self.validation_fraction < 1:
-            raise UserError("validation_fraction", f"must be between 0 and 1, got {self.validation_fraction}", "e.g. 0.2")
-        if self.max_seq_length < 8:
-            raise UserError("max_seq_length", f"{self.max_seq_length} tokens is too short to classify", "e.g. 128")
-        if self.max_eval_samples is not None and self.max_eval_samples < 1:
+    @staticmethod
+    def clean_values(values: dict) -> None:
+        """Checked as soon as the YAML and flags are read (parse_recipe_args), so `hf-zero check` reports it too."""
+        fraction, seq = values.get("validation_fraction", 0.2), values.get("max_seq_length", 128)
+        if not 0 < fraction < 1:
+            raise UserError("validation_fraction", f"must be between 0 and 1, got {fraction}", "e.g. 0.2")
+        if seq < 8:
+            raise UserError("max_seq_length", f"{seq} tokens is too short to classify", "e.g. 128")
+        if values.get("max_eval_samples") is not None and values["max_eval_samples"] < 1:
             raise UserError("max_eval_samples", "must be positive", "remove it to evaluate on the whole split")
+
+    def __post_init__(self):
+        self.clean_values(vars(self))
+        super().__post_init__()
 
 
 def _parse_builtin(spec: str, where: str) -> tuple[str, str] | None:

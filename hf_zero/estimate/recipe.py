@@ -79,8 +79,6 @@ def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
     """The recipe YAML as it will run; `overrides`: `--key value` flags given to `hf-zero train` after the recipe."""
     from dataclasses import MISSING
 
-    from transformers import TrainingArguments
-
     from hf_zero.core.config import (
         HF_ZERO_TRAINING_DEFAULTS,
         CurriculumArguments,
@@ -95,7 +93,7 @@ def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
     stages = parse_stages(raw.pop("stages", None), path)
     rest, flags = list(overrides), []
     defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()
-                for dc in (ModelArguments, CurriculumArguments, TrainingArguments) for f in fields(dc)
+                for dc in (ModelArguments, CurriculumArguments) for f in fields(dc)
                 if f.init and (f.default is not MISSING or f.default_factory is not MISSING)}
     defaults.update(HF_ZERO_TRAINING_DEFAULTS)
     values = {}

@@ -77,11 +77,18 @@ class _State:
         return default
 
     @property
+    def recipe_values(self):
+        """The recipe's own values (data, formats) as attributes, as its TrainingArguments subclass would hold them."""
+        from hf_zero.core.config import recipe_fields
+
+        return recipe_fields(self.types[-1], self.parsed[-1])
+
+    @property
     def curriculum(self) -> bool:
         """The model and data checks know the curriculum recipe's loaders; other recipes bring their own."""
         from hf_zero.core.config import CurriculumArguments
 
-        return CurriculumArguments in self.types
+        return issubclass(self.types[-1], CurriculumArguments)
 
 
 def _profile(st):
@@ -165,7 +172,7 @@ def _precision(st):
 
     real = gpu_count()
     gpus = real if st.args.gpus is None else st.args.gpus
-    return verify_precision(st.profile, st.profile.mixed_precision, st.parsed[3] if st.parsed else {}, gpus,
+    return verify_precision(st.profile, st.profile.mixed_precision, st.parsed[-1] if st.parsed else {}, gpus,
                             real_gpus=real > 0 and st.args.gpus in (None, real))
 
 
@@ -196,7 +203,7 @@ def _fsdp(st):
     if st.profile.uses_fsdp:
         with contextlib.suppress(UserError):  # an unloadable model is the model check's to report
             config = get_model_config(st.parsed[0].model_name_or_path)
-    return verify_fsdp(st.profile, st.parsed[3], gpu_count() if st.args.gpus is None else st.args.gpus, config)
+    return verify_fsdp(st.profile, st.parsed[-1], gpu_count() if st.args.gpus is None else st.args.gpus, config)
 
 
 

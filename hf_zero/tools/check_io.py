@@ -52,7 +52,7 @@ def _data(st):
     seq, text, held, seed = (st.value(k, d) for k, d in (("max_seq_length", 128), ("text_field", "text"),
                                                          ("eval_samples", 32), ("seed", 42)))
     sizes, seen, lines = [], [], yaml_lines(st.args.config)
-    formats = FormatOptions.from_args(st.parsed[1]) if st.parsed else None  # chat formats and column names
+    formats = FormatOptions.from_args(st.recipe_values) if st.parsed else None  # chat formats and column names
     for i, s in enumerate(stages):
         try:
             stage = build_stage({k: v for k, v in s.items() if k in keys}, i, st.args.config, lines)
@@ -81,8 +81,7 @@ def _recipe_data(st):
     line out); None when it declares none."""
     if st.check_data is None or st.parsed is None:
         return None
-    _, data_args, stages, _ = st.parsed
-    return st.check_data(stages, data_args)
+    return st.check_data(st.parsed[-2], st.recipe_values)
 
 
 def _offload(st):

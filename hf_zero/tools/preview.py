@@ -56,17 +56,16 @@ def source_lines(report) -> list[str]:
 
 
 def run(args) -> int:
-    from transformers import TrainingArguments
-
-    from hf_zero.core.config import CurriculumArguments, ModelArguments, parse_recipe_args
+    from hf_zero.core.config import CurriculumArguments, ModelArguments, parse_recipe_args, recipe_fields
     from hf_zero.data.chat import FormatOptions
     from hf_zero.data.model_names import get_tokenizer
     from hf_zero.data.stages import load_stage_data
 
     if args.samples < 0:
         raise UserError("-n", f"must be 0 or more, got {args.samples}")
-    model_args, data_args, stages, training, _ = parse_recipe_args(
-        (ModelArguments, CurriculumArguments, TrainingArguments), ["--config", args.config, *args.extra])
+    model_args, stages, training, _ = parse_recipe_args(
+        (ModelArguments, CurriculumArguments), ["--config", args.config, *args.extra])
+    data_args = recipe_fields(CurriculumArguments, training)
     if args.stage:
         names = [s.name for s in stages]
         if args.stage not in names:

@@ -17,9 +17,9 @@ __all__ = ["RunContext", "setup_run", "print_banner", "write_summary", "main_pro
 
 @dataclass
 class RunContext:
-    args: tuple  # the parsed non-Trainer dataclasses, in the order given
+    args: tuple  # the parsed dataclasses before the recipe's TrainingArguments subclass (ModelArguments)
     stages: list
-    training_args: object
+    training_args: object  # the recipe's TrainingArguments subclass, built once from its values and the plan
     plan: RunPlan  # profile, precision, ranks, batch: read from here, never re-derived
     started: float = field(default_factory=time.time)
 
@@ -48,8 +48,6 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     decisions (which also arms zero.Init for ZeRO-3 model construction)."""
     import warnings
 
-    from transformers import TrainingArguments
-
     # torch 2.13 warns on every collective DeepSpeed issues through the old names; thousands of identical lines
     # would bury the banner and the stage logs.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -64,8 +62,7 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
 
     # The run plan (the launcher's run_plan.json, or resolved here under a plain `accelerate launch`): profile,
     # precision, ranks, batch and DeepSpeed dict come from it, never from re-reading the environment.
-    parsed, stages, kwargs, plan = plan_in_worker(tuple(dataclass_types) + (TrainingArguments,), argv,
-                                                  script or sys.argv[0])
+    parsed, stages, kwargs, plan = plan_in_worker(tuple(dataclass_types), argv, script or sys.argv[0])
     profile, world, config_path = plan.profile, plan.world, plan.config
     from hf_zero.tools.check_rules import check_launch_at_start, check_room_at_start
 
@@ -80,7 +77,7 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     # dropped. Here nothing is dropped: the config hf_zero built *is* those fields (the run plan's DeepSpeed dict).
     os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
     try:
-        training_args = TrainingArguments(**kwargs)
+        training_args = dataclass_types[-1](**kwargs)  # the recipe's TrainingArguments subclass
     except ValueError as err:  # TrainingArguments' own checks of combinations: still a mistake in the recipe
         from hf_zero.core.errors import UserError
 

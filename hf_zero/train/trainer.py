@@ -1,5 +1,7 @@
-"""`CurriculumTrainer`: a thin `transformers.Trainer` subclass. Public hooks only (crash-safe saving aside, see checkpoint/write.py): the scheduler follows the
-curriculum, logs carry the stage index and eval perplexity, the causal-LM loss skips the full logits (train/fused_ce.py)."""
+"""`CurriculumTrainer`: a thin `transformers.Trainer` subclass, both recipes' Trainer. Public hooks only, except
+the one crash-safe saving needs (checkpoint/staging.py says why): the scheduler follows the curriculum, logs carry
+the stage index and eval perplexity, the causal-LM loss skips the full logits (train/fused_ce.py), evaluation adds
+the mean loss over the stages' held-out sets."""
 
 from __future__ import annotations
 
@@ -7,25 +9,27 @@ import math
 
 from transformers import Trainer
 
-from hf_zero.checkpoint.write import SafeCheckpointMixin
+from hf_zero.checkpoint.staging import StagedCheckpointMixin
 from hf_zero.data.curriculum import CurriculumCallback, CurriculumSchedule
 from hf_zero.train.fused_ce import FusedCrossEntropyMixin
 
 __all__ = ["CurriculumTrainer", "stage_table", "step_losses", "eval_rounds", "eval_means"]
 
 
-class CurriculumTrainer(FusedCrossEntropyMixin, SafeCheckpointMixin, Trainer):
+class CurriculumTrainer(FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
     # FusedCrossEntropyMixin: compute_loss without full logits, `fused_cross_entropy=` auto|True|False (fused_ce.py).
-    # SafeCheckpointMixin: staged, verified checkpoints with a manifest, rotation keeping the best (checkpoint/store.py).
+    # StagedCheckpointMixin: staged, verified checkpoints with a manifest, rotation keeping the best (staging.py).
     def __init__(self, *args, schedule: CurriculumSchedule, **kwargs):
         from transformers import PrinterCallback, ProgressCallback
 
+        from hf_zero.checkpoint.write import CheckpointCallback
         from hf_zero.core.console import console_callback, say
         from hf_zero.launch.interrupt import stop_on_signal
         from hf_zero.train.throughput import throughput_callback
 
         self.schedule = schedule
         super().__init__(*args, **kwargs)
+        self.add_callback(CheckpointCallback(has_eval=self.eval_dataset is not None))
         for noisy in (ProgressCallback, PrinterCallback):  # raw dicts per step; hf_zero.core.console prints lines
             self.remove_callback(noisy)
         sets = len(self.eval_dataset) if isinstance(self.eval_dataset, dict) else 1
@@ -34,6 +38,23 @@ class CurriculumTrainer(FusedCrossEntropyMixin, SafeCheckpointMixin, Trainer):
         self.throughput = throughput_callback(self.model)
         self.add_callback(self.throughput)
         self.add_callback(stop_on_signal())  # last: at a stop it overrides what the others asked for
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        from hf_zero.train.fsdp import announce_layers, enable_fsdp_on_cpu
+
+        enable_fsdp_on_cpu(self)  # an FSDP profile on a machine without GPUs: FSDP2, not a silent DDP
+        if self.is_fsdp_enabled:
+            announce_layers(self)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Adds `eval_loss`, the mean over the named eval sets, so metric_for_best_model has one loss to track."""
+        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        if eval_dataset is None and isinstance(self.eval_dataset, dict) and f"{metric_key_prefix}_loss" not in metrics:
+            losses = [metrics[k] for n in self.eval_dataset if (k := f"{metric_key_prefix}_{n}_loss") in metrics]
+            if losses:
+                metrics[f"{metric_key_prefix}_loss"] = sum(losses) / len(losses)
+        return metrics
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """Each stage's own peak LR, warmup and decay, as one LambdaLR over the optimizer's base LR."""
@@ -51,11 +72,16 @@ class CurriculumTrainer(FusedCrossEntropyMixin, SafeCheckpointMixin, Trainer):
             )
         return self.lr_scheduler
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
         from hf_zero.core.distributed import waiting_for
 
+        ds = getattr(self.args, "hf_deepspeed_config", None)
+        if resume_from_checkpoint and ds is not None and ds.config.get("checkpoint", {}).get("load_universal"):
+            from hf_zero.checkpoint.resume import Zero3UniversalFix
+
+            self.add_callback(Zero3UniversalFix(resume_from_checkpoint))
         with waiting_for("the other ranks during training (a step's collectives, an evaluation or a checkpoint)"):
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def log(self, logs: dict, start_time=None) -> None:
         if "loss" in logs:
