@@ -152,7 +152,9 @@ def run(args) -> int:
     from hf_zero.data.model_names import get_model_config
     from hf_zero.estimate import memory
     from hf_zero.estimate.recipe import HEADROOM, plan
+    from hf_zero.launch.launcher import quiet_environment
 
+    quiet_environment()  # DeepSpeed's accelerator probe would print into stdout, which --json must keep clean
     recipe = _recipe(args)
     strategies, prof = _strategy_of(args.profile)
     gpn = _positive(args.gpus_per_node, "--gpus-per-node") or (

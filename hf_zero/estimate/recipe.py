@@ -11,7 +11,7 @@ estimated peak fits the GPU less HEADROOM.
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
@@ -21,9 +21,6 @@ __all__ = ["HEADROOM", "RecipeMemory", "read_recipe", "lora_fields", "plan", "ca
 HEADROOM = 0.10
 HEADROOM_WHY = ("10% of the GPU kept free: the estimate is within 10% of measured peak allocated memory "
                 "(tests/data/calibration), and the CUDA context and the caching allocator's reserve come on top")
-INT_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "global_batch_size", "max_seq_length",
-            "lora_r")
-BOOL_KEYS = ("use_peft", "gradient_checkpointing", "packing")
 
 
 @dataclass(frozen=True)
@@ -52,75 +49,32 @@ def lora_fields(model_args) -> dict | None:
             "target_modules": model_args.lora_target_modules, "task_type": "CAUSAL_LM"}
 
 
-def _value(where: str, key: str, value, kind: str):
-    """`value` checked as kind "int" (>= 1), "bool", "number" (>= 0) or "name"; command-line strings converted."""
-    from hf_zero.core.config import _str_or_bool
-
-    if isinstance(value, str) and kind == "bool":
-        value = _str_or_bool(value)
-    if isinstance(value, str) and kind == "int" and value.strip().isdigit():
-        value = int(value)
-    if isinstance(value, str) and kind == "number":
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    ok = {"bool": isinstance(value, bool), "int": type(value) is int and value >= 1,
-          "number": isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
-          "name": value is None or isinstance(value, (str, list))}[kind]
-    if not ok:
-        want = {"bool": "true or false", "int": "a whole number >= 1", "name": "a name",
-                "number": "a number >= 0"}[kind]
-        raise UserError(f"{where}: {key}", f"unexpected value {value!r}", f"use {want}")
-    return value
-
-
 def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
-    """The recipe YAML as it will run; `overrides`: `--key value` flags given to `hf-zero train` after the recipe."""
-    from dataclasses import MISSING
+    """The recipe YAML as it will run, parsed as its recipe parses it (`parse_recipe_args`, its own argument
+    classes); `overrides`: `--key value` flags given to `hf-zero train` after the recipe."""
+    from hf_zero.core.config import parse_recipe_args
+    from hf_zero.core.reconcile import plan_batch
+    from hf_zero.core.shipped import load_recipe, recipe_argument_types, recipe_script
 
-    from hf_zero.core.config import (
-        HF_ZERO_TRAINING_DEFAULTS,
-        CurriculumArguments,
-        ModelArguments,
-        load_yaml_config,
-        parse_stages,
-        pop_flag,
-    )
-
-    raw = load_yaml_config(path)
-    name = path.rsplit("/", 1)[-1]
-    stages = parse_stages(raw.pop("stages", None), path)
-    rest, flags = list(overrides), []
-    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()
-                for dc in (ModelArguments, CurriculumArguments) for f in fields(dc)
-                if f.init and (f.default is not MISSING or f.default_factory is not MISSING)}
-    defaults.update(HF_ZERO_TRAINING_DEFAULTS)
-    values = {}
-    for key in (*INT_KEYS, *BOOL_KEYS, "model_name_or_path", "attn_implementation", "lora_alpha", "lora_dropout",
-                "lora_target_modules"):
-        given, rest = pop_flag(rest, f"--{key}")
-        if given is not None:
-            flags.append((key, given))
-        value = given if given is not None else raw.get(key, defaults.get(key))
-        kind = "int" if key in INT_KEYS else "bool" if key in BOOL_KEYS else \
-            "number" if key in ("lora_alpha", "lora_dropout") else "name"
-        value = bool(value) if kind == "bool" and value is None else value
-        values[key] = value if value is None else _value(
-            name if given is None else "command line", key, value, kind)
-    for stage in stages:
-        if stage.max_seq_length is not None:
-            _value(name, f"stages[{stage.name}].max_seq_length", stage.max_seq_length, "int")
-    longest = max(stages, key=lambda s: s.max_seq_length or values["max_seq_length"], default=None)
-    margs = ModelArguments(**{k: values[k] for k in ("model_name_or_path", "attn_implementation", "use_peft",
-                                                     "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")})
+    types = recipe_argument_types(load_recipe(str(recipe_script(None, path))))
+    model_args, *_, stages, training, _ = parse_recipe_args(types, ["--config", path, *overrides])
+    seq = training["max_seq_length"]
+    longest = max(stages, key=lambda s: s.max_seq_length or seq, default=None)
+    micro, accum = training["per_device_train_batch_size"], training["gradient_accumulation_steps"]
+    if training.get("global_batch_size"):  # one rank's share must divide it, as on any number of ranks
+        plan_batch(micro, accum, 1, training["global_batch_size"])
+    flags, rest = [], list(overrides)  # as given, for the `hf-zero train` line a recommendation prints
+    while rest:
+        key, _, value = rest.pop(0).removeprefix("--").partition("=")
+        value = value or (rest.pop(0) if rest and not rest[0].startswith("--") else "true")
+        flags.append((key, value))
     return RecipeMemory(
-        model=values["model_name_or_path"], micro=values["per_device_train_batch_size"],
-        accumulation=values["gradient_accumulation_steps"], global_batch=values["global_batch_size"],
-        seq_len=(longest.max_seq_length if longest and longest.max_seq_length else values["max_seq_length"]),
-        stage=longest.name if longest else None, lora=lora_fields(margs), packing=values["packing"],
-        gradient_checkpointing=values["gradient_checkpointing"], attn_implementation=values["attn_implementation"],
-        path=path, flags=tuple(flags))
+        model=model_args.model_name_or_path, micro=micro, accumulation=accum,
+        global_batch=training.get("global_batch_size"),
+        seq_len=longest.max_seq_length if longest and longest.max_seq_length else seq,
+        stage=longest.name if longest else None, lora=lora_fields(model_args), packing=bool(training.get("packing")),
+        gradient_checkpointing=bool(training.get("gradient_checkpointing")),
+        attn_implementation=model_args.attn_implementation, path=path, flags=tuple(flags))
 
 
 def candidates(world: int) -> list[tuple[str, str]]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_zero.core.plan import RunPlan
-from hf_zero.core.profiles import Profile, gpu_count, one_rank_note
+from hf_zero.core.profiles import Profile, one_rank_note
 
 __all__ = ["RunContext", "setup_run", "print_banner", "write_summary", "main_process_print"]
 
@@ -100,7 +100,7 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
         # With use_cpu the process group comes from accelerate's MULTI_CPU path; DeepSpeed's comm layer must be
         # attached to it too, or zero.Init sees a world of 1. (It prints "... built successfully" per rank.)
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sys.stdout if verbose() else sink):
-            deepspeed.init_distributed(dist_backend="gloo" if gpu_count() == 0 else None,
+            deepspeed.init_distributed(dist_backend="gloo" if plan.gpus == 0 else None,
                                        timeout=timedelta(seconds=training_args.ddp_timeout))
     from hf_zero.data.assets import prepare_assets_in_worker
 
