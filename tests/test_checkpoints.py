@@ -119,11 +119,12 @@ def test_publish_replaces_a_stale_folder_and_moves_latest(tmp_path):
 def _ctx(tmp_path, world=1, global_batch=4, stage=2, fresh=False):
     from hf_zero.core.reconcile import BatchPlan
 
-    plan = BatchPlan(micro=global_batch // world, accumulation=1, world=world)
+    batch = BatchPlan(micro=global_batch // world, accumulation=1, world=world)
     profile = SimpleNamespace(name=f"zero{stage}", zero_stage=stage, uses_deepspeed=stage > 0, uses_fsdp=False,
                               engine="deepspeed" if stage else "ddp")
     args = SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint=None)
-    return SimpleNamespace(profile=profile, plan=plan, training_args=args)
+    # The run plan's part resume reads: the batch plan and the world size.
+    return SimpleNamespace(profile=profile, plan=SimpleNamespace(batch=batch, world=world), training_args=args)
 
 
 def _with_meta(tmp_path, **meta):

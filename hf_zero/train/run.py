@@ -64,10 +64,15 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     # precision, ranks, batch and DeepSpeed dict come from it, never from re-reading the environment.
     parsed, stages, kwargs, plan = plan_in_worker(tuple(dataclass_types), argv, script or sys.argv[0])
     profile, world, config_path = plan.profile, plan.world, plan.config
+    from hf_zero.core.plan import PLAN_ENV
+    from hf_zero.core.profiles import profile_from_env
     from hf_zero.tools.check_rules import check_launch_at_start, check_room_at_start
 
-    # `hf-zero check`'s cheap checks (launch, devices, profile keys) before any process group exists.
-    check_launch_at_start(profile, tuple(parsed), world, config_path)
+    # `hf-zero check`'s cheap checks (launch, devices, profile keys) before any process group exists. The launch is
+    # checked against the profile as declared (plain `python` on a 2-process profile is one line), which a plan
+    # resolved here no longer shows: it holds the launch that happened.
+    declared = profile if os.environ.get(PLAN_ENV) else profile_from_env()
+    check_launch_at_start(declared, tuple(parsed), world, config_path)
     from hf_zero.launch.interrupt import note_run
 
     note_run(kwargs["output_dir"])  # for the line an interruption prints
