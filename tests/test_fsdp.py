@@ -130,7 +130,8 @@ def test_resume_refuses_a_checkpoint_of_another_engine(tmp_path):
     ck = _with_meta(tmp_path, engine="fsdp2", profile="fsdp2", zero_stage=0)
 
     def ctx(name, world):
-        return SimpleNamespace(profile=load_profile(name), plan=BatchPlan(4 // world, 1, world),
+        plan = SimpleNamespace(batch=BatchPlan(4 // world, 1, world), world=world)  # the run plan's part resume reads
+        return SimpleNamespace(profile=load_profile(name), plan=plan,
                                training_args=SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint=None))
 
     with pytest.raises(UserError) as err:

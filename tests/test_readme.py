@@ -55,9 +55,13 @@ def test_every_recipe_field_is_documented(field):
 
 
 COMMANDS = [c for c in readme_commands() if c not in NOT_RUN_HERE]
-# Longer than the default suite allows (the chat demo, and what reads its output): run with -m slow, in README order.
+# Longer than the default suite allows (the chat demo and what reads its output, the full bench): run with -m slow
+# (`make test-all`), in README order.
 SLOW = {"make train CONFIG=recipes/configs/smollm2_chat.yaml"}
 SLOW |= {c for c in COMMANDS if "runs/smollm2_chat/" in c}
+# The full default bench (~12 min here), also run with its targets checked by tests/test_bench.py's slow
+# test_make_bench_default; the default suite runs the quick bench through the same code (tests/test_bench.py).
+SLOW |= {"make bench"}
 
 
 @pytest.fixture(scope="module")
