@@ -294,7 +294,8 @@ def test_plain_python_on_a_multi_process_profile_says_what_to_run(tmp_path):
 
 
 def _start_args(tmp_path):
-    from hf_zero.core.config import CurriculumArguments, ModelArguments, parse_recipe_args
+    from hf_zero.core.config import CurriculumArguments, ModelArguments
+    from hf_zero.core.parse import parse_recipe_args
 
     m, stages, kwargs, _ = parse_recipe_args((ModelArguments, CurriculumArguments),
                                              ["--config", str(TINY), "--output_dir", str(tmp_path / "o")])

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from conftest import REPO, launch_recipe, read_summary
 
-from hf_zero.core.config import ModelArguments, Stage, parse_recipe_args
+from hf_zero.core.config import ModelArguments, Stage
 from hf_zero.core.errors import UserError
+from hf_zero.core.parse import parse_recipe_args
 from hf_zero.data.classification import (
     ClassificationArguments,
     ImageSource,

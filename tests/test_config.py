@@ -6,8 +6,9 @@ import pytest
 from conftest import REPO, TINY
 from transformers import TrainingArguments
 
-from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage, parse_recipe_args, recipe_fields
+from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
 from hf_zero.core.errors import UserError
+from hf_zero.core.parse import parse_recipe_args, recipe_fields
 
 TYPES = (ModelArguments, CurriculumArguments)
 

@@ -23,7 +23,7 @@ def _argv(out):
 
 
 def test_the_plan_reads_back_from_its_json_unchanged(tmp_path):
-    from hf_zero.core.config import parse_recipe_args
+    from hf_zero.core.parse import parse_recipe_args
 
     *parsed, _, training, config = parse_recipe_args(TYPES, _argv(tmp_path))
     plan, kwargs = resolve_run(load_profile("zero3"), tuple(parsed), training, world=4, nodes=2, gpus=0,

@@ -69,7 +69,7 @@ def build_plan(config: str, model: str | None, steps: int | None, nproc: int, ex
     samples (as the recipe trains them, packed or not, and the other way for the packing comparison)."""
     import yaml
 
-    from hf_zero.core.config import load_yaml_config, parse_recipe_args, parse_stages, recipe_fields
+    from hf_zero.core.parse import load_yaml_config, parse_recipe_args, parse_stages, recipe_fields
     from hf_zero.core.reconcile import plan_batch
     from hf_zero.data.curriculum import build_sample_order, build_schedule
     from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path

@@ -1,4 +1,4 @@
-"""Recipe arguments: dataclasses documented field by field, parsed by `HfArgumentParser`.
+"""Recipe arguments: dataclasses documented field by field (read from YAML + flags by core/parse.py).
 
 As in TRL (`SFTConfig`), a recipe's own arguments extend `TrainingArguments` (`CurriculumArguments` here,
 `ClassificationArguments` for the classifier) and the model's are a separate class (`ModelArguments`, TRL's
@@ -11,18 +11,13 @@ each rank, after the run plan has settled precision, accumulation and the DeepSp
 
 from __future__ import annotations
 
-import difflib
-import sys
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 
-import yaml
 from transformers import TrainingArguments
 
 from hf_zero.core.errors import UserError
 
-__all__ = ["ModelArguments", "CurriculumArguments", "Stage", "parse_recipe_args", "recipe_fields",
-           "HF_ZERO_TRAINING_DEFAULTS", "load_yaml_config"]
+__all__ = ["ModelArguments", "CurriculumArguments", "Stage"]
 
 
 @dataclass
@@ -197,182 +192,3 @@ class Stage:
 
 # What hf_zero changes in TrainingArguments' defaults (the YAML and flags still override them): per-step loss
 # logs for exact stage tables, TensorBoard, and no surprise hub pushes or wandb.
-HF_ZERO_TRAINING_DEFAULTS = {
-    "logging_steps": 1,
-    "report_to": ["tensorboard"],
-    "save_strategy": "no",
-    "eval_strategy": "no",
-    "learning_rate": 1e-3,
-    "per_device_train_batch_size": 2,
-    "per_device_eval_batch_size": 4,
-    "disable_tqdm": None,  # decided at start: a progress bar on a terminal, one line per step in a log file
-    "include_num_input_tokens_seen": "non_padding",  # tokens/s in every logging step
-    "save_only_model": False,
-    "lr_scheduler_type": "constant",
-    "warmup_steps": 0,
-}
-
-
-def _unknown_key_error(key: str, known: list[str], where: str) -> UserError:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f"did you mean `{close[0]}`?" if close else "remove it or check the spelling"
-    return UserError(key, f"unknown key in {where}", hint)
-
-
-def load_yaml_config(path: str) -> dict:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError("--config", f"{path} does not exist", "pass a recipe YAML, e.g. recipes/configs/tiny_curriculum.yaml")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise UserError(f"--config {path}{where}", f"not valid YAML: {problem}",
-                        "fix the indentation or quoting there") from None
-    if not isinstance(data, dict):
-        raise UserError("--config", f"{path} must hold a mapping of key: value")
-    return data
-
-
-def build_stage(item: dict, i: int, where: str | None, lines: dict | None = None) -> Stage:
-    """Stage(**item), its mistakes located: `(in recipe.yaml line 7)`."""
-    from hf_zero.core.validate import at_line
-
-    try:
-        return Stage(**item)
-    except TypeError as err:  # a value of the wrong kind, e.g. `steps: ten`
-        raise UserError(f"stages[{item.get('name', i)}]", f"a value has the wrong type ({str(err).splitlines()[0]}) "
-                        f"{at_line(where, lines, f'stages[{i}]')}", "see the README's YAML reference") from None
-    except UserError as err:
-        key = err.field.rsplit(".", 1)[-1]
-        raise UserError(err.field, f"{err.problem} {at_line(where, lines, f'stages[{i}].{key}', f'stages[{i}]')}",
-                        err.fix) from None
-
-
-def parse_stages(raw, where: str, lines: dict | None = None) -> list[Stage]:
-    if raw is None:
-        return []
-    if not isinstance(raw, list) or not raw:
-        raise UserError("stages", f"must be a non-empty list in {where}", "see recipes/configs/tiny_curriculum.yaml")
-    known = [f.name for f in fields(Stage)]
-    stages, seen = [], set()
-    for i, item in enumerate(raw):
-        if not isinstance(item, dict) or "name" not in item or "data" not in item:
-            raise UserError(f"stages[{i}]", "each stage needs at least `name` and `data`", "see the README's YAML reference")
-        for key in item:
-            if key not in known:
-                raise _unknown_key_error(f"stages[{item['name']}].{key}", known, where)
-        if item["name"] in seen:
-            raise UserError(f"stages[{item['name']}].name", "stage names must be unique", "rename one of them")
-        seen.add(item["name"])
-        stages.append(build_stage(item, i, where, lines))
-    return stages
-
-
-def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yaml_values: dict | None = None):
-    """Parse `--config YAML` plus flags into the given dataclasses, the last one the recipe's TrainingArguments
-    subclass.
-
-    Returns (instances..., stages, training_kwargs, config path): the last class is *not* yet built, only its values
-    (checked by its `clean_values`): the run plan decides part of them first, so it is constructed exactly once.
-    `yaml_values` replaces the file's content (hf-zero check parses a copy without the keys it already reported);
-    paths still resolve against the file.
-    """
-    from transformers import HfArgumentParser
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    config_path, argv = pop_flag(argv, "--config")
-    if yaml_values is None:
-        yaml_values = load_yaml_config(config_path) if config_path else {}
-    from hf_zero.core.validate import check_values, check_yaml_types, resolve_recipe_paths, yaml_lines
-
-    yaml_values = resolve_recipe_paths(yaml_values, config_path)
-    lines = yaml_lines(config_path)
-    stages = parse_stages(yaml_values.pop("stages", None), config_path or "the command line", lines)
-    yaml_values.pop("recipe", None)  # which recipe the YAML is for: read by the tools (hf_zero.core.shipped), not by it
-
-    class _Parser(HfArgumentParser):
-        def error(self, message):
-            # "argument --learning_rate: invalid float value: 'x'" -> field --learning_rate, where it came from
-            flag, _, problem = message.partition(": ") if message.startswith("argument ") else ("", "", message)
-            raise UserError(flag.replace("argument ", "").split("/")[0] or "command line",
-                            f"{problem} (on the command line)", "run with --help for the list of flags")
-
-    *model_types, training_type = dataclass_types
-    parser = _Parser(dataclass_types)
-    _accept_str_or_bool(parser, dataclass_types)
-    known = {a.dest for a in parser._actions}
-    for key in yaml_values:
-        if key not in known:
-            raise _unknown_key_error(key, sorted(known), config_path)
-    check_yaml_types(parser, yaml_values, config_path, lines)
-    defaults = {k: v for k, v in HF_ZERO_TRAINING_DEFAULTS.items() if k in known}
-    defaults["output_dir"] = f"runs/{Path(config_path).stem}" if config_path else "runs/default"
-    if "ddp_timeout" in known:  # minutes, not torch's 30: a stuck rank fails the run soon (hf_zero/core/distributed.py)
-        from hf_zero.core.distributed import dist_timeout
-
-        defaults["ddp_timeout"] = dist_timeout()
-    parser.set_defaults(**{**defaults, **yaml_values})
-    namespace, remaining = parser.parse_known_args(argv)
-    if remaining:
-        flag = next((r for r in remaining if r.startswith("-")), remaining[0])
-        raise _unknown_key_error(flag, sorted("--" + k for k in known), "the command line")
-    values = vars(namespace)
-    check_values(values, argv, config_path, lines)
-    instances = []
-    for dtype in model_types:
-        names = {f.name for f in fields(dtype) if f.init}
-        instances.append(dtype(**{k: values.pop(k) for k in list(values) if k in names}))
-    training_names = {f.name for f in fields(training_type) if f.init}
-    training_kwargs = {k: v for k, v in values.items() if k in training_names}
-    if hasattr(training_type, "clean_values"):
-        training_type.clean_values(training_kwargs)
-    return (*instances, stages, training_kwargs, config_path)
-
-
-def recipe_fields(recipe_type, training_kwargs: dict):
-    """The recipe's own values (not TrainingArguments') as attributes, for tools that read a recipe without
-    building its TrainingArguments (check, preview, the bench's plan)."""
-    from types import SimpleNamespace
-
-    own = {f.name for f in fields(recipe_type)} - {f.name for f in fields(TrainingArguments)}
-    return SimpleNamespace(**{k: v for k, v in training_kwargs.items() if k in own})
-
-
-def _str_or_bool(value: str):
-    low = value.lower()
-    return {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(low, value)
-
-
-def _accept_str_or_bool(parser, dataclass_types) -> None:
-    """HfArgumentParser reads a `str | bool` field (e.g. include_num_input_tokens_seen: "non_padding") as a
-    bool and rejects its string values; give those flags a type that takes both."""
-    import typing
-
-    mixed = set()
-    for dtype in dataclass_types:
-        hints = typing.get_type_hints(dtype)
-        for f in fields(dtype):
-            args = set(typing.get_args(hints.get(f.name)))
-            if {str, bool} <= args:
-                mixed.add(f.name)
-    for action in parser._actions:
-        if action.dest in mixed:
-            action.type = _str_or_bool
-
-
-def pop_flag(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
-    """`flag`'s value (`--flag V` or `--flag=V`, the last one wins as argparse has it) and argv without it: the tools
-    read `--config` before the recipe's own parser sees the rest."""
-    import argparse
-
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise UserError(flag, "needs a value", f"{flag} PATH")
-
-    parser = _Parser(add_help=False, allow_abbrev=False)
-    parser.add_argument(flag, dest="value")
-    namespace, rest = parser.parse_known_args(argv)
-    return namespace.value, rest

@@ -89,16 +89,17 @@ class RunPlan:
         return path
 
 
-_CURRENT: list[RunPlan] = []
+_current: RunPlan | None = None  # this process's run (a rank runs one)
 
 
 def current_plan() -> RunPlan | None:
     """The plan of the run in this process (set when its worker resolved or read it)."""
-    return _CURRENT[-1] if _CURRENT else None
+    return _current
 
 
 def _activate(plan: RunPlan) -> RunPlan:
-    _CURRENT[:] = [plan]
+    global _current
+    _current = plan
     return plan
 
 
@@ -117,7 +118,7 @@ def resolve_run(profile: Profile, parsed: tuple, training_kwargs: dict, *, world
 
 
 def _parse(script: str, argv: list[str], types: tuple | None = None):
-    from hf_zero.core.config import parse_recipe_args
+    from hf_zero.core.parse import parse_recipe_args
     from hf_zero.core.shipped import load_recipe, recipe_argument_types
 
     types = types or recipe_argument_types(load_recipe(script))

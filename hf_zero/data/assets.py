@@ -286,7 +286,8 @@ def prepare_run_assets(model: str | None, data=()) -> None:
 
 def recipe_assets(argv: list[str]) -> tuple[str, list[str]]:
     """(model, data sources) a recipe's `--config YAML` + flags name, read as the recipe will read them."""
-    from hf_zero.core.config import ModelArguments, load_yaml_config, pop_flag
+    from hf_zero.core.config import ModelArguments
+    from hf_zero.core.parse import load_yaml_config, pop_flag
 
     config, rest = pop_flag(list(argv), "--config")
     values = load_yaml_config(config) if config else {}

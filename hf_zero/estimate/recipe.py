@@ -52,7 +52,7 @@ def lora_fields(model_args) -> dict | None:
 def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
     """The recipe YAML as it will run, parsed as its recipe parses it (`parse_recipe_args`, its own argument
     classes); `overrides`: `--key value` flags given to `hf-zero train` after the recipe."""
-    from hf_zero.core.config import parse_recipe_args
+    from hf_zero.core.parse import parse_recipe_args
     from hf_zero.core.reconcile import plan_batch
     from hf_zero.core.shipped import load_recipe, recipe_argument_types, recipe_script
 

@@ -60,7 +60,7 @@ def ensure_launched(argv: list[str], script: str) -> list[str]:
     """
     if "--config_file" not in argv and not any(a.startswith("--config_file=") for a in argv):
         return argv
-    from hf_zero.core.config import pop_flag
+    from hf_zero.core.parse import pop_flag
 
     profile, rest = pop_flag(argv, "--config_file")
     path = str(resolve_profile_path(profile))

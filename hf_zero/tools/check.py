@@ -79,7 +79,7 @@ class _State:
     @property
     def recipe_values(self):
         """The recipe's own values (data, formats) as attributes, as its TrainingArguments subclass would hold them."""
-        from hf_zero.core.config import recipe_fields
+        from hf_zero.core.parse import recipe_fields
 
         return recipe_fields(self.types[-1], self.parsed[-1])
 
@@ -106,7 +106,7 @@ def _profile(st):
 def _parse(st, yaml_values: dict, extra: list):
     """parse_recipe_args on the YAML's known keys only, so that one misspelled key does not hide every other
     mistake (paths and line numbers still come from the file)."""
-    from hf_zero.core.config import parse_recipe_args
+    from hf_zero.core.parse import parse_recipe_args
 
     return parse_recipe_args(st.types, ["--config", st.args.config, *extra], yaml_values=yaml_values)[:len(st.types) + 1]
 
@@ -114,7 +114,8 @@ def _parse(st, yaml_values: dict, extra: list):
 def _recipe(st):
     import difflib
 
-    from hf_zero.core.config import Stage, load_yaml_config
+    from hf_zero.core.config import Stage
+    from hf_zero.core.parse import load_yaml_config
     from hf_zero.core.validate import resolve_recipe_paths
 
     config = st.args.config

@@ -35,7 +35,8 @@ def _model(st):
 
 
 def _data(st):
-    from hf_zero.core.config import Stage, build_stage
+    from hf_zero.core.config import Stage
+    from hf_zero.core.parse import build_stage
     from hf_zero.core.validate import yaml_lines
     from hf_zero.data.chat import FormatOptions
     from hf_zero.data.stages import load_source, load_stage_data

@@ -54,7 +54,7 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     from hf_zero.launch.command import ensure_launched
 
     argv = ensure_launched(list(sys.argv[1:] if argv is None else argv), script or sys.argv[0])
-    from hf_zero.core.config import pop_flag
+    from hf_zero.core.parse import pop_flag
     from hf_zero.core.shipped import check_recipe_matches
 
     check_recipe_matches(pop_flag(list(argv), "--config")[0], script or sys.argv[0])
