@@ -58,6 +58,7 @@ def _truncate(stages, spans, steps: int | None) -> list[dict]:
             break
         d = {k: v for k, v in asdict(stage).items() if v is not None and k != "epochs"}
         d["steps"] = take
+        d["warmup_steps"] = min(d.get("warmup_steps") or 0, take - 1)  # a warmup as long as the stage is refused
         out.append(d)
         left -= take
     return out

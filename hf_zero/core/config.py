@@ -180,6 +180,9 @@ class Stage:
         rules = (("learning_rate", self.learning_rate is None or positive(self.learning_rate), "must be a positive "
                   "number", "e.g. learning_rate: 1.0e-4"),
                  ("warmup_steps", self.warmup_steps >= 0, "cannot be negative", "e.g. warmup_steps: 0"),
+                 ("warmup_steps", self.steps is None or self.warmup_steps < self.steps, f"must be shorter than the "
+                  f"stage's {self.steps} steps (its peak learning rate is reached after the warmup)",
+                  f"e.g. warmup_steps: {(self.steps or 0) // 10}"),
                  ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be between 0 and 1", "e.g. min_lr_ratio: 0.1"),
                  ("max_seq_length", self.max_seq_length is None or self.max_seq_length >= 2, "must be at least 2",
                   "e.g. max_seq_length: 128"),

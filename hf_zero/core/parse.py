@@ -68,6 +68,9 @@ def build_stage(item: dict, i: int, where: str | None, lines: dict | None = None
     from hf_zero.core.config import Stage
     from hf_zero.core.validate import at_line
 
+    for key, fix in (("name", "give each stage a name"), ("data", "give each stage its data files")):
+        if item.get(key) in (None, "", []):  # else Stage() says "__init__() missing 1 required positional argument"
+            raise UserError(f"stages[{i}].{key}", f"missing {at_line(where, lines, f'stages[{i}]')}", fix)
     try:
         return Stage(**item)
     except TypeError as err:  # a value of the wrong kind, e.g. `steps: ten`
@@ -89,8 +92,10 @@ def parse_stages(raw, where: str, lines: dict | None = None) -> list[Stage]:
     known = [f.name for f in fields(Stage)]
     stages, seen = [], set()
     for i, item in enumerate(raw):
-        if not isinstance(item, dict) or "name" not in item or "data" not in item:
+        if not isinstance(item, dict):
             raise UserError(f"stages[{i}]", "each stage needs at least `name` and `data`", "see the README's YAML reference")
+        if item.get("name") in (None, "", []):  # the keys below are named by the stage's name
+            build_stage(item, i, where, lines)
         for key in item:
             if key not in known:
                 raise _unknown_key_error(f"stages[{item['name']}].{key}", known, where)

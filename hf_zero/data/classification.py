@@ -18,7 +18,7 @@ from transformers import TrainingArguments
 from hf_zero.core.errors import UserError
 
 __all__ = ["ClassificationArguments", "ClassificationData", "BUILTIN_CLASSIFICATION", "get_data_kind",
-           "check_classification_data", "load_classification_data", "split_indices", "ImageSource", "random_affine"]
+           "check_classification_data", "label_ids", "load_classification_data", "split_indices", "ImageSource", "random_affine"]
 
 BUILTIN_CLASSIFICATION = {"bbc": "text", "digits": "image"}
 _SPLITS = ("train", "validation")
@@ -152,17 +152,20 @@ def check_classification_data(stages, args: ClassificationArguments) -> str:
     """`hf-zero check`'s data check for recipes/classify.py (its CHECK_DATA): every source readable with its
     columns, one data kind, held-out data present; one line with the samples per stage."""
     kind = get_data_kind(stages, args)
-    counts = []
+    counts, raw = [], {}
     for s in stages:
         n = 0
         for j, spec in enumerate(s.data):
             where = f"stages[{s.name}].data[{j}]"
             parsed = _parse_builtin(spec, where)
-            n += len((_builtin(*parsed, args) if parsed else _load_local(spec, args, where))[1])
+            raw[where] = _builtin(*parsed, args) if parsed else _load_local(spec, args, where)
+            n += len(raw[where][1])
         counts.append(f"{s.name} {n}")
     eval_spec = _eval_spec(stages, args)
     parsed = _parse_builtin(eval_spec, "eval_data")
-    held = len((_builtin(*parsed, args) if parsed else _load_local(eval_spec, args, "eval_data"))[1])
+    raw["eval_data"] = _builtin(*parsed, args) if parsed else _load_local(eval_spec, args, "eval_data")
+    held = len(raw["eval_data"][1])
+    label_ids(raw, args)  # labels as the run numbers them: one outside the classes is refused here, not at step 0
     return f"{len(stages)} stage(s) of {kind} data, training samples: {', '.join(counts)}; held out: {held}"
 
 
@@ -214,6 +217,19 @@ def _to_ids(labels: list, names: list[str], where: str) -> list[int]:
     return ids
 
 
+def label_ids(raw: dict, args: ClassificationArguments) -> tuple[list[str], dict[str, list[int]]]:
+    """The classes and every source's labels as class ids, or the one line for a label outside them: the same
+    function for `hf-zero check` and the run. `raw`: where -> (items, labels, names or None)."""
+    names = next((r[2] for r in raw.values() if r[2]), None)
+    if names is None:  # only local files: the training labels are the classes (ids as they are, names sorted)
+        values = {v for where, r in raw.items() if where != "eval_data" for v in r[1]}
+        names = ([str(i) for i in range(max(values) + 1)] if all(isinstance(v, int) for v in values)
+                 else sorted(str(v) for v in values))
+    if len(names) < 2:
+        raise UserError(args.label_field, f"the data has {len(names)} class", "classification needs at least two")
+    return names, {where: _to_ids(r[1], names, where) for where, r in raw.items()}
+
+
 def load_classification_data(stages, args: ClassificationArguments, processing, kind: str,
                              seed: int) -> ClassificationData:
     """Every stage's training sources and the evaluation samples, with one label numbering for all of them.
@@ -228,14 +244,7 @@ def load_classification_data(stages, args: ClassificationArguments, processing, 
             raw[where] = _builtin(*parsed, args) if parsed else _load_local(spec, args, where)
     parsed = _parse_builtin(eval_spec, "eval_data")
     raw["eval_data"] = _builtin(*parsed, args) if parsed else _load_local(eval_spec, args, "eval_data")
-    names = next((r[2] for r in raw.values() if r[2]), None)
-    if names is None:  # only local files: the training labels are the classes (ids as they are, names sorted)
-        values = {v for where, r in raw.items() if where != "eval_data" for v in r[1]}
-        names = ([str(i) for i in range(max(values) + 1)] if all(isinstance(v, int) for v in values)
-                 else sorted(str(v) for v in values))
-    if len(names) < 2:
-        raise UserError(args.label_field, f"the data has {len(names)} class", "classification needs at least two")
-    ids = {where: _to_ids(r[1], names, where) for where, r in raw.items()}
+    names, ids = label_ids(raw, args)
 
     def encode(where: str, train: bool, max_len: int):
         items = raw[where][0]

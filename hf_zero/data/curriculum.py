@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hf_zero.core.config import Stage
+from hf_zero.core.errors import UserError
 from hf_zero.core.lazy import trainer_callback
 
 __all__ = ["StageSpan", "CurriculumSchedule", "build_schedule", "build_sample_order", "CurriculumDataset",
@@ -75,6 +76,10 @@ def build_schedule(stages: list[Stage], pool_sizes: list[int], global_batch: int
     spans, start = [], 0
     for i, (stage, size) in enumerate(zip(stages, pool_sizes)):
         steps = stage.steps if stage.steps is not None else max(1, math.ceil(stage.epochs * size / global_batch))
+        if stage.warmup_steps >= steps:  # a `steps:` stage was refused when parsed; an epoch's length shows here
+            raise UserError(f"stages[{stage.name}].warmup_steps", f"must be shorter than the stage's {steps} steps "
+                            f"({stage.epochs} epoch(s) of {size} samples; its peak learning rate is reached after the "
+                            f"warmup), got {stage.warmup_steps}", f"e.g. warmup_steps: {steps // 10}")
         spans.append(StageSpan(i, stage.name, start, steps, stage.learning_rate or base_lr, stage.warmup_steps,
                                stage.lr_schedule, stage.min_lr_ratio))
         start += steps

@@ -83,7 +83,31 @@ def resolve_model_path(name_or_path: str) -> str:
     if name_or_path.startswith((".", "/")) or name_or_path.count("/") > 1:
         raise UserError("model_name_or_path", f"{name_or_path} does not exist",
                         f"use a local folder, a hub id, or one of {', '.join(OFFLINE_MODELS)}")
+    offline_unless_reachable()
     return name_or_path  # a hub id; from_pretrained says clearly when it cannot be fetched
+
+
+def offline_unless_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub is offline for this process: HF_HUB_OFFLINE as set, else set here when the hub's host does not
+    answer, so a hub id fails at once with the one line instead of after huggingface_hub's retries (11 lines)."""
+    import os
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.is_offline_mode():
+        return True
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
+        return False  # reached through a proxy, which a direct connection does not show
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
+        return False
+    except OSError:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # for the processes this one starts
+        constants.HF_HUB_OFFLINE = True  # read at each call by huggingface_hub and transformers
+        return True
 
 
 def get_model_config(name_or_path: str, vocab_size: int | None = None):

@@ -3,15 +3,67 @@ tokenized per stage with the stage's own sequence length, a held-out slice per s
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
 
-__all__ = ["StageData", "load_source", "load_stage_data", "build_collator"]
+__all__ = ["StageData", "load_source", "verify_data_file", "held_out_sizes", "check_held_out", "load_stage_data",
+           "build_collator"]
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+def _json_rows(text: str) -> bool:
+    """Whether a .json file is JSON lines (datasets reads both); a single document starts with [ or { and parses."""
+    head = text.lstrip()[:1]
+    if head not in ("[", "{"):
+        return True
+    try:
+        json.loads(text)
+        return False
+    except ValueError:
+        return head == "{"  # a JSON-lines file also starts with {; an array that does not parse is one document
+
+
+def verify_data_file(path: Path, spec: str, where: str) -> None:
+    """A local data file decoded and parsed the way the loader will, row by row: datasets decodes lazily, so a bad
+    byte used to pass `hf-zero check` and fail the run at tokenization, and a bad JSON line failed with no row."""
+    if path.is_dir():
+        raise UserError(where, f"{spec} is a folder, not a data file", "name the files in it under `data:`")
+    if path.stat().st_size == 0:
+        raise UserError(where, f"{spec} is empty", "give it rows, or remove it from the stage")
+    if path.suffix == ".parquet":  # binary and typed: datasets' own reader is the check
+        return
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        row, start = raw.count(b"\n", 0, err.start) + 1, raw.rfind(b"\n", 0, err.start) + 1
+        raise UserError(where, f"{spec} row {row}: byte 0x{raw[err.start]:02x} is not UTF-8 (byte {err.start - start + 1}"
+                        " of the line)", "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+    if not text.strip():
+        raise UserError(where, f"{spec} has only blank lines", "give it rows, or remove it from the stage")
+    if path.suffix == ".jsonl" or path.suffix == ".json" and _json_rows(text):
+        for row, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as err:
+                raise UserError(where, f"{spec} row {row}: not valid JSON ({getattr(err, 'msg', err)} at column "
+                                f"{getattr(err, 'colno', '?')})", "fix or remove the row") from None
+            if not isinstance(value, dict):
+                raise UserError(where, f"{spec} row {row}: a JSON {type(value).__name__}, not an object",
+                                'give each row as {"column": value, ...}')
+    elif path.suffix == ".json":
+        try:
+            json.loads(text)
+        except ValueError as err:
+            raise UserError(where, f"{spec} line {err.lineno}: not valid JSON ({err.msg} at column {err.colno})",
+                            "fix the file") from None
 
 
 def load_source(spec: str, where: str):
@@ -28,14 +80,20 @@ def load_source(spec: str, where: str):
         spec = resolve_data_path(spec)
     path = spec
     local = Path(path)
+    if local.is_dir():  # datasets would read the files inside as one source, silently
+        verify_data_file(local, spec, where)
     if local.suffix in _FORMATS:
-        if not local.is_file():
+        if not local.exists():
             raise UserError(where, f"data file {path} does not exist", "fix the path (a relative path is read from the recipe YAML's folder)")
+        verify_data_file(local, spec, where)
         try:
-            return datasets.load_dataset(_FORMATS[local.suffix], data_files=str(local), split="train")
+            ds = datasets.load_dataset(_FORMATS[local.suffix], data_files=str(local), split="train")
         except Exception as err:  # datasets raises many types for unreadable files
             raise UserError(where, f"cannot read {path} ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
                             "check the file's format") from None
+        if not len(ds):
+            raise UserError(where, f"{spec} has no rows", "give it rows, or remove it from the stage")
+        return ds
     try:
         return datasets.load_dataset(path, split="train")
     except Exception as err:
@@ -117,6 +175,21 @@ def _split_gen(samples: list[dict]) -> list[dict]:
     return [p for p in prompts if p.get("prompt") is not None]
 
 
+def held_out_sizes(sizes: list[int], eval_samples: int) -> list[int]:
+    """Samples held out of each source: eval_samples shared across them, never more than a quarter of one."""
+    per_source = max(1, eval_samples // len(sizes))
+    return [min(per_source, n // 4) for n in sizes]
+
+
+def check_held_out(stage: Stage, sizes: list[int], eval_samples: int, unit: str = "row") -> None:
+    """A stage without eval_data whose sources are too small to hold any sample out has no eval loss, and would
+    silently leave the runs' before/after eval mean: refused (the preflight counts rows, the run samples)."""
+    if eval_samples and not stage.eval_data and not any(held_out_sizes(sizes, eval_samples)):
+        raise UserError(f"stages[{stage.name}].data", f"{'+'.join(map(str, sizes))} {unit}(s): too few to hold any "
+                        "out for evaluation (at most a quarter of a source is held out)",
+                        "give the stage 4 or more rows, or its own eval_data, or set eval_samples: 0")
+
+
 def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: str, eval_samples: int,
                     seed: int, packing: bool = False, formats=None) -> StageData:
     """Tokenize every source of a stage; hold out `eval_samples` drawn across its sources (fixed by the seed), or
@@ -140,10 +213,9 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
             held_out += _load_tokenized(spec, f"stages[{stage.name}].eval_data[{j}]", tokenizer, max_len, opts)[0]
         held_out = held_out[:eval_samples] if eval_samples else []
     elif eval_samples:
+        check_held_out(stage, [len(s) for s in sources], eval_samples, "sample")
         rng = np.random.default_rng([seed, 7919])
-        per_source = max(1, eval_samples // len(sources))
-        for j, samples in enumerate(sources):
-            take = min(per_source, len(samples) // 4)  # never hold out more than a quarter of a source
+        for j, (samples, take) in enumerate(zip(sources, held_out_sizes([len(s) for s in sources], eval_samples))):
             idx = set(rng.permutation(len(samples))[:take].tolist())
             held_out += [s for i, s in enumerate(samples) if i in idx]
             sources[j] = [s for i, s in enumerate(samples) if i not in idx]

@@ -12,7 +12,7 @@ from hf_zero.core.errors import UserError
 
 def _model(st):
     from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
-    from hf_zero.tools.check_rules import count_for
+    from hf_zero.tools.check_rules import count_for, verify_seq_length
 
     if not st.curriculum:
         return None
@@ -29,6 +29,7 @@ def _model(st):
     if vocab is not None and len(st.tokenizer) > vocab:
         raise UserError("tokenizer_name_or_path", f"the tokenizer has {len(st.tokenizer)} tokens but the model only "
                         f"{vocab} embeddings", "use the model's own tokenizer")
+    verify_seq_length(config, st.value("max_seq_length"), st.parsed[-2])
     st.count = c = count_for(model_args)
     lora = f", LoRA r={model_args.lora_r}: {c.trainable_params:,} trainable" if model_args.use_peft else ""
     return f"{name}: {type(config).__name__.replace('Config', '')}, {c.total_params:,} parameters{lora}"
@@ -39,7 +40,7 @@ def _data(st):
     from hf_zero.core.parse import build_stage
     from hf_zero.core.validate import yaml_lines
     from hf_zero.data.chat import FormatOptions
-    from hf_zero.data.stages import load_source, load_stage_data
+    from hf_zero.data.stages import check_held_out, load_source, load_stage_data
 
     if not st.curriculum:
         return _recipe_data(st)
@@ -57,9 +58,11 @@ def _data(st):
     for i, s in enumerate(stages):
         try:
             stage = build_stage({k: v for k, v in s.items() if k in keys}, i, st.args.config, lines)
-            if st.tokenizer is None or st.light:
-                for j, spec in enumerate(stage.data):
-                    load_source(spec, f"stages[{stage.name}].data[{j}]")
+            if st.tokenizer is None or st.light:  # every file read and parsed as the run reads it, not tokenized
+                rows = [len(load_source(spec, f"stages[{stage.name}].data[{j}]")) for j, spec in enumerate(stage.data)]
+                for j, spec in enumerate(stage.eval_data or []):
+                    load_source(spec, f"stages[{stage.name}].eval_data[{j}]")
+                check_held_out(stage, rows, held)
                 continue
             data = load_stage_data(stage, st.tokenizer, seq, text, held, seed, formats=formats)
             pools, kinds = data.sources, sorted({r.format for r in data.reports} - {"text"})

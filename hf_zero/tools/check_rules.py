@@ -14,7 +14,7 @@ from hf_zero.core.files import human_bytes
 
 __all__ = ["verify_profile_keys", "verify_devices", "verify_precision", "verify_launch", "verify_hostfile",
            "verify_offload", "verify_output", "strategy_of", "count_for", "checkpoint_plan", "output_needs",
-           "check_at_start", "check_launch_at_start", "check_room_at_start"]
+           "check_at_start", "check_launch_at_start", "check_room_at_start", "verify_seq_length"]
 
 
 def _accelerate_deepspeed_keys(title: str = "DeepSpeed Arguments") -> set[str]:
@@ -212,6 +212,20 @@ def count_for(model_args):
         raise UserError("lora_target_modules", str(err).splitlines()[0], "name modules the model has") from None
 
 
+def verify_seq_length(config, max_seq_length, stages) -> None:
+    """No sample longer than the model has positions: past max_position_embeddings a model fails at step 0 or reads
+    garbage positions, and a huge length with packing allocates gigabytes before the first line."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return
+    for field, value in [("max_seq_length", max_seq_length),
+                         *((f"stages[{s.name}].max_seq_length", s.max_seq_length) for s in stages or [])]:
+        if isinstance(value, int) and value > limit:
+            raise UserError(field, f"{value} is more than the model's {limit} positions (max_position_embeddings)",
+                            f"use at most {limit}")
+
+
 def checkpoint_plan(training_kwargs: dict, total_steps: int) -> int:
     """How many checkpoints exist at once at most: the Trainer writes the new one before rotating old ones out."""
     strategy = str(training_kwargs.get("save_strategy") or "no").split(".")[-1].lower()
@@ -293,6 +307,9 @@ def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: l
     verify_fsdp(profile, training_kwargs, gpu_count(), config)
     if model is None:
         return
+    from hf_zero.data.model_names import get_model_config
+
+    verify_seq_length(get_model_config(model.model_name_or_path), training_kwargs.get("max_seq_length"), stages)
     nproc = _nproc(profile, world, dict(os.environ if env is None else env))
     steps = sum(s.steps or 0 for s in stages)  # epoch-based stages are sized after tokenization: not counted here
     needed, what, est = output_needs(count_for(model), profile, nproc, training_kwargs, steps)
