@@ -70,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"hf-zero: error: {err.line()}", file=sys.stderr)
         return EXIT_USAGE
+    except OSError as err:  # a full disk under `hf-zero export` and the like: one line too
+        from hf_zero.launch.worker import write_failure
+
+        failed = write_failure(err)
+        if failed is None:
+            raise
+        print(f"hf-zero: error: {failed.line()}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _version() -> str:

@@ -91,7 +91,7 @@ def test_bad_hf_zero_flags_are_one_line(capsys, flags, words):
 def test_mistake_found_inside_the_ranks_crosses_the_launcher_once(tmp_path):
     """A stage whose texts are all blank passes the preflight (which does not tokenize) and stops both ranks."""
     empty = tmp_path / "blank.jsonl"
-    empty.write_text('{"text": "  "}\n{"text": ""}\n')
+    empty.write_text('{"text": "  "}\n{"text": ""}\n' * 2)  # 4 rows: enough for the preflight's held-out slice
     config = tiny(tmp_path, stages=[{"name": "blank", "data": str(empty), "steps": 2}])
     proc = hf_zero("train", "--profile", "zero2", "--config", config, "--output_dir", tmp_path / "o")
     assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]

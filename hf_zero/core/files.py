@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -14,12 +15,19 @@ def write_text_atomic(path, text: str, durable: bool = False) -> None:
     `durable` also flushes it to disk first (checkpoint manifests and metadata must survive a power cut)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # per process: two writers never share a temp file
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if err.filename is None:  # write() does not say which file: a full disk is reported with it
+            err.filename = str(path)
+        raise
 
 
 def write_json_atomic(path, data, durable: bool = False) -> None:

@@ -24,7 +24,7 @@ from hf_zero.launch.worker import (
     write_status,
 )
 
-__all__ = ["stop_on_signal", "note_run", "report_interrupt", "raise_if_interrupted", "interrupt_line",
+__all__ = ["stop_on_signal", "note_run", "noted_output_dir", "report_interrupt", "raise_if_interrupted", "interrupt_line",
            "newest_complete_checkpoint"]
 
 _RUN: dict = {"output_dir": None, "step": None, "max_steps": None}
@@ -35,6 +35,10 @@ def note_run(output_dir) -> None:
     _RUN["output_dir"] = str(output_dir)
     if rank() == 0:
         write_status("run.json", {"output_dir": str(output_dir)})
+
+
+def noted_output_dir() -> str | None:
+    return _RUN["output_dir"]
 
 
 def newest_complete_checkpoint(output_dir) -> Path | None:

@@ -13,18 +13,20 @@ How the line crosses the launcher:
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 from hf_zero.core.errors import EXIT_USAGE, RunComplete, RunInterrupted, UserError
 
 __all__ = ["STATUS_ENV", "RESUME_ENV", "recipe_entry", "report_user_error", "write_status", "read_status", "rank",
-           "interrupt_requested", "set_training", "resume_command"]
+           "interrupt_requested", "set_training", "resume_command", "write_failure", "stop_on_write_failure"]
 
 STATUS_ENV = "HF_ZERO_STATUS_DIR"
 RESUME_ENV = "HF_ZERO_RESUME_CMD"  # the command that started the run, as the user typed it (for "resume with: ...")
@@ -96,6 +98,61 @@ def report_user_error(err: UserError) -> None:
             _elastic_error_file({"message": line, "timestamp": int(time.time())})
     elif not os.environ.get(STATUS_ENV) and (rank() == 0 or getattr(err, "every_rank", False)):
         print(line, file=sys.stderr, flush=True)
+
+
+# A write that failed for the disk's sake (full, over quota, too large, read-only, failing), not the program's.
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
+
+
+def write_failure(exc: BaseException, filename: str | None = None) -> UserError | None:
+    """The one line for a failed write anywhere in a run (summary, log history, samples, final model, TensorBoard),
+    naming the file and the newest complete checkpoint; None when `exc` is not one. `filename`: where the caller
+    knows it was writing (an OSError from write() names no file)."""
+    seen, depth = exc, 0
+    while seen is not None and depth < 32:
+        if isinstance(seen, OSError) and seen.errno in _WRITE_ERRNOS or "No space left on device" in str(seen):
+            break
+        seen, depth = seen.__cause__ or seen.__context__, depth + 1
+    else:
+        return None
+    if seen is None:
+        return None
+    from hf_zero.launch.interrupt import newest_complete_checkpoint, noted_output_dir
+
+    output_dir = noted_output_dir()
+    where = getattr(seen, "filename", None) or filename or (f"into {output_dir}" if output_dir else "a file")
+    where = os.fsdecode(where) if isinstance(where, bytes) else str(where)
+    why = getattr(seen, "strerror", None) or str(seen).splitlines()[0][:120]
+    if output_dir is None:  # not a training run (e.g. `hf-zero export`)
+        return UserError("disk", f"could not write {where}: {why}", "free space, then run it again")
+    newest = newest_complete_checkpoint(output_dir)
+    kept = f"the newest complete checkpoint is {newest}" if newest else "no complete checkpoint was written yet"
+    return UserError("disk", f"could not write {where}: {why}", f"free space; {kept}")
+
+
+def stop_on_write_failure(err: UserError) -> None:
+    """Report it once and stop hard: the other ranks may wait in a collective for this one, and the launcher stops
+    them once this process is gone (a normal exit could wait for them forever)."""
+    if not _STATE.get("write_failed"):  # the TensorBoard thread and the main thread can both meet the same disk
+        _STATE["write_failed"] = True
+        report_user_error(err)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_USAGE)
+
+
+def _thread_failed(args) -> None:
+    """threading.excepthook: TensorBoard's SummaryWriter writes in its own thread, whose OSError would print a
+    thread traceback (and resurface later in the main thread as a second one)."""
+    writer = getattr(getattr(getattr(args.thread, "_record_writer", None), "_writer", None), "filename", None)
+    err = write_failure(args.exc_value, writer) if isinstance(args.exc_value, Exception) else None
+    if err is None:
+        _DEFAULT_THREAD_HOOK(args)
+        return
+    stop_on_write_failure(err)
+
+
+_DEFAULT_THREAD_HOOK = threading.excepthook
 
 
 def _report_bug(exc: BaseException) -> None:
@@ -174,6 +231,7 @@ def recipe_entry(func):
         from hf_zero.core.console import setup_console
 
         setup_console()
+        threading.excepthook = _thread_failed
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, _on_signal)
         try:
@@ -199,6 +257,9 @@ def recipe_entry(func):
 
                 report_interrupt(interrupt_requested())
                 _exit(128 + interrupt_requested())
+            failed = write_failure(exc) if isinstance(exc, Exception) else None
+            if failed is not None:
+                stop_on_write_failure(failed)
             if not isinstance(exc, SystemExit):
                 _report_bug(exc)
             raise
