@@ -18,7 +18,8 @@ from transformers import TrainingArguments
 from hf_zero.core.errors import UserError
 
 __all__ = ["ClassificationArguments", "ClassificationData", "BUILTIN_CLASSIFICATION", "get_data_kind",
-           "check_classification_data", "label_ids", "load_classification_data", "split_indices", "ImageSource", "random_affine"]
+           "check_classification_data", "label_ids", "load_classification_data", "split_indices", "ImageSource",
+           "random_affine"]
 
 BUILTIN_CLASSIFICATION = {"bbc": "text", "digits": "image"}
 _SPLITS = ("train", "validation")

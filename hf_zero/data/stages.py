@@ -10,8 +10,8 @@ from pathlib import Path
 from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
 
-__all__ = ["StageData", "load_source", "verify_data_file", "held_out_sizes", "check_held_out", "load_stage_data",
-           "build_collator"]
+__all__ = ["StageData", "load_source", "verify_data_file", "held_out_sizes", "check_held_out", "check_stage_files",
+           "load_stage_data", "build_collator"]
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -37,13 +37,17 @@ def verify_data_file(path: Path, spec: str, where: str) -> None:
         raise UserError(where, f"{spec} is empty", "give it rows, or remove it from the stage")
     if path.suffix == ".parquet":  # binary and typed: datasets' own reader is the check
         return
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key in _VERIFIED:  # each rank checks its files before writing anything, then loads them
+        return
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
         row, start = raw.count(b"\n", 0, err.start) + 1, raw.rfind(b"\n", 0, err.start) + 1
-        raise UserError(where, f"{spec} row {row}: byte 0x{raw[err.start]:02x} is not UTF-8 (byte {err.start - start + 1}"
-                        " of the line)", "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+        raise UserError(where, f"{spec} row {row}: byte 0x{raw[err.start]:02x} is not UTF-8 (byte "
+                        f"{err.start - start + 1} of the line)", "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     if not text.strip():
         raise UserError(where, f"{spec} has only blank lines", "give it rows, or remove it from the stage")
     if path.suffix == ".jsonl" or path.suffix == ".json" and _json_rows(text):
@@ -64,6 +68,10 @@ def verify_data_file(path: Path, spec: str, where: str) -> None:
         except ValueError as err:
             raise UserError(where, f"{spec} line {err.lineno}: not valid JSON ({err.msg} at column {err.colno})",
                             "fix the file") from None
+    _VERIFIED.add(key)
+
+
+_VERIFIED: set = set()
 
 
 def load_source(spec: str, where: str):
@@ -188,6 +196,16 @@ def check_held_out(stage: Stage, sizes: list[int], eval_samples: int, unit: str 
         raise UserError(f"stages[{stage.name}].data", f"{'+'.join(map(str, sizes))} {unit}(s): too few to hold any "
                         "out for evaluation (at most a quarter of a source is held out)",
                         "give the stage 4 or more rows, or its own eval_data, or set eval_samples: 0")
+
+
+def check_stage_files(stage: Stage, eval_samples: int) -> list[int]:
+    """Every file of a stage read and parsed as load_stage_data reads it (not tokenized), and its held-out slice sized
+    by rows: `hf-zero check`'s data check, and each rank's before anything is written. Rows per source."""
+    rows = [len(load_source(spec, f"stages[{stage.name}].data[{j}]")) for j, spec in enumerate(stage.data)]
+    for j, spec in enumerate(stage.eval_data or []):
+        load_source(spec, f"stages[{stage.name}].eval_data[{j}]")
+    check_held_out(stage, rows, eval_samples)
+    return rows
 
 
 def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: str, eval_samples: int,

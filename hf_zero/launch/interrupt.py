@@ -24,8 +24,8 @@ from hf_zero.launch.worker import (
     write_status,
 )
 
-__all__ = ["stop_on_signal", "note_run", "noted_output_dir", "report_interrupt", "raise_if_interrupted", "interrupt_line",
-           "newest_complete_checkpoint"]
+__all__ = ["stop_on_signal", "note_run", "report_interrupt", "raise_if_interrupted", "interrupt_line",
+           "newest_complete_checkpoint", "noted_output_dir"]
 
 _RUN: dict = {"output_dir": None, "step": None, "max_steps": None}
 

@@ -40,7 +40,7 @@ def _data(st):
     from hf_zero.core.parse import build_stage
     from hf_zero.core.validate import yaml_lines
     from hf_zero.data.chat import FormatOptions
-    from hf_zero.data.stages import check_held_out, load_source, load_stage_data
+    from hf_zero.data.stages import check_stage_files, load_stage_data
 
     if not st.curriculum:
         return _recipe_data(st)
@@ -59,10 +59,7 @@ def _data(st):
         try:
             stage = build_stage({k: v for k, v in s.items() if k in keys}, i, st.args.config, lines)
             if st.tokenizer is None or st.light:  # every file read and parsed as the run reads it, not tokenized
-                rows = [len(load_source(spec, f"stages[{stage.name}].data[{j}]")) for j, spec in enumerate(stage.data)]
-                for j, spec in enumerate(stage.eval_data or []):
-                    load_source(spec, f"stages[{stage.name}].eval_data[{j}]")
-                check_held_out(stage, rows, held)
+                check_stage_files(stage, held)
                 continue
             data = load_stage_data(stage, st.tokenizer, seq, text, held, seed, formats=formats)
             pools, kinds = data.sources, sorted({r.format for r in data.reports} - {"text"})

@@ -23,6 +23,13 @@ def start(ctx: RunContext, fresh_start: bool, example: str) -> str | None:
     set_seed(ctx.training_args.seed)
     if not ctx.stages:
         raise UserError("stages", "the recipe has no stages", f"add a `stages:` list to the YAML, e.g. {example}")
+    from hf_zero.core.config import CurriculumArguments
+
+    if isinstance(ctx.training_args, CurriculumArguments):  # its data as the preflight read it, before any write
+        from hf_zero.data.stages import check_stage_files
+
+        for stage in ctx.stages:
+            check_stage_files(stage, ctx.training_args.eval_samples)
     resume = prepare_resume(ctx, fresh_start=fresh_start)
     if ctx.training_args.process_index == 0:  # this run goes ahead: its plan beside its outputs
         ctx.plan.write()
