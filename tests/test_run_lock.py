@@ -79,6 +79,28 @@ def test_lock_of_a_killed_holder_is_taken_over_with_a_line(tmp_path):
     assert not (out / LOCK_NAME).exists() and (out / "checkpoint-3").is_dir()  # the folder it found stays
 
 
+def test_rank_0_takes_the_lock_unless_its_launcher_holds_it(tmp_path, monkeypatch):
+    from hf_zero.core import run_lock
+
+    out = tmp_path / "run"
+    monkeypatch.setenv("RANK", "1")
+    run_lock.hold_in_worker(out)  # not rank 0: rank 0 holds it for the run
+    assert not (out / LOCK_NAME).exists()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(run_lock.LOCK_ENV, str(RunLock(out).path))
+    run_lock.hold_in_worker(out)  # hf_zero's launcher holds it
+    assert not (out / LOCK_NAME).exists()
+    monkeypatch.delenv(run_lock.LOCK_ENV)
+    try:
+        run_lock.hold_in_worker(out)  # plain `accelerate launch`: rank 0 itself
+        run_lock.hold_in_worker(out)  # a recipe run again in the same process keeps it
+        with pytest.raises(UserError, match=f"is in use by pid {os.getpid()} "):
+            RunLock(out).acquire()
+    finally:
+        run_lock.release_held()
+    assert not (out / LOCK_NAME).exists()
+
+
 # ---------------------------------------------------------------- ranks die with their launcher
 
 LAUNCHER = """
