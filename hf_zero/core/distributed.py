@@ -10,8 +10,8 @@ import time
 
 from hf_zero.core.errors import UserError
 
-__all__ = ["DIST_TIMEOUT_ENV", "DEFAULT_DIST_TIMEOUT", "DistWaitError", "dist_timeout", "set_dist_timeout",
-           "waiting_for", "stall_if_asked"]
+__all__ = ["DIST_TIMEOUT_ENV", "DEFAULT_DIST_TIMEOUT", "DistWaitError", "RankLostError", "dist_timeout",
+           "set_dist_timeout", "waiting_for", "stall_if_asked"]
 
 DIST_TIMEOUT_ENV = "HF_ZERO_DIST_TIMEOUT"
 # Long enough for the slowest legitimate gap between two collectives here (rank 0 verifying a saved SmolLM2, a
@@ -26,6 +26,13 @@ class DistWaitError(UserError):
     """A wait that ran out. Printed by the rank that waited, whichever it is: rank 0 may be the one that is stuck."""
 
     every_rank = True
+
+
+class RankLostError(UserError):
+    """What the surviving ranks see when one exits: hf_zero's launcher tells the story of the rank that ended (its
+    error, or the signal that killed it) instead of this line."""
+
+    lost_rank = True
 
 
 def dist_timeout() -> int:
@@ -80,8 +87,8 @@ def waiting_for(what: str):
                 f"see that rank's output; if it is only slow, raise {DIST_TIMEOUT_ENV} (seconds) or ddp_timeout",
             ) from None
         if any(w in text for w in ("connection closed", "connection reset", "broken pipe", "connection refused")):
-            raise UserError("distributed", f"rank {_rank()} lost a rank while waiting for {what} (it exited)",
-                            "see that rank's error above") from None
+            raise RankLostError("distributed", f"rank {_rank()} lost a rank while waiting for {what} (it exited)",
+                                "see why that rank stopped: its error, or the launcher's line naming it") from None
         raise
 
 

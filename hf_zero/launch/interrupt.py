@@ -25,7 +25,7 @@ from hf_zero.launch.worker import (
 )
 
 __all__ = ["stop_on_signal", "note_run", "report_interrupt", "raise_if_interrupted", "interrupt_line",
-           "newest_complete_checkpoint", "noted_output_dir"]
+           "newest_complete_checkpoint", "noted_output_dir", "where_it_stands"]
 
 _RUN: dict = {"output_dir": None, "step": None, "max_steps": None}
 
@@ -58,16 +58,19 @@ def newest_complete_checkpoint(output_dir) -> Path | None:
 def interrupt_line(signum: int, output_dir, step: int | None, max_steps: int | None, command: str) -> str:
     name = signal.Signals(signum).name
     where = f"at step {step} of {max_steps}" if step is not None else "before training started"
+    return f"hf-zero: interrupted by {name} {where}; {where_it_stands(output_dir, command)}"
+
+
+def where_it_stands(output_dir, command: str) -> str:
+    """The newest complete checkpoint and the command that resumes from it."""
     checkpoint = newest_complete_checkpoint(output_dir)
     if checkpoint is not None:
         from hf_zero.checkpoint.store import checkpoint_step
 
-        then = f"newest complete checkpoint: {checkpoint} (step {checkpoint_step(checkpoint)}); resume with: {command}"
-    elif output_dir:
-        then = f"no complete checkpoint in {output_dir}, so running it again starts from step 0: {command}"
-    else:
-        then = f"run it again with: {command}"
-    return f"hf-zero: interrupted by {name} {where}; {then}"
+        return f"newest complete checkpoint: {checkpoint} (step {checkpoint_step(checkpoint)}); resume with: {command}"
+    if output_dir:
+        return f"no complete checkpoint in {output_dir}, so running it again starts from step 0: {command}"
+    return f"run it again with: {command}"
 
 
 def report_interrupt(signum: int) -> None:

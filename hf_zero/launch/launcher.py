@@ -23,7 +23,8 @@ import tempfile
 from pathlib import Path
 
 from hf_zero.core.errors import EXIT_USAGE, UserError
-from hf_zero.launch.worker import RESUME_ENV, STATUS_ENV, read_status
+from hf_zero.core.run_lock import LOCK_ENV, RunLock
+from hf_zero.launch.worker import LAUNCHER_PID_ENV, RESUME_ENV, STATUS_ENV, read_status
 
 __all__ = ["main", "VERBOSE_ENV", "quiet_environment"]
 
@@ -83,20 +84,49 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+def _reports(status: Path) -> dict[int, dict]:
+    return {r["rank"]: r for r in (read_status(status, p.name) for p in sorted(status.glob("error-rank*.json"))) if r}
+
+
 def _user_errors(status: Path) -> list[str]:
-    reports = [read_status(status, p.name) for p in sorted(status.glob("error-rank*.json"))]
-    return list(dict.fromkeys(r["line"] for r in reports if r and r.get("kind") == "user"))
+    # "lost a rank" is what the others see when a rank dies: not the mistake, and not worth exit code 2
+    reports = [r for r in _reports(status).values() if r.get("kind") == "user" and not r.get("lost_rank")]
+    return list(dict.fromkeys(r["line"] for r in reports))
 
 
-def _failed(status: Path, rank: int, exitcode: int) -> int:
+def _killed(status: Path, rank: int, signum: int, others: bool) -> int:
+    """A rank ended by a signal nobody in the run sent (the kernel's OOM killer, a person's kill -9): it could not
+    say anything itself."""
+    from hf_zero.launch.interrupt import where_it_stands
+
+    name = signal.Signals(signum).name
+    why = " (out of memory? `dmesg` lists what the kernel's OOM killer ended)" if signum == signal.SIGKILL else ""
+    after = "; the other ranks' errors above follow from it" if others else ""
+    output_dir = (read_status(status, "run.json") or {}).get("output_dir")
+    command = os.environ.get(RESUME_ENV) or "the same command"
+    _say(f"hf-zero: rank {rank} was killed by {name}{why}{after}; {where_it_stands(output_dir, command)}")
+    return 128 + signum
+
+
+def _failed(status: Path, exitcodes: dict[int, int], first: int) -> int:
+    """How a launch whose ranks failed ends. `exitcodes`: each failed rank's (negative: the signal that ended it);
+    `first`: the root cause by torch elastic's timestamps."""
     lines = _user_errors(status)
     if lines:
         for line in lines:
             _say(line)
-        return 2
+        return EXIT_USAGE
+    reports = _reports(status)
+    killed = [r for r, code in sorted(exitcodes.items()) if code < 0 and r not in reports
+              and -code not in (signal.SIGINT, signal.SIGTERM)]  # SIGINT/SIGTERM: the launcher stopping the rest
+    if killed:
+        return _killed(status, killed[0], -exitcodes[killed[0]], others=bool(reports))
+    if first in reports and reports[first].get("lost_rank"):  # the rank that was lost is the story
+        first = next((r for r in sorted(exitcodes) if not reports.get(r, {}).get("lost_rank")), first)
+    rank, exitcode = first, exitcodes[first]
     if exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM) and read_status(status, "interrupted.json"):
         return _interrupted(status, exitcode - 128)
-    bug = read_status(status, f"error-rank{rank}.json") or {}
+    bug = reports.get(rank) or {}
     if bug.get("traceback") and rank != 0:  # rank 0 printed its own; the other ranks' consoles are silent
         _say(bug["traceback"].rstrip())
     how = f"signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
@@ -122,7 +152,7 @@ def _on_sigterm(signum, frame):
     raise _Terminated(signum)
 
 
-def _resolve_plan(args, folder: Path) -> None:
+def _resolve_plan(args, folder: Path) -> Path | None:
     """The run plan, resolved here once before any rank starts, from the launch this process was given (the
     profile, and the process count, machines and precision hf_zero put on accelerate's command line); its path goes
     to every rank in the environment (hf_zero.core.plan)."""
@@ -132,14 +162,31 @@ def _resolve_plan(args, folder: Path) -> None:
     from hf_zero.core.profiles import load_profile
 
     if not args.config_file or not args.training_script.endswith(".py"):
-        return  # not a recipe under a profile: the ranks resolve it themselves, as under plain `accelerate launch`
+        return None  # not a recipe under a profile: the ranks resolve it themselves, as under `accelerate launch`
     profile = load_profile(args.config_file)
     if args.mixed_precision:
         profile = replace(profile, mixed_precision=args.mixed_precision)
     nodes = args.num_machines or profile.num_machines
     world = args.num_processes or profile.num_processes
-    os.environ[PLAN_ENV] = str(plan_for_launch(profile, args.training_script, args.training_script_args, world, nodes,
-                                               folder))
+    path = plan_for_launch(profile, args.training_script, args.training_script_args, world, nodes, folder)
+    os.environ[PLAN_ENV] = str(path)
+    return path
+
+
+def _lock_output(args, plan: Path | None) -> RunLock | None:
+    """Hold the run's output folder for the life of the launch, before any rank writes or moves a file in it (a
+    refused run changes nothing). Machine 0 holds it for the job: on a shared filesystem the other machines' lock
+    would be refused by machine 0's."""
+    if plan is None or (args.machine_rank or 0) != 0:
+        return None
+    from hf_zero.core.plan import RunPlan
+
+    lock = RunLock(RunPlan.from_json(plan.read_text()).output_dir)
+    line = lock.acquire()
+    if line:
+        _say(line)
+    os.environ[LOCK_ENV] = str(lock.path)  # rank 0 need not (and must not) take it again
+    return lock
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_environment()
     status = Path(tempfile.mkdtemp(prefix="hf_zero-run-"))
     os.environ[STATUS_ENV] = str(status)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank ends when this process ends (worker.py)
     if os.environ.get(VERBOSE_ENV) != "1":
         _quiet_launcher()
     from accelerate.commands.launch import launch_command, launch_command_parser
@@ -155,13 +203,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args = launch_command_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    lock = None
     try:
-        _resolve_plan(args, status)
+        lock = _lock_output(args, _resolve_plan(args, status))
         launch_command(args)
         return 0
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
-        return _failed(status, rank, failure.exitcode)
+        first, _ = err.get_first_failure()
+        return _failed(status, {r: f.exitcode for r, f in err.failures.items()}, first)
     except SignalException as err:  # torch elastic has passed the signal on to every rank and waited for them
         return _interrupted(status, int(err.sigval))
     except (KeyboardInterrupt, _Terminated) as err:
@@ -170,14 +219,17 @@ def main(argv: list[str] | None = None) -> int:
         _wait_children()
         return _interrupted(status, signum)
     except subprocess.CalledProcessError as err:  # one process (simple launcher), or a multi-node pdsh/MPI launcher
-        return _failed(status, 0, err.returncode)
+        return _failed(status, {0: err.returncode}, 0)
     except UserError as err:  # the plan could not be resolved: no rank was started
         _say(f"hf-zero: error: {err.line()}")
         return EXIT_USAGE
     finally:
         from hf_zero.core.plan import PLAN_ENV
 
-        os.environ.pop(PLAN_ENV, None)  # an in-process caller (hf-zero train, tests) must not pass it to a later launch
+        for name in (PLAN_ENV, LOCK_ENV, LAUNCHER_PID_ENV):  # an in-process caller (hf-zero train, tests) must
+            os.environ.pop(name, None)  # not pass them to a later launch
+        if lock is not None:
+            lock.release()
         shutil.rmtree(status, ignore_errors=True)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hf_zero.core.plan import RunPlan
 from hf_zero.core.profiles import Profile, one_rank_note
+from hf_zero.core.run_lock import hold_in_worker
 
 __all__ = ["RunContext", "setup_run", "print_banner", "write_summary", "main_process_print"]
 
@@ -63,6 +64,8 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     # The run plan (the launcher's run_plan.json, or resolved here under a plain `accelerate launch`): profile,
     # precision, ranks, batch and DeepSpeed dict come from it, never from re-reading the environment.
     parsed, stages, kwargs, plan = plan_in_worker(tuple(dataclass_types), argv, script or sys.argv[0])
+    # One run per output folder, before anything is written or moved in it (a refused run changes nothing).
+    hold_in_worker(kwargs["output_dir"])
     profile, world, config_path = plan.profile, plan.world, plan.config
     from hf_zero.core.plan import PLAN_ENV
     from hf_zero.core.profiles import profile_from_env
