@@ -164,8 +164,8 @@ def write_summary(ctx: RunContext, extra: dict, log_history: list | None = None)
         "run_plan": str(ctx.plan.path),
         "runtime_s": round(time.time() - ctx.started, 2),
         "config": ctx.config_path,
-        **extra,
         "settings": ctx.settings,  # what a re-run is compared with (checkpoint/compare.py)
+        **extra,
     }
     if log_history is not None:
         _write_json(ctx.output_dir / "log_history.json", log_history)
