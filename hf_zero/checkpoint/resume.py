@@ -4,7 +4,9 @@ checkpoints reshard on load by themselves), or stop with one line that says what
 
 Same command again -> resume from the latest complete checkpoint, or, when the run already finished (summary.json
 is written last), say so and touch nothing; `--fresh_start true` -> start from step 0 (everything the previous run
-wrote moves to previous-run/); `--resume_from_checkpoint DIR` -> that checkpoint.
+wrote moves to previous-run/); `--resume_from_checkpoint DIR` -> that checkpoint (on a finished run, what it wrote
+moves to previous-run/ first: it is never overwritten). Before any of this, what this run trains is compared with
+what the checkpoint (or the finished run) trained: checkpoint/compare.py.
 """
 
 from __future__ import annotations
@@ -175,9 +177,6 @@ def _choose(ctx, fresh_start: bool) -> dict:
         if archive is not None and checkpoint.parent.resolve() == out.resolve():
             checkpoint = archive / checkpoint.name
         _say(f"{out} held a finished run: what it wrote moved to {archive}; continuing from its {checkpoint.name}")
-    if changed:
-        diff = differences(meta["settings"], settings)
-        _say(f"applying from step {meta.get('global_step', '?')}: " + "; ".join(diff[k] for k in changed))
     stage = meta.get("stage") or {}
     where = f" (stage '{stage['name']}', {stage['steps_done']}/{stage['steps']} steps done)" if stage else ""
     ranks = (f"; written by {_ranks(meta.get('world_size'))}, converting for {_ranks(ctx.plan.world)}"
@@ -185,6 +184,9 @@ def _choose(ctx, fresh_start: bool) -> dict:
     if ctx.profile.uses_fsdp and meta.get("world_size") not in (None, ctx.plan.world):
         ranks = f"; written by {_ranks(meta.get('world_size'))}, resharded on load for {_ranks(ctx.plan.world)}"
     _say(f"resuming from {checkpoint} at step {meta.get('global_step', '?')}{where}{ranks}")
+    if changed:
+        diff = differences(meta["settings"], settings)
+        _say(f"applying from step {meta.get('global_step', '?')}: " + "; ".join(diff[k] for k in changed))
     return {"resume": str(checkpoint), "universal": universal}
 
 
