@@ -152,6 +152,13 @@ def test_resume_with_other_settings_is_refused_in_one_line(trained, tmp_path):
     # Adding LoRA changes the set of parameters: refused even when allowed, in one line (no KeyError).
     peft = recipe(config, out, "--use_peft", "true", "--allow_changes", "use_peft")
     one_error_line(peft, "use_peft False -> True", "LoRA adapters change the set of trained parameters")
+    # `hf-zero check` (the preflight of `hf-zero train`) makes the same comparison before anything starts.
+    check = subprocess.run(list(map(str, [sys.executable, "-m", "hf_zero.cli", "check", "--profile", "cpu", "--nproc",
+                                          "1", "--config", config, "--output-dir", out, "--learning_rate", "0.01"])),
+                           cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert check.returncode == 2, (check.stdout + check.stderr)[-3000:]
+    assert "FAIL output: resume: checkpoint-12 was trained with other settings: learning_rate 0.003 -> 0.01" in \
+        check.stdout
     assert snapshot(out) == before
 
 

@@ -111,9 +111,10 @@ def _show(value) -> str:
 
 
 def differences(recorded: dict, current: dict) -> dict[str, str]:
-    """key -> "old -> new" for every setting that differs (a key one side lacks counts as unset there)."""
+    """key -> "old -> new" for every setting that differs. A key only one side has is a setting the other's
+    hf_zero did not know (or a LoRA value without LoRA): nothing to compare."""
     out = {}
-    for key in sorted(set(recorded) | set(current)):
+    for key in sorted(set(recorded) & set(current)):
         if key in NOT_COMPARED:
             continue
         old, new = recorded.get(key), current.get(key)
