@@ -4,17 +4,21 @@ checkpoints reshard on load by themselves), or stop with one line that says what
 
 Same command again -> resume from the latest complete checkpoint, or, when the run already finished (summary.json
 is written last), say so and touch nothing; `--fresh_start true` -> start from step 0 (everything the previous run
-wrote moves to previous-run/); `--resume_from_checkpoint DIR` -> that checkpoint.
+wrote moves to previous-run/); `--resume_from_checkpoint DIR` -> that checkpoint (on a finished run, what it wrote
+moves to previous-run/ first: it is never overwritten). Before any of this, what this run trains is compared with
+what the checkpoint (or the finished run) trained: checkpoint/compare.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, differences
 from hf_zero.checkpoint.store import (
     _TRASH_DIR,
     STAGING_DIR,
@@ -136,7 +140,11 @@ def _choose(ctx, fresh_start: bool) -> dict:
         if archive is not None:
             _say(f"fresh start: what the previous run wrote moved to {archive}")
         return {"resume": None, "universal": False}
-    if (out / "summary.json").is_file() and not ctx.training_args.resume_from_checkpoint:
+    settings = getattr(ctx, "settings", None)  # what this run trains (checkpoint/compare.py)
+    finished = (out / "summary.json").is_file()
+    if finished and not ctx.training_args.resume_from_checkpoint:
+        if settings is not None:
+            check_finished_settings(out, _read_json(out / "summary.json").get("settings"), settings)
         return {"complete": complete_message(out)}
     for leftover in (out / STAGING_DIR, out / _TRASH_DIR):
         if leftover.is_dir():
@@ -159,6 +167,16 @@ def _choose(ctx, fresh_start: bool) -> dict:
         checkpoint = Path(found)
     meta = read_metadata(checkpoint)
     universal = _check_compatible(checkpoint, meta, ctx)
+    changed = []
+    if settings is not None:
+        changed = check_resume_settings(checkpoint.name, meta.get("settings"), settings,
+                                        getattr(ctx.training_args, "allow_changes", None))
+    if finished:
+        # A finished run is never overwritten: its results move aside first, as for --fresh_start.
+        archive = archive_checkpoints(out)
+        if archive is not None and checkpoint.parent.resolve() == out.resolve():
+            checkpoint = archive / checkpoint.name
+        _say(f"{out} held a finished run: what it wrote moved to {archive}; continuing from its {checkpoint.name}")
     stage = meta.get("stage") or {}
     where = f" (stage '{stage['name']}', {stage['steps_done']}/{stage['steps']} steps done)" if stage else ""
     ranks = (f"; written by {_ranks(meta.get('world_size'))}, converting for {_ranks(ctx.plan.world)}"
@@ -166,16 +184,21 @@ def _choose(ctx, fresh_start: bool) -> dict:
     if ctx.profile.uses_fsdp and meta.get("world_size") not in (None, ctx.plan.world):
         ranks = f"; written by {_ranks(meta.get('world_size'))}, resharded on load for {_ranks(ctx.plan.world)}"
     _say(f"resuming from {checkpoint} at step {meta.get('global_step', '?')}{where}{ranks}")
+    if changed:
+        diff = differences(meta["settings"], settings)
+        _say(f"applying from step {meta.get('global_step', '?')}: " + "; ".join(diff[k] for k in changed))
     return {"resume": str(checkpoint), "universal": universal}
 
 
-def complete_message(out: Path) -> str:
-    import json
-
+def _read_json(path: Path) -> dict:
     try:
-        summary = json.loads((out / "summary.json").read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
-        summary = {}
+        return {}
+
+
+def complete_message(out: Path) -> str:
+    summary = _read_json(out / "summary.json")
     before, after = summary.get("eval_loss_before"), summary.get("eval_loss_after")
     result = f"eval loss {before:.4f} -> {after:.4f}; " if isinstance(before, float) and isinstance(after, float) else ""
     model = summary.get("final_dir") or out / "final"

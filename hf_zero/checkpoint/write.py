@@ -24,6 +24,7 @@ from hf_zero.checkpoint.store import (
     write_json_atomic,
     write_manifest,
 )
+from hf_zero.checkpoint.compare import current_settings
 from hf_zero.core.files import human_bytes
 
 __all__ = ["CheckpointCallback", "build_checkpoint_metadata", "complete_checkpoint", "verify_saved_model", "is_disk_full",
@@ -90,6 +91,7 @@ def build_checkpoint_metadata(trainer) -> dict:
         "base_model_path": getattr(getattr(trainer.model, "config", None), "_name_or_path", None),
         "trainable_params": count_parameters(trainer.model)[0],
         "seed": args.seed,
+        "settings": current_settings(),  # what a resume is compared with (checkpoint/compare.py)
         "versions": _versions(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -86,6 +86,11 @@ class CurriculumArguments(TrainingArguments):
     fresh_start: bool = field(
         default=False, metadata={"help": "Ignore checkpoints in output_dir and start from step 0."}
     )
+    allow_changes: list[str] | None = field(
+        default=None,
+        metadata={"help": "Settings a resume may change (comma- or space-separated, e.g. learning_rate,seed,stages): "
+                          "the new values apply from the checkpoint's step. Without it any difference is refused."},
+    )
     packing: bool = field(
         default=False,
         metadata={"help": "Pack each stage's documents whole into rows of max_seq_length tokens (less padding); "

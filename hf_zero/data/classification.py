@@ -50,6 +50,10 @@ class ClassificationArguments(TrainingArguments):
         default=None,
         metadata={"help": "Fix the global batch: gradient accumulation = global / (micro batch x world size)."})
     fresh_start: bool = field(default=False, metadata={"help": "Ignore checkpoints in output_dir and start from step 0."})
+    allow_changes: list[str] | None = field(
+        default=None,
+        metadata={"help": "Settings a resume may change (comma- or space-separated, e.g. learning_rate,seed,stages): "
+                          "the new values apply from the checkpoint's step. Without it any difference is refused."})
 
     @staticmethod
     def clean_values(values: dict) -> None:

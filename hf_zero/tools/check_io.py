@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
+from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, run_settings
 from hf_zero.core.errors import UserError
 
 
@@ -100,8 +101,10 @@ def _output(st):
     from hf_zero.data.curriculum import build_schedule
     from hf_zero.tools.check_rules import output_needs, verify_output
 
-    *_, stages, training = st.parsed
+    *instances, stages, training = st.parsed
     where = st.args.output_dir or training["output_dir"]
+    if not st.value("fresh_start"):
+        _compare_with_output(where, run_settings(instances, stages, training), training)
     if (Path(where) / "summary.json").is_file() and not st.value("fresh_start") and not training.get(
             "resume_from_checkpoint"):
         st.args.finished_run = where  # `hf-zero train` says so without launching
@@ -115,3 +118,29 @@ def _output(st):
         steps = sum(int(s.get("steps") or 0) for s in st.raw.get("stages") or [] if isinstance(s, dict))
     needed, what, _ = output_needs(st.count, st.profile, st.nproc, training, steps)
     return verify_output(where, needed, what)
+
+
+def _compare_with_output(where, settings: dict, training: dict) -> None:
+    """The ranks' comparison (checkpoint/compare.py), before any launch: a finished run asked with other settings,
+    or the checkpoint a resume would take trained with other settings, is one line here."""
+    import json
+
+    from hf_zero.checkpoint.store import list_checkpoints, read_metadata, validate_checkpoint
+
+    out = Path(where)
+    asked = training.get("resume_from_checkpoint")
+    if (out / "summary.json").is_file() and not asked:
+        try:
+            recorded = json.loads((out / "summary.json").read_text()).get("settings")
+        except (OSError, ValueError):
+            recorded = None
+        check_finished_settings(where, recorded, settings)
+        return
+    if asked:
+        checkpoint = Path(asked) if Path(asked).is_dir() else None
+    else:  # the newest complete one, as the ranks pick it (sizes only: checksums are the ranks' to read)
+        checkpoint = next((c for c in reversed(list_checkpoints(out)) if validate_checkpoint(c, checksums=False)
+                           is None), None)
+    if checkpoint is not None:
+        check_resume_settings(checkpoint.name, read_metadata(checkpoint).get("settings"), settings,
+                              training.get("allow_changes"))

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hf_zero.checkpoint.compare import note_settings, run_settings
 from hf_zero.core.plan import RunPlan
 from hf_zero.core.profiles import Profile, one_rank_note
 from hf_zero.core.run_lock import hold_in_worker
@@ -23,6 +24,7 @@ class RunContext:
     training_args: object  # the recipe's TrainingArguments subclass, built once from its values and the plan
     plan: RunPlan  # profile, precision, ranks, batch: read from here, never re-derived
     started: float = field(default_factory=time.time)
+    settings: dict = field(default_factory=dict)  # what it trains (checkpoint/compare.py), recorded and compared
 
     @property
     def output_dir(self) -> Path:
@@ -116,7 +118,8 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     prepare_assets_in_worker(training_args, model, [d for s in stages for d in s.data])
     # NVMe and output room for the model's size, now that its config is in the cache; still before any engine.
     check_room_at_start(profile, kwargs, tuple(parsed), stages, world)
-    return RunContext(tuple(parsed), stages, training_args, plan)
+    settings = note_settings(run_settings(tuple(parsed), stages, kwargs))  # checkpoints record them too
+    return RunContext(tuple(parsed), stages, training_args, plan, settings=settings)
 
 
 def print_banner(ctx: RunContext, trainable: int, total: int) -> None:
@@ -164,6 +167,7 @@ def write_summary(ctx: RunContext, extra: dict, log_history: list | None = None)
         "run_plan": str(ctx.plan.path),
         "runtime_s": round(time.time() - ctx.started, 2),
         "config": ctx.config_path,
+        "settings": ctx.settings,  # what a re-run is compared with (checkpoint/compare.py)
         **extra,
     }
     if log_history is not None:

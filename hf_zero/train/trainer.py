@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from hf_zero.checkpoint.staging import StagedCheckpointMixin
 from hf_zero.data.curriculum import CurriculumCallback, CurriculumSchedule
@@ -56,6 +56,32 @@ class CurriculumTrainer(FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
                 metrics[f"{metric_key_prefix}_loss"] = sum(losses) / len(losses)
         return metrics
 
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        # This run's hyper-parameters per group, before a checkpoint's optimizer state replaces them on resume.
+        self.fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        return optimizer
+
+    def continue_with_this_runs_settings(self) -> None:
+        """After a checkpoint was loaded (optimizer state and scheduler.pt): the optimizer's hyper-parameters are
+        this run's, and the LR follows this run's schedule from the checkpoint's step. The loaded scheduler kept
+        the old run's base LR, which LambdaLR multiplies by this run's lambda (new stage LR / new base LR): another
+        base LR scaled every step after the resume (checkpoint/compare.py refuses that unless allowed). When nothing
+        changed this sets the values that were loaded."""
+        scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # accelerate's wrapper
+        fresh = getattr(self, "fresh_groups", None)
+        groups = scheduler.optimizer.param_groups
+        if not fresh or len(fresh) != len(groups) or not hasattr(scheduler, "lr_lambdas"):
+            return
+        for group, new in zip(groups, fresh):
+            group.update({k: v for k, v in new.items() if k not in ("lr", "initial_lr")})
+            group["initial_lr"] = new["lr"]
+        scheduler.base_lrs = [new["lr"] for new in fresh]
+        step = scheduler.last_epoch  # the scheduler's position: the checkpoint's step
+        scheduler._last_lr = [base * f(step) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, lr in zip(groups, scheduler._last_lr):
+            group["lr"] = lr
+
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         """Each stage's own peak LR, warmup and decay, as one LambdaLR over the optimizer's base LR."""
         import torch
@@ -80,6 +106,8 @@ class CurriculumTrainer(FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
             from hf_zero.checkpoint.resume import Zero3UniversalFix
 
             self.add_callback(Zero3UniversalFix(resume_from_checkpoint))
+        if resume_from_checkpoint:
+            self.add_callback(_ThisRunsSettings(self))  # after the fix above, which restores the saved groups
         with waiting_for("the other ranks during training (a step's collectives, an evaluation or a checkpoint)"):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
@@ -90,6 +118,17 @@ class CurriculumTrainer(FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
         for key in [k for k in logs if k.startswith("eval_") and k.endswith("_loss")]:
             logs[key[: -len("_loss")] + "_perplexity"] = math.exp(min(logs[key], 50.0))
         super().log(logs, start_time)
+
+
+class _ThisRunsSettings(TrainerCallback):
+    """On resume, once the checkpoint is loaded and before the first step: CurriculumTrainer's
+    continue_with_this_runs_settings."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.continue_with_this_runs_settings()
 
 
 def eval_rounds(log_history: list[dict]) -> dict[int, dict[str, float]]:
