@@ -156,6 +156,10 @@ def safe_load(path, raw_pickle: bool = False):
         return _ORIGINAL_LOAD[0](path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as err:
         raise refusal(path, _unsafe_type(str(err))) from None
+    except (OSError, EOFError, ValueError, RuntimeError, TypeError, AttributeError) as err:
+        # Truncated or corrupt: no payload ran, but nothing in it can be trusted to load either.
+        raise UserError("checkpoint", f"{path} cannot be read ({str(err).splitlines()[0][:120]})",
+                        "pick an earlier checkpoint") from None
 
 
 def _is_pickle(path: Path) -> str | None:
