@@ -92,8 +92,9 @@ def allowed_globals() -> list:
 
 
 def _register() -> None:
-    """The allowlist for the whole process, once: torch's safe_globals context removes its globals on exit, which
-    would unregister them under an enclosing guard; every type in it is data, safe to build anywhere."""
+    """The allowlist for the whole process, once (torch's safe_globals context removes its globals on exit, also
+    under an enclosing guard). Registered as (object, name) pairs, so transformers' own numpy context, which
+    removes the bare objects on exit, leaves them in place."""
     import torch
 
     if not _STATE["registered"]:
