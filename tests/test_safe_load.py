@@ -2,8 +2,10 @@
 with hf_zero's allowlist; a crafted one is refused in one line naming the file and the type, by resume (on every
 rank, printed once) and export, before anything runs it. One real 2-rank zero2 run provides the checkpoint."""
 
+import io
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, launch_recipe
 
+from hf_zero.checkpoint.resume import _choose, convert_to_universal
 from hf_zero.checkpoint.safe_load import (
     ALLOWED,
     FORCE_ENV,
@@ -23,6 +26,7 @@ from hf_zero.checkpoint.safe_load import (
     safe_checkpoint_loading,
 )
 from hf_zero.checkpoint.store import MANIFEST_NAME, crc32_of, file_sizes, write_manifest
+from hf_zero.cli import main
 from hf_zero.core.errors import UserError
 
 
@@ -76,9 +80,7 @@ def test_every_pickle_of_a_real_checkpoint_loads_under_the_allowlist(trained):
     # The allowlist holds what these files need beyond torch's defaults: nothing is missing from it.
     needed = set()
     for path in files:
-        with torch.serialization._open_zipfile_reader(open(path, "rb")) as z:
-            import io
-
+        with open(path, "rb") as f, torch.serialization._open_zipfile_reader(f) as z:
             needed |= wo.get_globals_in_pkl(io.BytesIO(z.get_record("data.pkl")))
     needed -= set(wo._get_allowed_globals())
     assert needed and needed <= set(ALLOWED), needed - set(ALLOWED)
@@ -108,8 +110,6 @@ def test_resume_refuses_a_payload_in_the_model_states_on_every_rank_in_one_line(
     assert proc.returncode == 2 and out.count(line) == 1 and "Traceback" not in out, out[-3000:]
     assert not marker.exists()
     # The same file refused by export.
-    from hf_zero.cli import main
-
     assert main(["export", str(checkpoint), "--out", str(tmp_path / "exported")]) == 2
     assert not marker.exists() and not (tmp_path / "exported").exists()
 
@@ -117,9 +117,6 @@ def test_resume_refuses_a_payload_in_the_model_states_on_every_rank_in_one_line(
 @pytest.mark.multiproc
 @pytest.mark.parametrize("rel", ["rng_state_1.pth", "training_args.bin"])
 def test_a_foreign_checkpoint_given_by_flag_is_checked_file_by_file(trained, tmp_path, rel, capsys):
-    from hf_zero.checkpoint.resume import _choose
-    from hf_zero.cli import main
-
     checkpoint = tmp_path / "checkpoint-15"
     shutil.copytree(trained / "checkpoint-15", checkpoint)
     (checkpoint / MANIFEST_NAME).unlink()  # not written by hf_zero: no manifest to check first
@@ -161,8 +158,6 @@ def test_the_guard_makes_every_torch_load_weights_only_even_deepspeeds(tmp_path)
 
 def test_distributed_checkpoint_metadata_and_byte_items_are_checked(tmp_path):
     """FSDP2's checkpoints: torch reads .metadata with plain pickle and non-tensor items with weights_only=False."""
-    import pickle
-
     import torch.distributed.checkpoint as dcp
 
     model = torch.nn.Linear(2, 2)
@@ -181,8 +176,6 @@ def test_distributed_checkpoint_metadata_and_byte_items_are_checked(tmp_path):
     # A byte item of the .distcp replaced by a payload of the same length (DCP records offsets and lengths).
     meta = pickle.load(open(folder / ".metadata", "rb"))
     index, info = next((i, s) for i, s in meta.storage_data.items() if "param_groups" in i.fqn)
-    import io
-
     blob = io.BytesIO()
     torch.save(Payload(marker), blob)
     meta.storage_data[index] = type(info)(info.relative_path, os.path.getsize(folder / info.relative_path),
@@ -198,8 +191,6 @@ def test_distributed_checkpoint_metadata_and_byte_items_are_checked(tmp_path):
 @pytest.mark.multiproc
 def test_ds_to_universal_runs_under_the_guard(trained, tmp_path):
     """The rank-count conversion is a subprocess of DeepSpeed's: a payload it would load is refused there too."""
-    from hf_zero.checkpoint.resume import convert_to_universal
-
     checkpoint = tmp_path / "checkpoint-15"
     shutil.copytree(trained / "checkpoint-15", checkpoint)
     marker = tmp_path / "pwned"
