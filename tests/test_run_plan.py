@@ -6,9 +6,9 @@ import json
 import sys
 
 import pytest
-import torch
 from conftest import REPO, TINY, run_cmd
 
+from hf_zero.checkpoint.safe_load import safe_load
 from hf_zero.core.errors import UserError
 from hf_zero.core.plan import PLAN_ENV, PLAN_NAME, RunPlan, plan_for_launch, plan_in_worker, resolve_run
 from hf_zero.core.profiles import load_profile
@@ -69,7 +69,7 @@ def test_nproc_and_precision_given_once_reach_the_worker_the_checkpoints_and_the
     assert (plan["batch"]["world"], plan["profile"]["mixed_precision"], plan["training"]["bf16"]) == (1, "bf16", True)
     assert "world size 1 |" in proc.stdout and "precision: bf16" in proc.stdout  # the worker's banner
     checkpoint = out / "checkpoint-10"
-    args = torch.load(checkpoint / "training_args.bin", weights_only=False)  # what the worker's Trainer ran with
+    args = safe_load(checkpoint / "training_args.bin")  # what the worker's Trainer ran with
     assert args.bf16 and args.deepspeed["zero_optimization"]["stage"] == 2
     meta = json.loads((checkpoint / "hf_zero_checkpoint.json").read_text())
     summary = json.loads((out / "summary.json").read_text())

@@ -16,6 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
+from hf_zero.checkpoint.safe_load import check_checkpoint, safe_checkpoint_loading
 from hf_zero.core.errors import UserError
 
 __all__ = ["add_arguments", "run", "export_checkpoint", "DTYPES"]
@@ -58,6 +59,7 @@ def _resolve_checkpoint(path: str) -> Path:
         folder = Path(found)
     if (folder / MANIFEST_NAME).is_file() and (problem := validate_checkpoint(folder)):
         raise UserError("CHECKPOINT", f"{folder.name} is damaged: {problem}", "export an earlier checkpoint")
+    check_checkpoint(folder)  # with or without a manifest: every pickle loads under the safe loader, or none is read
     if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
         raise UserError("CHECKPOINT", f"{folder} has no config.json or adapter_config.json",
                         "give a checkpoint written by the Trainer (checkpoint-N)")
@@ -219,10 +221,11 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "fp32", merge_lora
     tmp = target.with_name(target.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    if is_lora:
-        count = _export_lora(folder, tmp, torch_dtype, merge_lora, base_model)
-    else:
-        count = _export_full(folder, tmp, torch_dtype)
+    with safe_checkpoint_loading():  # zero_to_fp32 loads the shards with weights_only=False
+        if is_lora:
+            count = _export_lora(folder, tmp, torch_dtype, merge_lora, base_model)
+        else:
+            count = _export_full(folder, tmp, torch_dtype)
     _copy_processor_files(folder, tmp)
     from hf_zero.checkpoint.final import make_shareable
 

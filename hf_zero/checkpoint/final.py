@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["save_final_model", "verify_saved_weights", "SavedModelMismatch", "make_shareable"]
+__all__ = ["save_final_model", "verify_saved_weights", "SavedModelMismatch", "make_shareable", "write_training_args"]
 
 
 class SavedModelMismatch(RuntimeError):
@@ -109,5 +109,13 @@ def save_final_model(trainer, folder: Path) -> Path:
             trainer.model
         verify_saved_weights(model, folder)
     if trainer.is_world_process_zero():
+        write_training_args(trainer.args, folder)
         make_shareable(folder)
     return folder
+
+
+def write_training_args(args, folder: Path) -> None:
+    """The training arguments as JSON (`training_args.json`) in place of the Trainer's pickled training_args.bin: a
+    shipped model holds no pickle, so whoever loads it runs no code from it."""
+    (Path(folder) / "training_args.bin").unlink(missing_ok=True)
+    (Path(folder) / "training_args.json").write_text(args.to_json_string())

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, differences
+from hf_zero.checkpoint.safe_load import check_checkpoint, safe_load
 from hf_zero.checkpoint.store import (
     _TRASH_DIR,
     STAGING_DIR,
@@ -33,6 +34,7 @@ from hf_zero.core.lazy import trainer_callback
 __all__ = ["prepare_resume", "complete_message", "convert_to_universal", "Zero3UniversalFix", "UNIVERSAL_SUFFIX"]
 
 UNIVERSAL_SUFFIX = "_universal"
+_REFUSED = "hf-zero: error: checkpoint: "
 
 
 def _say(message: str) -> None:
@@ -116,13 +118,17 @@ def convert_to_universal(checkpoint: Path) -> Path:
         shutil.rmtree(stale, ignore_errors=True)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
                                                             "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    # --inject_missing_state: ZeRO-1/2 checkpoints lack state the converter wants; harmless for ZeRO-3.
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(checkpoint / tag),
-           "--output_folder", str(tmp), "--inject_missing_state", "--num_extract_workers", "1",
-           "--num_merge_workers", "1"]
+    # --inject_missing_state: ZeRO-1/2 checkpoints lack state the converter wants; harmless for ZeRO-3. The
+    # converter loads every shard with weights_only=False: it runs under hf_zero's safe loader.
+    cmd = [sys.executable, "-m", "hf_zero.checkpoint.safe_load", "deepspeed.checkpoint.ds_to_universal",
+           "--input_folder", str(checkpoint / tag), "--output_folder", str(tmp), "--inject_missing_state",
+           "--num_extract_workers", "1", "--num_merge_workers", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         last = ([ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()] or ["no output"])[-1]
+        if last.startswith(_REFUSED):  # the safe loader's one line: passed on as it is
+            field, rest = last[len("hf-zero: error: "):].split(": ", 1)
+            raise UserError(field, *rest.split("; ", 1))
         raise UserError("resume", f"DeepSpeed could not convert {checkpoint.name} for another number of ranks "
                         f"({last.strip()[:160]})", "resume with the number of processes that wrote it, or "
                         f"`hf-zero export {checkpoint} --out DIR` and start a new run from DIR")
@@ -165,6 +171,9 @@ def _choose(ctx, fresh_start: bool) -> dict:
         if found is None:
             return {"resume": None, "universal": False}
         checkpoint = Path(found)
+    # A manifest proves the files are the ones written, not who wrote them: every pickle is loaded under the safe
+    # loader here, on rank 0, before any rank's engine reads one.
+    check_checkpoint(checkpoint)
     meta = read_metadata(checkpoint)
     universal = _check_compatible(checkpoint, meta, ctx)
     changed = []
@@ -259,7 +268,7 @@ class Zero3UniversalFix(trainer_callback()):
             if state is not None and torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
         tag = (self.checkpoint / "latest_universal").read_text().strip()
-        saved = torch.load(self.checkpoint / tag / "zero" / "optimizer_state.pt", weights_only=False)
+        saved = safe_load(self.checkpoint / tag / "zero" / "optimizer_state.pt")
         groups = saved["optimizer_state_dict"]["param_groups"]
         if len(groups) != len(inner.param_groups):
             _say(f"warning: {len(groups)} saved param groups vs {len(inner.param_groups)}; "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+from hf_zero.checkpoint.safe_load import safe_checkpoint_loading
 from hf_zero.train.run import RunContext, main_process_print, print_banner
 
 __all__ = ["start", "lay_out", "attach_probes", "announce", "train", "summary_fields", "loss_words"]
@@ -70,10 +71,12 @@ def announce(ctx: RunContext, schedule, trainable: int, total: int, *lines: str)
 
 def train(trainer, resume: str | None):
     """One train() for every stage, from `resume` when there is one; after Ctrl-C / SIGTERM every rank stops here
-    with the one line that says where the run stands."""
+    with the one line that says where the run stands. Every checkpoint the Trainer or DeepSpeed loads meanwhile
+    goes through the safe loader (hf_zero.checkpoint.safe_load)."""
     from hf_zero.launch.interrupt import raise_if_interrupted
 
-    result = trainer.train(resume_from_checkpoint=resume)
+    with safe_checkpoint_loading():
+        result = trainer.train(resume_from_checkpoint=resume)
     raise_if_interrupted(trainer)
     return result
 

@@ -1,0 +1,263 @@
+"""No code runs from a checkpoint: every pickle read from a checkpoint or a final model goes through torch's
+weights-only unpickler (or, for the pickles torch's distributed checkpoint reads with plain `pickle`, an unpickler
+with the same allowlist), which builds tensors, containers and the few types below and nothing else.
+
+- `safe_checkpoint_loading()`: for the duration of a resume, an export or a conversion, every `torch.load` in the
+  process is weights-only with the allowlist, whatever its caller asks for (DeepSpeed's checkpoint engine,
+  zero_to_fp32, ds_to_universal and torch's distributed checkpoint all pass weights_only=False). torch honours
+  TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 even over an explicit weights_only=False (torch/serialization.py `load`), which
+  also reaches subprocesses; `torch.load` itself is wrapped only to name the refused file.
+- `check_checkpoint(folder)`: every pickle of a checkpoint loaded under that loader before any engine reads it (zip
+  files memory-mapped, so no tensor data is read), refusing the first file that holds anything else in one line.
+- `python -m hf_zero.checkpoint.safe_load MODULE ARGS`: runs a module (DeepSpeed's ds_to_universal) under the guard.
+
+The allowlist is what DeepSpeed, the Trainer, accelerate and torch's distributed checkpoint write into checkpoints
+of the zero1/2/3, fsdp2 and ddp profiles (found with torch.serialization.get_unsafe_globals_in_checkpoint on real
+ones; tests/test_safe_load.py loads every file of a real checkpoint with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import os
+import pickle
+import re
+import runpy
+import sys
+import zipfile
+from pathlib import Path
+
+from hf_zero.core.errors import EXIT_USAGE, UserError
+
+__all__ = ["FORCE_ENV", "ALLOWED", "allowed_globals", "safe_checkpoint_loading", "check_checkpoint", "safe_load",
+           "refusal"]
+
+FORCE_ENV = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+
+# "module.name" of every type a checkpoint may hold beyond torch's own defaults (tensors, containers, dtypes).
+ALLOWED = (
+    # DeepSpeed optimizer shards (ZeRO-1/2/3) and universal checkpoints
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    # the Trainer's rng_state*.pth (numpy's RNG state), as transformers.trainer_pt_utils.safe_globals allows
+    "numpy._core.multiarray._reconstruct",
+    "numpy.ndarray",
+    "numpy.dtype",
+    "numpy.dtypes.UInt32DType",
+    # training_args.bin: the recipes' TrainingArguments and what they hold
+    "hf_zero.core.config.CurriculumArguments",
+    "hf_zero.data.classification.ClassificationArguments",
+    "transformers.training_args.OptimizerNames",
+    "transformers.trainer_utils.SchedulerType",
+    "transformers.trainer_utils.SaveStrategy",
+    "transformers.trainer_utils.IntervalStrategy",
+    "transformers.trainer_utils.HubStrategy",
+    "transformers.trainer_pt_utils.AcceleratorConfig",
+    "transformers.integrations.deepspeed.HfDeepSpeedConfig",
+    "transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig",
+    "accelerate.state.PartialState",
+    "accelerate.utils.dataclasses.DistributedType",
+    "accelerate.utils.dataclasses.DeepSpeedPlugin",
+    # torch distributed checkpoint (FSDP2): the .metadata file, read by torch with plain pickle
+    "torch.distributed.checkpoint.metadata.Metadata",
+    "torch.distributed.checkpoint.metadata.MetadataIndex",
+    "torch.distributed.checkpoint.metadata.StorageMeta",
+    "torch.distributed.checkpoint.metadata.TensorProperties",
+    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "torch.serialization._get_layout",
+    "torch.Size",
+    "pathlib.PosixPath",
+)
+_ORIGINAL_LOAD: list = []  # torch.load as torch defines it, kept while the guard wraps it
+_FIX = ("hf_zero loads only tensors and the training state DeepSpeed, the Trainer and torch write; use a checkpoint "
+        "from a run you trust, or re-save its weights as safetensors")
+_STATE = {"depth": 0, "registered": False}
+
+
+def _resolve(name: str):
+    module, attr = name.rsplit(".", 1)
+    return getattr(importlib.import_module(module), attr)
+
+
+def allowed_globals() -> list:
+    """The allowlisted objects, each under the name checkpoints record it by (numpy's moved modules included)."""
+    return [(_resolve(name), name) for name in ALLOWED]
+
+
+def _register() -> None:
+    """The allowlist for the whole process, once (torch's safe_globals context removes its globals on exit, also
+    under an enclosing guard). Registered as (object, name) pairs, so transformers' own numpy context, which
+    removes the bare objects on exit, leaves them in place."""
+    import torch
+
+    if not _STATE["registered"]:
+        torch.serialization.add_safe_globals(allowed_globals())
+        _STATE["registered"] = True
+    if not _ORIGINAL_LOAD:
+        _ORIGINAL_LOAD.append(torch.load)
+
+
+def refusal(file, what: str) -> UserError:
+    return UserError("checkpoint", f"{file} holds {what}, which hf_zero does not load", _FIX)
+
+
+def _unsafe_type(message: str) -> str:
+    """The refused type, from the weights-only unpickler's message (the payload is never built, only named)."""
+    m = (re.search(r"GLOBAL (\S+) was not an allowed global", message)
+         or re.search(r"GLOBAL (\S+) whose module", message)
+         or re.search(r"(?:function|but got) <?(?:class |function |built-in function )?'?([\w.]+)", message))
+    return m.group(1) if m else "a type outside the allowlist"
+
+
+def _file_name(f) -> str:
+    return os.fspath(f) if isinstance(f, (str, os.PathLike)) else getattr(f, "name", "a checkpoint file")
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Plain pickles (torch's distributed checkpoint .metadata): the allowlist and torch dtypes, nothing else; the
+    weights-only unpickler reads only protocol 2, these are protocol 4."""
+
+    def find_class(self, module, name):
+        import torch
+
+        full = f"{module}.{name}"
+        if full in ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {full} was not an allowed global")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("Unsupported global: GLOBAL persistent_id was not an allowed global")
+
+
+def _load_raw(path: Path):
+    """Every pickle in the file, one after another (a file may chain several): the first one's value."""
+    values = []
+    with open(path, "rb") as f:
+        end = os.fstat(f.fileno()).st_size
+        while f.tell() < end:
+            values.append(_RestrictedUnpickler(f).load())
+    return values[0] if values else None
+
+
+def safe_load(path, raw_pickle: bool = False):
+    """Load one checkpoint pickle under the allowlist (mmap: no tensor data is read), or raise the refusal."""
+    _register()
+    try:
+        if raw_pickle:
+            return _load_raw(Path(path))
+        return _ORIGINAL_LOAD[0](path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        raise refusal(path, _unsafe_type(str(err))) from None
+    except (OSError, EOFError, ValueError, RuntimeError, TypeError, AttributeError) as err:
+        # Truncated or corrupt: no payload ran, but nothing in it can be trusted to load either.
+        raise UserError("checkpoint", f"{path} cannot be read ({str(err).splitlines()[0][:120]})",
+                        "pick an earlier checkpoint") from None
+
+
+def _is_pickle(path: Path) -> str | None:
+    """"zip" (torch.save), "raw" (a plain pickle), or None (safetensors, JSON, text: nothing to unpickle)."""
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if head == b"PK" and zipfile.is_zipfile(path):
+        return "zip"
+    return "raw" if head[:1] == b"\x80" else None
+
+
+def _check_dcp_bytes(folder: Path, metadata) -> None:
+    """The non-tensor items of a distributed checkpoint (torch.save'd bytes inside the .distcp files, which torch
+    loads with weights_only=False): each through the weights-only loader. Tensor items torch loads weights-only."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    byte_keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in byte_keys:
+            continue
+        with open(folder / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            blob = io.BytesIO(f.read(info.length))
+        try:
+            _ORIGINAL_LOAD[0](blob, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise refusal(folder / info.relative_path, _unsafe_type(str(err))) from None
+
+
+def check_checkpoint(folder) -> int:
+    """Load every pickle under `folder` with the safe loader; the first one holding anything else is refused
+    (UserError). Returns how many files were checked."""
+    _register()
+    checked = 0
+    for path in sorted(Path(folder).rglob("*")):
+        if not path.is_file() or path.suffix in (".safetensors", ".json", ".py", ".txt", ".distcp"):
+            continue
+        kind = _is_pickle(path)
+        if kind is None:
+            continue
+        loaded = safe_load(path, raw_pickle=kind == "raw")
+        if path.name == ".metadata" and hasattr(loaded, "storage_data"):
+            _check_dcp_bytes(path.parent, loaded)
+        checked += 1
+    return checked
+
+
+def _guarded_load(f, map_location=None, pickle_module=None, *, weights_only=None, **kwargs):
+    # pickle_module is dropped: torch refuses it with weights_only, and no allowlisted load needs one.
+    try:
+        return _ORIGINAL_LOAD[0](f, map_location, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as err:
+        raise refusal(_file_name(f), _unsafe_type(str(err))) from None
+
+
+@contextlib.contextmanager
+def safe_checkpoint_loading():
+    """Every torch.load in this process (and the environment of any subprocess started meanwhile) weights-only with
+    the allowlist; a refused file raises UserError naming it. Re-entrant."""
+    import torch
+
+    _register()
+    if _STATE["depth"]:
+        _STATE["depth"] += 1
+        try:
+            yield
+        finally:
+            _STATE["depth"] -= 1
+        return
+    before = os.environ.get(FORCE_ENV)
+    os.environ[FORCE_ENV] = "1"
+    torch.load = torch.serialization.load = _guarded_load
+    _STATE["depth"] = 1
+    try:
+        yield
+    finally:
+        _STATE["depth"] = 0
+        torch.load = torch.serialization.load = _ORIGINAL_LOAD[0]
+        if before is None:
+            os.environ.pop(FORCE_ENV, None)
+        else:
+            os.environ[FORCE_ENV] = before
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hf_zero.checkpoint.safe_load MODULE ARGS`: MODULE's __main__ under the guard; a refused file is
+    the one line on stderr and exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    module, sys.argv = argv[0], argv
+    try:
+        with safe_checkpoint_loading():
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except UserError as err:
+        print(f"hf-zero: error: {err.line()}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
