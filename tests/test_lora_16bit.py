@@ -190,6 +190,7 @@ def test_bf16_lora_losses_fall_within_bf16_tolerance_of_fp32(ddp_runs):
     a, b = _losses(root / "bf16"), _losses(root / "fp32")
     assert a.keys() == b.keys() and len(a) == 15
     # bf16 keeps 8 significant bits: a relative step of 2^-8 on losses near 6
+    print("bf16 vs fp32 losses:", {k: round(a[k] - b[k], 5) for k in a})  # shown with -s
     assert max(abs(a[k] - b[k]) / b[k] for k in a) <= 2**-8, (a, b)
     assert abs(half["eval_loss_after"] - full["eval_loss_after"]) / full["eval_loss_after"] <= 2**-8
 
@@ -208,7 +209,8 @@ def test_bf16_lora_checkpoint_resumes_and_exports(ddp_runs, tmp_path):
     shutil.copytree(root / "bf16" / "checkpoint-10", resumed / "checkpoint-10")
     proc = launch_recipe(_ddp(tmp_path, "bf16"), resumed, *LORA, *SAVES)
     assert "resuming from" in proc.stdout and "weights: frozen base bf16, trainable fp32" in proc.stdout
-    ref, again = _losses(root / "bf16"), _losses(resumed)
+    ref = _losses(root / "bf16")
+    again = {k: v for k, v in _losses(resumed).items() if k > 10}  # steps 1-10 come from the checkpoint's history
     assert sorted(again) == [11, 12, 13, 14, 15]
     assert max(abs(again[k] - ref[k]) for k in again) <= 1e-4, (again, ref)
     adapter = load_file(str(resumed / "checkpoint-15" / "adapter_model.safetensors"))

@@ -215,7 +215,8 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     attn = "flash_attention_2" if flash_attention else attn_implementation
     frozen_base = frozen_base or precision
     if strategy not in STRATEGIES or precision not in PRECISIONS or frozen_base not in PRECISIONS or \
-            convention not in CONVENTIONS or micro_batch < 1 or seq_len < 1 or grad_accumulation < 1 or attn not in (None, *ATTENTION):
+            convention not in CONVENTIONS or micro_batch < 1 or seq_len < 1 or grad_accumulation < 1 or \
+            attn not in (None, *ATTENTION):
         raise ValueError(f"bad {strategy=} / {precision=} / {convention=} / {micro_batch=} / {seq_len=} / "
                          f"{grad_accumulation=} / {attn=} / {frozen_base=}")
     gpn = int(gpus_per_node or 1)
