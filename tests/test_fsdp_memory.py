@@ -3,7 +3,8 @@ beside ZeRO, and the estimate against the bytes each of 2 CPU ranks really holds
 shards of parameters, gradients and optimizer state: hf_zero.estimate.measure reads DTensor.to_local()).
 
 Default: the arithmetic, and fsdp2 LoRA on 2 ranks in fp32 and in bf16 (its base held in bf16; ~1 min each).
-Slow: fsdp2 full, fsdp2_offload full and LoRA, and fsdp2 full in bf16: `pytest -m slow tests/test_fsdp_memory.py`.
+Slow: fsdp2 full, fsdp2_offload full and LoRA (fp32 and bf16), and fsdp2 full in bf16:
+`pytest -m slow tests/test_fsdp_memory.py`.
 """
 
 import json
@@ -147,7 +148,8 @@ def test_cli_refuses_an_unknown_profile_in_one_line(capsys):
 SLOW = pytest.mark.slow
 CASES = [("fsdp2", True, "fp32"), ("fsdp2", True, "bf16"),
          pytest.param("fsdp2", False, "fp32", marks=SLOW), pytest.param("fsdp2_offload", False, "fp32", marks=SLOW),
-         pytest.param("fsdp2_offload", True, "fp32", marks=SLOW), pytest.param("fsdp2", False, "bf16", marks=SLOW)]
+         pytest.param("fsdp2_offload", True, "fp32", marks=SLOW), pytest.param("fsdp2", False, "bf16", marks=SLOW),
+         pytest.param("fsdp2_offload", True, "bf16", marks=SLOW)]
 
 
 @pytest.fixture(scope="module")
