@@ -66,6 +66,27 @@ def test_build_holds_a_16bit_base_and_fp32_adapters():
     assert (frozen, trainable) == ({torch.float32}, {torch.float32}) and words.startswith("bf16 (DeepSpeed casts")
 
 
+def test_text_classifier_holds_a_16bit_base_and_images_stay_fp32():
+    """A LoRA text classifier: bf16 encoder, fp32 adapters and head copy (modules_to_save), and it trains under
+    autocast; an image model keeps fp32 (its BatchNorm statistics are fp32 buffers)."""
+    from hf_zero.train.classifier import build_classifier
+
+    profile = _profile("single_gpu", "bf16")
+    text = build_classifier(ModelArguments(model_name_or_path="minilm", use_peft=True, lora_r=4), "text",
+                            ["a", "b", "c"], 0, profile)
+    assert describe_weights(text, profile) == "frozen base bf16, trainable fp32"
+    assert any("modules_to_save" in n and p.dtype == torch.float32 for n, p in text.named_parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = text(input_ids=torch.randint(0, 1000, (2, 8)), attention_mask=torch.ones(2, 8, dtype=torch.long),
+                    labels=torch.tensor([0, 2])).loss
+    loss.backward()
+    assert all(p.grad is not None for p in text.parameters() if p.requires_grad)
+    image = build_classifier(ModelArguments(model_name_or_path=str(REPO / "recipes" / "models" / "digits_resnet"),
+                                            use_peft=True, lora_r=4, lora_target_modules=["convolution"]),
+                             "image", ["a", "b"], 0, profile)
+    assert describe_weights(image, profile) == "fp32"
+
+
 def test_weights_trained_beside_the_adapters_are_cast_to_fp32():
     """Grown embedding rows and modules_to_save train next to a 16-bit base: Adam needs them in fp32."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)

@@ -6,7 +6,8 @@ from hf_zero.core.config import ModelArguments
 from hf_zero.data.model_names import get_model_config, resolve_model_path
 
 __all__ = ["build_causal_lm", "causal_lm_load_kwargs", "pick_attention", "apply_lora", "lora_kwargs",
-           "count_parameters", "is_zero3_partitioned", "base_precision", "trainable_in_fp32", "describe_weights"]
+           "count_parameters", "is_zero3_partitioned", "base_precision", "base_dtype", "trainable_in_fp32",
+           "describe_weights"]
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -17,6 +18,13 @@ def base_precision(use_peft: bool, profile) -> str:
     DeepSpeed, whose engine casts the whole model itself and keeps fp32 masters of what trains; fp32 otherwise (a
     full fine-tune keeps fp32 weights, the optimizer's master copy under the Trainer and FSDP2)."""
     return profile.precision if use_peft and profile.precision != "fp32" and not profile.uses_deepspeed else "fp32"
+
+
+def base_dtype(use_peft: bool, profile):
+    """base_precision as the torch dtype `from_pretrained` takes."""
+    import torch
+
+    return getattr(torch, _DTYPES[base_precision(use_peft, profile)])
 
 
 def causal_lm_load_kwargs(model_args: ModelArguments, packing: bool = False, half: bool = False,
