@@ -35,7 +35,7 @@ def main(argv=None):
         build_processor,
         classification_stage_table,
     )
-    from hf_zero.train.model import count_parameters
+    from hf_zero.train.model import count_parameters, describe_weights
     from hf_zero.train.run import main_process_print, setup_run, write_summary
     from hf_zero.train.trainer import CurriculumTrainer
 
@@ -52,7 +52,7 @@ def main(argv=None):
     args.label_names = ["labels"]  # peft's wrapper hides the forward signature the Trainer reads them from
 
     # Model: pretrained encoder + new head, or built from a config; under ZeRO-3 with zero.Init.
-    model = build_classifier(model_args, kind, data.label_names, args.seed)
+    model = build_classifier(model_args, kind, data.label_names, args.seed, ctx.profile)
     trainable, total = count_parameters(model)
 
     # Trainer: the curriculum's schedule, accuracy and macro-F1 at each stage end.
@@ -66,7 +66,8 @@ def main(argv=None):
     steps.attach_probes(trainer, ctx)
     steps.announce(ctx, schedule, trainable, total,
                    f"{kind} classification, {len(data.label_names)} classes ({', '.join(data.label_names)}); "
-                   f"{sum(data.pool_sizes)} training samples over the stages, {len(data.eval_samples)} held out")
+                   f"{sum(data.pool_sizes)} training samples over the stages, {len(data.eval_samples)} held out",
+                   weights=describe_weights(model, ctx.profile))
 
     # Train: one train() call for all stages, evaluated at each stage end.
     result = steps.train(trainer, resume)

@@ -24,7 +24,7 @@ def main(argv=None):
     from hf_zero.data.model_names import get_tokenizer, resolve_model_path
     from hf_zero.data.stages import build_collator, load_stage_data
     from hf_zero.train import recipe_steps as steps
-    from hf_zero.train.model import build_causal_lm, count_parameters, is_zero3_partitioned
+    from hf_zero.train.model import build_causal_lm, count_parameters, describe_weights, is_zero3_partitioned
     from hf_zero.train.run import main_process_print, setup_run, write_summary
     from hf_zero.train.samples import SampleCallback, exact_match_summary
     from hf_zero.train.trainer import CurriculumTrainer, eval_means, stage_table
@@ -45,7 +45,7 @@ def main(argv=None):
     args.eval_on_start = bool(eval_sets)  # the "before" eval loss, measured with the real engine
 
     # Model: under ZeRO-3 built with zero.Init; LoRA through peft.
-    model = build_causal_lm(model_args, tokenizer, packing=args.packing, half=args.bf16 or args.fp16)
+    model = build_causal_lm(model_args, tokenizer, ctx.profile, packing=args.packing)
     trainable, total = count_parameters(model)
     partitioned = is_zero3_partitioned(model)
 
@@ -60,7 +60,8 @@ def main(argv=None):
     prompts = {i: d.eval_prompts[: args.sample_prompts] for i, d in enumerate(stage_data) if d.eval_prompts}
     if args.sample_prompts > 0 and prompts:
         trainer.add_callback(SampleCallback(trainer, schedule, prompts, ctx.output_dir, args.sample_max_new_tokens))
-    steps.announce(ctx, schedule, trainable, total, f"cross-entropy: {trainer.fused_ce_status}")
+    steps.announce(ctx, schedule, trainable, total, f"cross-entropy: {trainer.fused_ce_status}",
+                   weights=describe_weights(model, ctx.profile))
 
     # Train: one train() call for all stages.
     result = steps.train(trainer, resume)

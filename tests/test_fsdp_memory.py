@@ -2,8 +2,9 @@
 beside ZeRO, and the estimate against the bytes each of 2 CPU ranks really holds after step 1 (the sum of the local
 shards of parameters, gradients and optimizer state: hf_zero.estimate.measure reads DTensor.to_local()).
 
-Default: the arithmetic, and fsdp2 LoRA on 2 ranks (~1 min). Slow: fsdp2 full, fsdp2_offload full and LoRA, and
-fsdp2 full in bf16: `pytest -m slow tests/test_fsdp_memory.py`.
+Default: the arithmetic, and fsdp2 LoRA on 2 ranks in fp32 and in bf16 (its base held in bf16; ~1 min each).
+Slow: fsdp2 full, fsdp2_offload full and LoRA (fp32 and bf16), and fsdp2 full in bf16:
+`pytest -m slow tests/test_fsdp_memory.py`.
 """
 
 import json
@@ -145,9 +146,10 @@ def test_cli_refuses_an_unknown_profile_in_one_line(capsys):
 # ---------------------------------------------------------------- against 2 CPU ranks
 
 SLOW = pytest.mark.slow
-CASES = [("fsdp2", True, "fp32"),
+CASES = [("fsdp2", True, "fp32"), ("fsdp2", True, "bf16"),
          pytest.param("fsdp2", False, "fp32", marks=SLOW), pytest.param("fsdp2_offload", False, "fp32", marks=SLOW),
-         pytest.param("fsdp2_offload", True, "fp32", marks=SLOW), pytest.param("fsdp2", False, "bf16", marks=SLOW)]
+         pytest.param("fsdp2_offload", True, "fp32", marks=SLOW), pytest.param("fsdp2", False, "bf16", marks=SLOW),
+         pytest.param("fsdp2_offload", True, "bf16", marks=SLOW)]
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +181,13 @@ def test_estimate_equals_what_each_rank_holds(tmp_path, one_step_config, strateg
         "fsdp2", precision, count.trainable_params, count.total_params)
     est = estimate(count, strategy, world_size=2, precision=precision, additional_buffer_factor=1.0)
     gpu = est["gpu_bytes_per_rank"]
-    expected = dict(zip(("params", "grads", "optimizer"), fsdp_memory.shard_states(count, 2)))
+    # A LoRA base in bf16 stays bf16 (hf_zero loads it so); accelerate upcasts only the adapters to fp32
+    frozen = 2 if precision != "fp32" else 4
+    expected = dict(zip(("params", "grads", "optimizer"), fsdp_memory.shard_states(count, 2, frozen)))
+    if lora and precision != "fp32":  # the frozen shards are half their fp32 bytes; the adapters' are unchanged
+        fp32 = fsdp_memory.shard_states(count, 2, 4)
+        adapters = fp32[1]  # 4 bytes per trainable element on this rank, as its gradients
+        assert expected["params"] - adapters == (fp32[0] - adapters) // 2 and expected["grads"] == fp32[1]
     if strategy == "fsdp2":
         assert {k: gpu[k] for k in expected} == expected
     else:  # everything sharded lives in host RAM; the device holds only the gathered layer(s)

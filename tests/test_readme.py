@@ -118,6 +118,13 @@ def _check_estimate_recipe(proc, where):
         "hf-zero train --profile single_gpu --nproc 1 --config recipes/configs/smollm2_shakespeare.yaml"
 
 
+def _check_estimate_lora_8b(proc, where):
+    """Issue 24: Llama-3.1-8B LoRA on one 24 GiB GPU fits single_gpu once its frozen base is held in bf16."""
+    ddp = next(line for line in proc.stdout.splitlines() if line.startswith("ddp "))
+    assert ddp.split()[-7:-4] == ["18.50", "GiB", "backward"], ddp  # peak/GPU, as the README's table says
+    assert "recommended: profile single_gpu" in proc.stdout
+
+
 def _check_test_gpu(proc, where):
     from hf_zero.core.profiles import gpu_count
 
@@ -154,6 +161,8 @@ CHECKS = {
         _check_dry_run,
     "hf-zero estimate --config recipes/configs/smollm2_shakespeare.yaml --gpus-per-node 1 --gpu-memory 24GiB":
         _check_estimate_recipe,
+    "hf-zero estimate --model benchmarks/models/llama-3.1-8b --use-peft --gradient-checkpointing --seq-len 2048 "
+    "--gpus-per-node 1 --gpu-memory 24GiB": _check_estimate_lora_8b,
 }
 
 

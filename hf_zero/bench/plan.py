@@ -168,7 +168,7 @@ def write_plain_spec(plan: BenchPlan, profile_name: str, precision: str | None, 
 
     from hf_zero.core.profiles import accelerate_precision, gpu_count, load_profile
     from hf_zero.core.reconcile import reconcile_training_kwargs
-    from hf_zero.train.model import causal_lm_load_kwargs, lora_kwargs
+    from hf_zero.train.model import base_precision, causal_lm_load_kwargs, lora_kwargs
 
     prof = load_profile(profile_name)
     if precision:
@@ -190,7 +190,8 @@ def write_plain_spec(plan: BenchPlan, profile_name: str, precision: str | None, 
     if ds:
         ds_path = folder / "ds_config.json"
         ds_path.write_text(json.dumps(ds, indent=2))
-    load = causal_lm_load_kwargs(plan.model_args, plan.packing, bool(kwargs.get("bf16") or kwargs.get("fp16")))
+    load = causal_lm_load_kwargs(plan.model_args, plan.packing, bool(kwargs.get("bf16") or kwargs.get("fp16")),
+                                 base_precision(plan.model_args.use_peft, prof))
     load["dtype"] = str(load["dtype"]).removeprefix("torch.")
     spec = {"model": plan.model_path, "samples": str(folder / "samples.jsonl"), "learning_rates": plan.learning_rates,
             "training_args": training_args, "deepspeed_config": str(ds_path) if ds_path else None,

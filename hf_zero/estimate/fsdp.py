@@ -5,9 +5,10 @@ strategy table; this module only the FSDP2 rows).
 Ψ all params, Ψt trainable, N ranks, p the compute precision's bytes (4 fp32, 2 bf16/fp16). Each parameter is sharded
 on dim 0; rank 0 holds ceil(dim0/N) rows of every one (FSDP2 pads the others' storage to that size), so "Ψ/N" below
 is that padded share, exact for any shape. Per rank, at the optimizer step:
-  params     4Ψ/N   the sharded parameters stay in the dtype the model was loaded in (fp32: hf_zero loads fp32, and
+  params     4Ψ/N   the sharded parameters stay in the dtype the model was loaded in (fp32 for a full fine-tune, and
                     accelerate upcasts trainable ones under mixed precision); they are also Adam's master copy, so
-                    there is no separate fp32 master as in DeepSpeed
+                    there is no separate fp32 master as in DeepSpeed. A LoRA base loaded in 16 bits stays 16-bit:
+                    2 bytes per frozen parameter (FSDP2 needs one dtype among a group's trainable parameters only)
   grads      4Ψt/N  reduce-scattered into the sharded parameters' dtype (bf16 reduce, fp32 shard gradient)
   optimizer  8Ψt/N  + 4 bytes per trainable parameter tensor (Adam's two moments, DTensors like the parameters, and
                     torch Adam's scalar `step` tensor for each parameter)
@@ -86,15 +87,16 @@ def _final_norm(model):
     return None
 
 
-def shard_states(count, n: int) -> tuple[int, int, int]:
-    """(params, grads, optimizer) bytes on rank 0, the rank with the largest shards."""
+def shard_states(count, n: int, frozen: int = 4) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes on rank 0, the rank with the largest shards; `frozen`: bytes per frozen
+    parameter (2 for a LoRA base loaded in 16 bits; accelerate upcasts only what trains to fp32)."""
     if count.param_shapes:
         share = [(-(-dim0 // n) * (numel // dim0), trainable) for dim0, numel, trainable in count.param_shapes]
         params, trainable = sum(x for x, _ in share), sum(x for x, t in share if t)
         tensors = sum(1 for _, t in share if t)
     else:  # a hand-made count: shares of the totals, the step counters unknown
         params, trainable, tensors = -(-count.total_params // n), -(-count.trainable_params // n), 0
-    return 4 * params, 4 * trainable, 8 * trainable + 4 * tensors
+    return frozen * (params - trainable) + 4 * trainable, 4 * trainable, 8 * trainable + 4 * tensors
 
 
 def _groups(count) -> tuple[int, int, int]:
@@ -106,10 +108,10 @@ def _groups(count) -> tuple[int, int, int]:
         count.largest_layer_params, count.trainable_params), 0
 
 
-def states(s: str, count, n: int, mixed: bool):
+def states(s: str, count, n: int, mixed: bool, frozen: int = 4):
     """memory._states for FSDP2: ((params, grads, optimizer, gathered) per device, offloaded bytes per rank, nvme)."""
     p = 2 if mixed else 4
-    params, grads, optim = shard_states(count, n)
+    params, grads, optim = shard_states(count, n, frozen)
     g, gt, _ = _groups(count)
     gathered = p * g + 2 * p * gt
     if s == "fsdp2_offload":
@@ -117,10 +119,10 @@ def states(s: str, count, n: int, mixed: bool):
     return (params, grads, optim, gathered), 0, 0
 
 
-def resident(s: str, count, n: int, mixed: bool) -> tuple[int, int]:
+def resident(s: str, count, n: int, mixed: bool, frozen: int = 4) -> tuple[int, int]:
     """memory._resident for FSDP2: (states alive through forward and backward, gradients alive during backward)."""
     p = 2 if mixed else 4
-    params, grads, optim = shard_states(count, n)
+    params, grads, optim = shard_states(count, n, frozen)
     g, _, tail = _groups(count)
     working = p * (tail + 2 * g)
     if s == "fsdp2_offload":

@@ -2,9 +2,10 @@
 
 Ψ all params, Ψt trainable (LoRA: peft's A/B), N world size, L / Lt largest (trainable) layer = one module's own
 params as DeepSpeed counts it, p = 2 (bf16/fp16) or 4 (fp32), g = 4 (the flat fp32 gradient partition the
-optimizer steps on; fp32 below), K = 12 mixed (fp32 master + 2 Adam moments) or 8 fp32. GPU bytes per rank,
-"deepspeed" | "paper":
-  ddp            4Ψ + 4Ψt + 8Ψt (torch autocast keeps fp32 weights)  | pΨ + pΨt + KΨt            (16Ψ)
+optimizer steps on; fp32 below), K = 12 mixed (fp32 master + 2 Adam moments) or 8 fp32, f = the frozen base's
+bytes under the Trainer and FSDP2: p (hf_zero loads a LoRA base in the run's precision, hf_zero.train.model.
+base_precision) unless `frozen_base="fp32"`. GPU bytes per rank, "deepspeed" | "paper":
+  ddp            f(Ψ-Ψt) + 4Ψt + 4Ψt + 8Ψt (fp32 trainable weights)   | pΨ + pΨt + KΨt            (16Ψ)
   zero1          pΨ + pΨt + (g+12)Ψt/N                               | pΨ + pΨt + KΨt/N          (4Ψ+12Ψ/N)
   zero2          pΨ + (p+g)Ψt/N + 12Ψt/N                             | pΨ + pΨt/N + KΨt/N        (2Ψ+14Ψ/N)
   zero3          pΨ/N + pL + 4Ψt/N + pLt + 12Ψt/N                    | (pΨ + pΨt + KΨt)/N        (16Ψ/N)
@@ -19,7 +20,7 @@ torch.device with a str and never fires). CPU per node, as DeepSpeed: 1.5 x GPUs
 the fp32 model 4Ψ — under zero.Init one layer 4L —, offloaded 16Ψt/N [+ pΨ/N offloaded params]).
 Peak on a GPU ("total", what torch.cuda.max_memory_allocated reports) = the larger of the optimizer step (model
 states above + buffers) and the forward/backward peak: the states that stay allocated through a step ("resident":
-ddp 4Ψ + 8Ψt, fp32 weights + Adam, gradients freed by zero_grad; ZeRO-1/2 pΨ + 12Ψt/N; ZeRO-3 pΨ/N + its
+ddp f(Ψ-Ψt) + 12Ψt, weights + Adam, gradients freed by zero_grad; ZeRO-1/2 pΨ + 12Ψt/N; ZeRO-3 pΨ/N + its
 gradient buffer pΨt/N + 12Ψt/N + the layers it keeps gathered; offloaded states count on the host only; with
 gradient accumulation the gradients too) + hf_zero/estimate/activations.py's saved activations, loss and autocast copies.
 ZeRO-3 keeps a module gathered when it is used again within stage3_max_reuse_distance (1e9) elements: at the turn
@@ -133,11 +134,12 @@ def _deepspeed_estimators():
     return {"zero2": estimate_zero2_model_states_mem_needs, "zero3": estimate_zero3_model_states_mem_needs}
 
 
-def _states(s, c: ModelCount, n, mixed, convention):
-    """(params, grads, optimizer, gathered) per GPU, (cpu, nvme) bytes offloaded per rank: the accounting above."""
+def _states(s, c: ModelCount, n, mixed, convention, f=4):
+    """(params, grads, optimizer, gathered) per GPU, (cpu, nvme) bytes offloaded per rank: the accounting above;
+    `f`: bytes per frozen parameter under the Trainer and FSDP2."""
     if s.startswith("fsdp"):  # both conventions: the paper has no FSDP2 row, and FSDP2 keeps no separate master
         from hf_zero.estimate import fsdp as fsdp_memory
-        return fsdp_memory.states(s, c, n, mixed)
+        return fsdp_memory.states(s, c, n, mixed, f)
     psi, t, L = c.total_params, c.trainable_params, c.largest_layer_params
     Lt = c.largest_trainable_layer_params or (L if t == psi else min(L, t))
     p = 2 if mixed else 4
@@ -157,7 +159,7 @@ def _states(s, c: ModelCount, n, mixed, convention):
     g32, g3 = 4, (4 if mixed else 8)
     gath = p * (L + Lt) if s.startswith("zero3") else 0  # ZeRO-3: the largest layer gathered + its gradient
     zero1_grads = p * t + g32 * t / n if mixed else max(4 * t, 8 * t / n)
-    gpu = {"ddp": (4 * psi, 4 * t, 8 * t), "zero1": (p * psi, zero1_grads, 12 * t / n),
+    gpu = {"ddp": (f * (psi - t) + 4 * t, 4 * t, 8 * t), "zero1": (p * psi, zero1_grads, 12 * t / n),
            "zero2": (p * psi, (p + g32) * t / n, 12 * t / n), "zero2_offload": (p * psi, 0, 0),
            "zero3": (p * psi / n, g3 * t / n, 12 * t / n), "zero3_offload_optimizer": (p * psi / n, 0, 0)}
     gpu = (*gpu.get(s, (0, 0, 0)), gath)
@@ -168,16 +170,16 @@ def _states(s, c: ModelCount, n, mixed, convention):
     return gpu, cpu, (16 * t + p * psi) / n if s == "zero3_nvme" else 0
 
 
-def _resident(s, c: ModelCount, n, mixed, max_reuse_distance):
+def _resident(s, c: ModelCount, n, mixed, max_reuse_distance, f=4):
     """(states alive through forward and backward, gradients alive during backward) per GPU rank, deepspeed
     convention: what the forward/backward peak adds activations to."""
     if s.startswith("fsdp"):
         from hf_zero.estimate import fsdp as fsdp_memory
-        return fsdp_memory.resident(s, c, n, mixed)
+        return fsdp_memory.resident(s, c, n, mixed, f)
     psi, t, p = c.total_params, c.trainable_params, (2 if mixed else 4)
     offload_params = s in ("zero3_offload", "zero3_nvme")
     gathered = p * min(psi, max_reuse_distance / 2) if s.startswith("zero3") and (n > 1 or offload_params) else 0
-    states = {"ddp": 4 * psi + 8 * t, "zero1": p * psi + 12 * t / n, "zero2": p * psi + 12 * t / n,
+    states = {"ddp": f * (psi - t) + 12 * t, "zero1": p * psi + 12 * t / n, "zero2": p * psi + 12 * t / n,
               "zero2_offload": p * psi, "zero3": p * psi / n + p * t / n + 12 * t / n,
               "zero3_offload_optimizer": p * psi / n}.get(s, 0) + gathered
     grads = {"ddp": 4 * t, "zero1": p * t, "zero2": p * t / n}.get(s, 0)
@@ -202,25 +204,33 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
              cpu_memory_bytes=None, zero_init: bool = True, flash_attention: bool = False, reduce_bucket_size=None,
              prefetch_bucket_size=None, param_persistence_threshold=None, additional_buffer_factor: float = 1.5,
              use_deepspeed_estimators: bool = True, attn_implementation: str | None = None,
-             grad_accumulation: int = 1, max_reuse_distance: float = 1e9) -> dict:
+             grad_accumulation: int = 1, max_reuse_distance: float = 1e9, frozen_base: str | None = None) -> dict:
     """Bytes per GPU rank, CPU bytes per node, NVMe bytes per node and checkpoint bytes for one strategy.
     `attn_implementation`: eager, sdpa or flash_attention_2 (default: the model's, as transformers picks it);
-    `flash_attention=True` is the same as flash_attention_2."""
+    `flash_attention=True` is the same as flash_attention_2. `frozen_base`: the precision frozen (LoRA base)
+    weights are held in under ddp and FSDP2: default `precision`, as hf_zero loads them; "fp32" for a run that
+    loads its base in fp32 (DeepSpeed casts the model itself: its rows do not depend on it)."""
     from hf_zero.estimate.activations import ATTENTION, step_bytes
 
     attn = "flash_attention_2" if flash_attention else attn_implementation
-    if strategy not in STRATEGIES or precision not in PRECISIONS or convention not in CONVENTIONS or \
-            micro_batch < 1 or seq_len < 1 or grad_accumulation < 1 or attn not in (None, *ATTENTION):
+    frozen_base = frozen_base or precision
+    if strategy not in STRATEGIES or precision not in PRECISIONS or frozen_base not in PRECISIONS or \
+            convention not in CONVENTIONS or micro_batch < 1 or seq_len < 1 or grad_accumulation < 1 or \
+            attn not in (None, *ATTENTION):
         raise ValueError(f"bad {strategy=} / {precision=} / {convention=} / {micro_batch=} / {seq_len=} / "
-                         f"{grad_accumulation=} / {attn=}")
+                         f"{grad_accumulation=} / {attn=} / {frozen_base=}")
     gpn = int(gpus_per_node or 1)
     nodes = (1 if world_size is None else world_size // gpn) if nodes is None else int(nodes)
     n = gpn * nodes
     if gpn < 1 or nodes < 1 or world_size not in (None, n):
         raise ValueError(f"{world_size=} is not {gpus_per_node=} x {nodes=}")
     c, mixed = count, precision != "fp32"
-    (params, grads, optim, gathered), cpu_rank, nvme_rank = _states(strategy, c, n, mixed, convention)
-    load = 4 * gpn * (c.largest_layer_params if strategy.startswith("zero3") and zero_init else c.total_params)
+    f = 4 if frozen_base == "fp32" else 2
+    (params, grads, optim, gathered), cpu_rank, nvme_rank = _states(strategy, c, n, mixed, convention, f)
+    # Each rank reads the model as it loads it: DeepSpeed in fp32, the Trainer and FSDP2 the base in f bytes.
+    loaded = 4 * c.total_params if strategy.startswith("zero") else \
+        f * (c.total_params - c.trainable_params) + 4 * c.trainable_params
+    load = gpn * (4 * c.largest_layer_params if strategy.startswith("zero3") and zero_init else loaded)
     states = gpn * cpu_rank
     cpu = additional_buffer_factor * ((states or load) if strategy.startswith("zero3") and zero_init
                                       else max(load, states))
@@ -239,10 +249,13 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     gpu["model_states"] = sum(gpu.values())
     gpu["buffers"] = int(_buffers(strategy, c, n, mixed, reduce_bucket_size, prefetch_bucket_size,
                                   param_persistence_threshold))
-    resident, grads_bwd = _resident(strategy, c, n, mixed, max_reuse_distance)
+    resident, grads_bwd = _resident(strategy, c, n, mixed, max_reuse_distance, f)
     if grad_accumulation > 1:  # gradients stay allocated between the micro-batches of one optimizer step
         resident, grads_bwd = resident + grads_bwd, 0
-    mode = "fp32" if not mixed else "autocast" if strategy == "ddp" else "half"
+    # Autocast over fp32 weights keeps an fp32 residual stream and 16-bit weight copies; over a 16-bit frozen base
+    # (LoRA) the stream is 16-bit and only the small fp32 adapters are cast, as under DeepSpeed.
+    frozen16 = f == 2 and c.trainable_params < c.total_params
+    mode = "fp32" if not mixed else "autocast" if strategy == "ddp" and not frozen16 else "half"
     phases = {} if c.layer is None else step_bytes(
         c.layer, c.num_layers, c.vocab_size, mode, micro_batch, seq_len, grad_checkpointing, attn,
         full=c.trainable_params == c.total_params)

@@ -47,16 +47,22 @@ def build_processor(model_args: ModelArguments, kind: str):
                         f"({str(err).splitlines()[0][:100]})", "add the image processor's config to the folder") from None
 
 
-def build_classifier(model_args: ModelArguments, kind: str, label_names: list[str], seed: int):
-    """A classifier with `len(label_names)` outputs in fp32 (DeepSpeed casts to the profile's precision itself).
+def build_classifier(model_args: ModelArguments, kind: str, label_names: list[str], seed: int, profile=None):
+    """A classifier with `len(label_names)` outputs in fp32 (DeepSpeed casts to the profile's precision itself); a
+    LoRA text classifier under the run's `profile` (the plan's) with its frozen base in 16 bits, as
+    hf_zero.train.model.base_precision says. Image models stay fp32: their BatchNorm running statistics are fp32
+    buffers, and a 16-bit frozen BatchNorm weight beside them fails under autocast ("expected scalar type BFloat16
+    but found Float").
 
     TrainingArguments must already exist so that ZeRO-3 construction runs under zero.Init (pain-points #8)."""
     import torch
     from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification
 
     from hf_zero.data.model_names import resolve_model_path
+    from hf_zero.train.model import base_dtype
 
     path = resolve_model_path(model_args.model_name_or_path)
+    dtype = base_dtype(model_args.use_peft, profile) if profile is not None and kind == "text" else torch.float32
     auto = AutoModelForImageClassification if kind == "image" else AutoModelForSequenceClassification
     labels = {"num_labels": len(label_names), "id2label": dict(enumerate(label_names)),
               "label2id": {n: i for i, n in enumerate(label_names)}}
@@ -71,16 +77,16 @@ def build_classifier(model_args: ModelArguments, kind: str, label_names: list[st
     with waiting_for("the other ranks to build the model (zero.Init under ZeRO-3)"):
         if has_weights(path):
             # The head is new (its size is the number of labels), hence ignore_mismatched_sizes for pretrained heads.
-            model = auto.from_pretrained(path, config=config, dtype=torch.float32, ignore_mismatched_sizes=True)
+            model = auto.from_pretrained(path, config=config, dtype=dtype, ignore_mismatched_sizes=True)
         else:
             torch.manual_seed(seed)
-            model = auto.from_config(config, dtype=torch.float32)
+            model = auto.from_config(config, dtype=dtype)
     # These heads take **kwargs but average their loss over the local batch, ignoring num_items_in_batch; the
     # Trainer would still multiply the loss by the world size (average_tokens_across_devices), doubling loss and
     # gradients on 2 ranks. Saying so makes it keep the plain per-rank mean, which DeepSpeed averages over ranks.
     model.accepts_loss_kwargs = False
     if model_args.use_peft:
-        from hf_zero.train.model import apply_lora
+        from hf_zero.train.model import apply_lora, trainable_in_fp32
 
         head = [n for n in ("classifier", "score") if hasattr(model, n)]
         if kind == "image" and not model_args.lora_target_modules:
@@ -88,6 +94,7 @@ def build_classifier(model_args: ModelArguments, kind: str, label_names: list[st
                             "name the layers, e.g. lora_target_modules: [convolution]")
         # SEQ_CLS wraps the forward in input_ids/attention_mask; image models keep peft's generic forward.
         model = apply_lora(model, model_args, task_type="SEQ_CLS" if kind == "text" else None, modules_to_save=head)
+        trainable_in_fp32(model)  # the head's trainable copy (modules_to_save) beside a 16-bit base
     return model
 
 

@@ -6,15 +6,35 @@ from hf_zero.core.config import ModelArguments
 from hf_zero.data.model_names import get_model_config, resolve_model_path
 
 __all__ = ["build_causal_lm", "causal_lm_load_kwargs", "pick_attention", "apply_lora", "lora_kwargs",
-           "count_parameters", "is_zero3_partitioned"]
+           "count_parameters", "is_zero3_partitioned", "base_precision", "base_dtype", "trainable_in_fp32",
+           "describe_weights"]
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def causal_lm_load_kwargs(model_args: ModelArguments, packing: bool = False, half: bool = False) -> dict:
-    """`from_pretrained` keyword arguments of every causal LM hf_zero trains (the bench's plain baseline loads its model
-    with exactly these): fp32 weights, and the attention implementation from `pick_attention`."""
+def base_precision(use_peft: bool, profile) -> str:
+    """The precision the weights are loaded and stored in: a LoRA run's frozen base in the run's 16-bit precision
+    (as TRL, axolotl and peft's guides load it: half the bytes, and autocast has nothing to cast), except under
+    DeepSpeed, whose engine casts the whole model itself and keeps fp32 masters of what trains; fp32 otherwise (a
+    full fine-tune keeps fp32 weights, the optimizer's master copy under the Trainer and FSDP2)."""
+    return profile.precision if use_peft and profile.precision != "fp32" and not profile.uses_deepspeed else "fp32"
+
+
+def base_dtype(use_peft: bool, profile):
+    """base_precision as the torch dtype `from_pretrained` takes."""
     import torch
 
-    kwargs = {"dtype": torch.float32}
+    return getattr(torch, _DTYPES[base_precision(use_peft, profile)])
+
+
+def causal_lm_load_kwargs(model_args: ModelArguments, packing: bool = False, half: bool = False,
+                          base: str = "fp32") -> dict:
+    """`from_pretrained` keyword arguments of every causal LM hf_zero trains (the bench's plain baseline loads its model
+    with exactly these): weights in `base` (see base_precision), and the attention implementation from
+    `pick_attention`."""
+    import torch
+
+    kwargs = {"dtype": getattr(torch, _DTYPES[base])}
     attention = pick_attention(model_args, packing, half)
     if attention:
         kwargs["attn_implementation"] = attention
@@ -38,15 +58,17 @@ def pick_attention(model_args: ModelArguments, packing: bool, half: bool) -> str
     return "flash_attention_2"
 
 
-def build_causal_lm(model_args: ModelArguments, tokenizer, packing: bool = False, half: bool = False):
-    """A causal LM in fp32 (DeepSpeed casts to the profile's precision itself, the Trainer autocasts to `half`).
+def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: bool = False):
+    """A causal LM for the run's `profile` (the run plan's): fp32, or for LoRA a 16-bit frozen base with fp32 adapters
+    (base_precision). DeepSpeed casts to the profile's precision itself, the Trainer autocasts to 16 bits.
 
     TrainingArguments must already exist: its DeepSpeed config is what makes transformers wrap construction in
     `deepspeed.zero.Init` under ZeRO-3 (pain-points #8).
     """
     from transformers import AutoModelForCausalLM
 
-    kwargs = causal_lm_load_kwargs(model_args, packing, half)
+    kwargs = causal_lm_load_kwargs(model_args, packing, profile.precision != "fp32",
+                                   base_precision(model_args.use_peft, profile))
     path = resolve_model_path(model_args.model_name_or_path)
     vocab = getattr(get_model_config(path), "vocab_size", None)
     from hf_zero.data.chat_template import added_template_tokens, grow_embeddings, train_embeddings
@@ -66,7 +88,39 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, packing: bool = False
         model = apply_lora(model, model_args, task_type="CAUSAL_LM")
         if grown:
             train_embeddings(model)
+        trainable_in_fp32(model)
     return model
+
+
+def trainable_in_fp32(model) -> list[str]:
+    """Keep what trains in fp32 next to a 16-bit frozen base: peft already does so for the adapters
+    (get_peft_model's autocast_adapter_dtype), not for rows a LoRA run trains besides them (grown embeddings,
+    modules_to_save). Adam on 16-bit weights would lose updates smaller than their rounding; accelerate's FSDP2
+    preparation would upcast them anyway. Returns the names it cast."""
+    import torch
+
+    cast = []
+    for name, param in model.named_parameters():
+        if param.requires_grad and param.is_floating_point() and param.dtype != torch.float32:
+            param.data = param.data.float()
+            cast.append(name)
+    return cast
+
+
+def describe_weights(model, profile) -> str:
+    """How the weights are held during the run, for the banner: "fp32", or "frozen base bf16, trainable fp32"."""
+    import torch
+
+    names = {v: k for k, v in _DTYPES.items()}
+    if profile.uses_deepspeed and profile.precision != "fp32":  # the engine casts the module when it wraps it
+        return f"{profile.precision} (DeepSpeed casts them; fp32 master copy of what trains)"
+    held = {train: {names.get(str(p.dtype).removeprefix("torch."), str(p.dtype)) for p in ps}
+            for train in (False, True)
+            if (ps := [p for p in model.parameters() if p.requires_grad == train and p.is_floating_point()])}
+    frozen, trainable = (", ".join(sorted(held.get(k, ()))) for k in (False, True))
+    if frozen and frozen != trainable:
+        return f"frozen base {frozen}, trainable {trainable or '-'}"
+    return trainable or frozen or "-"
 
 
 def lora_kwargs(model_args: ModelArguments, task_type: str | None,

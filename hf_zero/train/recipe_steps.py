@@ -60,9 +60,9 @@ def attach_probes(trainer, ctx: RunContext, measure_memory: bool = False) -> Non
         trainer.add_callback(BenchProbeCallback(ctx.output_dir, trainer))
 
 
-def announce(ctx: RunContext, schedule, trainable: int, total: int, *lines: str) -> None:
+def announce(ctx: RunContext, schedule, trainable: int, total: int, *lines: str, weights: str = "") -> None:
     """The banner, the recipe's own lines, then each stage's steps and learning rate."""
-    print_banner(ctx, trainable, total)
+    print_banner(ctx, trainable, total, weights)
     for line in lines:
         main_process_print(f"[hf_zero] {line}")
     main_process_print("[hf_zero] stages: " + " | ".join(

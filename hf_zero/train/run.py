@@ -122,8 +122,9 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     return RunContext(tuple(parsed), stages, training_args, plan, settings=settings)
 
 
-def print_banner(ctx: RunContext, trainable: int, total: int) -> None:
-    """Rank 0 prints what will run; every rank contributes its device to the rank -> device map."""
+def print_banner(ctx: RunContext, trainable: int, total: int, weights: str = "") -> None:
+    """Rank 0 prints what will run; every rank contributes its device to the rank -> device map. `weights`: the
+    dtypes the weights are held in (hf_zero.train.model.describe_weights)."""
     import torch.distributed as dist
 
     device = str(ctx.training_args.device)
@@ -142,7 +143,8 @@ def print_banner(ctx: RunContext, trainable: int, total: int) -> None:
         *one_rank_note(p, ctx.plan.world),
         f"  world size {ctx.plan.world} | ranks -> devices: {', '.join(f'{i}:{d}' for i, d in enumerate(devices))}",
         f"  batch: {ctx.plan.batch.line()}",
-        f"  parameters: {trainable:,} trainable / {total:,} total ({100 * trainable / max(total, 1):.2f}%)",
+        f"  parameters: {trainable:,} trainable / {total:,} total ({100 * trainable / max(total, 1):.2f}%)"
+        + (f" | weights: {weights}" if weights else ""),
         f"  output: {ctx.output_dir}",
         "=" * 72,
     ]
