@@ -41,6 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(name: str):
+    """`hf-zero NAME`'s parser, and the module that runs it."""
+    module = importlib.import_module(COMMANDS[name][0])
+    sub = _Parser(prog=f"hf-zero {name}", description=COMMANDS[name][1], allow_abbrev=False,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(sub, name) if _takes_name(module) else module.add_arguments(sub)
+    add_underscore_spellings(sub, getattr(module, "DASH_ONLY", ()))
+    return sub, module
+
+
 def add_underscore_spellings(parser: argparse.ArgumentParser, dash_only=()) -> list[str]:
     """Every `--multi-word` flag also as `--multi_word`, the recipe flags' spelling, as `accelerate launch` takes
     both; returns the spellings added. Registered for parsing only, so --help lists each flag once. `dash_only`:
@@ -72,11 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         name = argv[0]
         if name not in COMMANDS:
             raise UserError("hf-zero", f"unknown command {name!r}", f"use one of: {', '.join(COMMANDS)}")
-        module = importlib.import_module(COMMANDS[name][0])
-        sub = _Parser(prog=f"hf-zero {name}", description=COMMANDS[name][1], allow_abbrev=False,
-                      formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(sub, name) if _takes_name(module) else module.add_arguments(sub)
-        add_underscore_spellings(sub, getattr(module, "DASH_ONLY", ()))
+        sub, module = command_parser(name)
         args, extra = sub.parse_known_args(argv[1:])
         accepts = getattr(module, "ACCEPTS_EXTRA", False)  # True, or the set of this module's commands that do
         if isinstance(accepts, (set, frozenset, tuple, list)):

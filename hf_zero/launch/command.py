@@ -99,7 +99,7 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML (default: %(default)s)")
     parser.add_argument("--recipe", help="recipe script (default: the YAML's `recipe:`, else the curriculum recipe)")
     parser.add_argument("--help-recipe", nargs="?", const="own", choices=("own", "all"), metavar="all",
-                        help="list the recipe's flags with their help and exit (`all`: the TrainingArguments ones too)")
+                        help="list the recipe's flags with their help and exit (all: TrainingArguments' too)")
     parser.add_argument("--nodes", type=int, help="machines in the job (multi-node)")
     parser.add_argument("--machine-rank", type=int, help="this machine's rank (multi-node)")
     parser.add_argument("--main-ip", help="address of machine 0 (multi-node)")
@@ -139,7 +139,8 @@ def recipe_help(types: tuple, everything: bool = False) -> list[str]:
         lines.append(f"{cls.__name__}:")
         for f in own:
             describe(f)
-    trainer = [f for f in inherited.values() if f.init and not f.name.startswith("_")]
+    # the recipe's own class: a recipe may redeclare a TrainingArguments field with another default
+    trainer = [f for f in dataclasses.fields(types[-1]) if f.name in inherited and f.init and not f.name.startswith("_")]
     lines.append(f"and every TrainingArguments field (transformers): {len(trainer)} more, e.g. --learning_rate, "
                  "--max_steps, --save_steps" + (":" if everything else " (list them: --help-recipe all)"))
     if everything:
