@@ -140,7 +140,8 @@ def recipe_help(types: tuple, everything: bool = False) -> list[str]:
         for f in own:
             describe(f)
     # the recipe's own class: a recipe may redeclare a TrainingArguments field with another default
-    trainer = [f for f in dataclasses.fields(types[-1]) if f.name in inherited and f.init and not f.name.startswith("_")]
+    trainer = [f for f in dataclasses.fields(types[-1])
+               if f.name in inherited and f.init and not f.name.startswith("_")]
     lines.append(f"and every TrainingArguments field (transformers): {len(trainer)} more, e.g. --learning_rate, "
                  "--max_steps, --save_steps" + (":" if everything else " (list them: --help-recipe all)"))
     if everything:
