@@ -32,8 +32,9 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m hf_zero.core.ops
 	touch $@
 
+# HF_ZERO_VIA_MAKE: flags the run suggests (e.g. --fresh_start true) are shown as ARGS="...".
 train: install
-	$(BIN)/hf-zero train $(if $(PROFILE),--profile $(PROFILE)) $(if $(NPROC),--nproc $(NPROC)) \
+	HF_ZERO_VIA_MAKE=1 $(BIN)/hf-zero train $(if $(PROFILE),--profile $(PROFILE)) $(if $(NPROC),--nproc $(NPROC)) \
 		$(if $(PRECISION),--precision $(PRECISION)) $(if $(NODES),--nodes $(NODES)) \
 		$(if $(MACHINE_RANK),--machine-rank $(MACHINE_RANK)) $(if $(MAIN_IP),--main-ip $(MAIN_IP)) \
 		$(if $(HOSTFILE),--hostfile $(HOSTFILE)) --config $(CONFIG) $(ARGS)

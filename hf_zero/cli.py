@@ -41,6 +41,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_parser(name: str):
+    """`hf-zero NAME`'s parser, and the module that runs it."""
+    module = importlib.import_module(COMMANDS[name][0])
+    sub = _Parser(prog=f"hf-zero {name}", description=COMMANDS[name][1], allow_abbrev=False,
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(sub, name) if _takes_name(module) else module.add_arguments(sub)
+    add_underscore_spellings(sub, getattr(module, "DASH_ONLY", ()))
+    return sub, module
+
+
+def add_underscore_spellings(parser: argparse.ArgumentParser, dash_only=()) -> list[str]:
+    """Every `--multi-word` flag also as `--multi_word`, the recipe flags' spelling, as `accelerate launch` takes
+    both; returns the spellings added. Registered for parsing only, so --help lists each flag once. `dash_only`:
+    flags whose underscore spelling is a recipe flag of another meaning, passed on to the recipe instead."""
+    added = []
+    for action in list(parser._actions):
+        for option in action.option_strings:
+            alias = "--" + option[2:].replace("-", "_")
+            if option.startswith("--") and alias != option and option not in dash_only \
+                    and alias not in parser._option_string_actions:
+                parser._option_string_actions[alias] = action
+                added.append(alias)
+    if added:
+        note = f"Flags take dashes or underscores ({added[-1].replace('_', '-')} or {added[-1]})."
+        parser.epilog = f"{parser.epilog}\n\n{note}" if parser.epilog else note
+    return added
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -54,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         name = argv[0]
         if name not in COMMANDS:
             raise UserError("hf-zero", f"unknown command {name!r}", f"use one of: {', '.join(COMMANDS)}")
-        module = importlib.import_module(COMMANDS[name][0])
-        sub = _Parser(prog=f"hf-zero {name}", description=COMMANDS[name][1], allow_abbrev=False)
-        module.add_arguments(sub, name) if _takes_name(module) else module.add_arguments(sub)
+        sub, module = command_parser(name)
         args, extra = sub.parse_known_args(argv[1:])
         accepts = getattr(module, "ACCEPTS_EXTRA", False)  # True, or the set of this module's commands that do
         if isinstance(accepts, (set, frozenset, tuple, list)):

@@ -77,3 +77,98 @@ def test_profiles_table_matches_the_profiles_and_the_readme(capsys):
         assert row.rstrip().endswith(uses) and f" {p.precision} " in row and f" {p.num_processes} " in row
         assert rows[name] == uses, name
     assert lines[-1].startswith("this machine: cpu") and any(ln.startswith("* cpu ") for ln in lines)
+
+
+def _value_for(action) -> list[str]:
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        return [str(list(action.choices)[-1])]
+    return ["3"] if action.type is int else ["x"]
+
+
+@pytest.mark.parametrize("name", [n for n in __import__("hf_zero.cli").cli.COMMANDS])
+def test_underscore_flags_parse_as_dashed_ones(name):
+    """`--gpu_memory 48GiB` is `--gpu-memory 48GiB`, as accelerate launch takes both; every multi-word flag of every
+    command, one at a time; the recipe's own --output_dir / --save_steps stay the recipe's where a command says so."""
+    from hf_zero.cli import command_parser
+
+    parser, module = command_parser(name)
+    required = []
+    for action in parser._actions:
+        if action.required:
+            required += ([action.option_strings[0]] if action.option_strings else []) + _value_for(action)
+    dash_only = getattr(module, "DASH_ONLY", ())
+    flags = [(a, o) for a in parser._actions for o in a.option_strings if o.startswith("--") and "-" in o[2:]]
+    for action, dashed in flags:
+        underscored = "--" + dashed[2:].replace("-", "_")
+        value = _value_for(action)
+        want, _ = parser.parse_known_args(required + [dashed, *value])
+        got, extra = parser.parse_known_args(required + [underscored, *value])
+        if dashed in dash_only:
+            assert extra[0] == underscored, dashed  # passed on to the recipe
+        else:
+            assert vars(got) == vars(want) and extra == [], dashed
+            assert getattr(got, action.dest) != action.default, dashed  # the flag was read, not ignored
+    if flags and len(flags) > len(dash_only):
+        assert "Flags take dashes or underscores" in parser.format_help()
+        assert not any("_" in o[2:] for a in parser._actions for o in a.option_strings)  # help lists dashes once
+
+
+def test_underscore_flags_reach_the_launch_line(capsys):
+    assert main(["train", "--profile", "multinode", "--dry_run", "--machine_rank", "1", "--main_ip", "10.0.0.1",
+                 "--nodes", "2", "--learning_rate", "1e-4"]) == 0
+    line = capsys.readouterr().out
+    assert "--machine_rank 1 --main_process_ip 10.0.0.1" in line and line.rstrip().endswith("--learning_rate 1e-4")
+
+
+def test_train_help_names_the_default_config_and_the_recipe_flags(capsys):
+    from hf_zero.launch.command import DEFAULT_CONFIG
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert f"Default config: {DEFAULT_CONFIG}" in out and "TrainingArguments field" in out
+    assert "--help-recipe" in out and "Every field of the recipe is a flag too" in out
+
+
+def test_help_recipe_lists_the_recipes_fields(capsys):
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from hf_zero.core.config import CurriculumArguments, ModelArguments
+
+    assert main(["train", "--help-recipe"]) == 0
+    out = capsys.readouterr().out
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    own = [f for cls in (ModelArguments, CurriculumArguments) for f in dataclasses.fields(cls)
+           if f.name not in inherited]
+    assert len(own) > 10
+    for f in own:
+        assert f"  --{f.name} (default: " in out, f.name
+        assert " ".join(f.metadata["help"].split()[:4]) in " ".join(out.split()), f.name
+    count = len([f for f in dataclasses.fields(TrainingArguments) if f.init and not f.name.startswith("_")])
+    assert f"and every TrainingArguments field (transformers): {count} more" in out
+    assert "  --learning_rate " not in out and "  --logging_steps " not in out  # not all 100+ of them
+    assert main(["train", "--help_recipe", "all"]) == 0
+    everything = capsys.readouterr().out
+    from hf_zero.core.parse import HF_ZERO_TRAINING_DEFAULTS
+
+    assert "  --learning_rate (default: " in everything and "The initial learning rate" in everything
+    assert f"  --logging_steps (default: {HF_ZERO_TRAINING_DEFAULTS['logging_steps']})" in everything  # hf_zero's
+
+
+def test_make_train_hints_use_args(monkeypatch):
+    """Under `make train` a suggested recipe flag reads as make takes it: ARGS="--fresh_start true"."""
+    from hf_zero.checkpoint.compare import check_finished_settings
+    from hf_zero.core.errors import UserError
+
+    make = subprocess.run(["make", "-n", "train", "BIN=.venv/bin"], capture_output=True, text=True, cwd=REPO).stdout
+    assert "HF_ZERO_VIA_MAKE=1 .venv/bin/hf-zero train" in make
+    monkeypatch.delenv("HF_ZERO_VIA_MAKE", raising=False)
+    with pytest.raises(UserError, match=r"; --fresh_start true trains again"):
+        check_finished_settings("runs/x", {"seed": 1}, {"seed": 2})
+    monkeypatch.setenv("HF_ZERO_VIA_MAKE", "1")
+    with pytest.raises(UserError, match=r'; ARGS="--fresh_start true" trains again'):
+        check_finished_settings("runs/x", {"seed": 1}, {"seed": 2})

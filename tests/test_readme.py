@@ -152,6 +152,15 @@ def _check_generate(proc, where):
         assert len(_answer(proc).split()) > 5, _answer(proc)
 
 
+def _check_export_run(proc, where):
+    assert "[hf_zero] exporting runs/tiny_ckpt/final: the finished run's model" in proc.stdout
+    assert (where / "runs" / "tiny_final_hf" / "model.safetensors").is_file()
+
+
+def _check_help_recipe(proc, where):
+    assert "  --max_seq_length (default: 128)" in proc.stdout and "TrainingArguments field" in proc.stdout
+
+
 CHECKS = {
     "make train": _check_make_train,
     "make test-gpu": _check_test_gpu,
@@ -163,6 +172,8 @@ CHECKS = {
         _check_estimate_recipe,
     "hf-zero estimate --model benchmarks/models/llama-3.1-8b --use-peft --gradient-checkpointing --seq-len 2048 "
     "--gpus-per-node 1 --gpu-memory 24GiB": _check_estimate_lora_8b,
+    "hf-zero export runs/tiny_ckpt --out runs/tiny_final_hf --overwrite": _check_export_run,
+    "hf-zero train --help-recipe": _check_help_recipe,
 }
 
 

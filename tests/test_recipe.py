@@ -60,6 +60,51 @@ def test_final_model_files_are_shareable(single_run):
     assert s["model"] == "tiny-llama" and Path(s["model_path"]).is_dir()
 
 
+def test_export_a_run_dir_picks_final_or_the_newest_checkpoint(single_run, tmp_path, capsys):
+    """`hf-zero export RUN_DIR`: a finished run's final/, else its newest complete checkpoint-N, said in one line;
+    neither: one line naming both."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from hf_zero.checkpoint.store import crc32_of, file_sizes, write_manifest
+    from hf_zero.cli import main
+
+    out, _ = single_run
+    assert not list(out.glob("checkpoint-*"))  # a default run saves no checkpoint
+    assert main(["export", str(out), "--out", str(tmp_path / "from_final")]) == 0
+    assert f"[hf_zero] exporting {out / 'final'}: the finished run's model" in capsys.readouterr().out
+    final = load_file(str(out / "final" / "model.safetensors"))
+    assert load_file(str(tmp_path / "from_final" / "model.safetensors")).keys() == final.keys()
+
+    run = tmp_path / "run"  # a run stopped before its end: checkpoints, no final/, the newest one half written
+    for step in (2, 4, 6):
+        folder = run / f"checkpoint-{step}"
+        shutil.copytree(out / "final", folder)
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        if step < 6:
+            write_manifest(folder, {rel: crc32_of(folder / rel) for rel in file_sizes(folder)})
+    assert main(["export", str(run), "--out", str(tmp_path / "from_checkpoint")]) == 0
+    captured = capsys.readouterr()
+    assert f"exporting {run / 'checkpoint-4'}: the newest complete checkpoint in {run}" in captured.out
+    assert "skipping checkpoint-6" in captured.err and (tmp_path / "from_checkpoint" / "config.json").is_file()
+
+    shutil.rmtree(run / "checkpoint-2")
+    shutil.rmtree(run / "checkpoint-4")
+    assert main(["export", str(run), "--out", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"hf-zero: error: export: {run} holds no complete checkpoint-N (1 incomplete) and "
+                              "no final/; ") and not (tmp_path / "nothing").exists()
+
+
+def test_finished_run_under_make_suggests_args(single_run):
+    """`make train` on a finished run: the way to train again is given in make's form."""
+    out, _ = single_run
+    proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "train", "--profile", "cpu", "--config", TINY,
+                    "--output_dir", out, "--disable_tqdm", "true"], env={"HF_ZERO_VIA_MAKE": "1"})
+    assert f"{out} holds a finished run" in proc.stdout and 'To train again: ARGS="--fresh_start true"' in proc.stdout
+
+
 def test_tensorboard_logs_stage_and_eval(single_run):
     out, _ = single_run
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

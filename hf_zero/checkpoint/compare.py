@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, fields, is_dataclass
 
-from hf_zero.core.errors import UserError
+from hf_zero.core.errors import UserError, flag_hint
 
 __all__ = ["NOT_COMPARED", "FIXED", "run_settings", "differences", "allowed_changes", "check_resume_settings",
            "check_finished_settings", "note_settings", "current_settings"]
@@ -147,12 +147,13 @@ def check_resume_settings(name: str, recorded: dict | None, current: dict, allow
     fixed = [k for k in diff if k in FIXED]
     if fixed:
         raise UserError("resume", f"{name} cannot continue with other " + "; ".join(
-            f"{diff[k]} ({FIXED[k]})" for k in fixed), "train it with --fresh_start true or another --output_dir")
+            f"{diff[k]} ({FIXED[k]})" for k in fixed),
+            f"train it with {flag_hint('--fresh_start true')} or another --output_dir")
     refused = [k for k in diff if k not in allow]
     if refused:
         raise UserError("resume", f"{name} was trained with other settings: " + "; ".join(diff[k] for k in refused),
-                        f"pass --allow_changes {','.join(refused)} to apply them from this checkpoint's step, "
-                        "--fresh_start true to start over, or another --output_dir")
+                        f"pass {flag_hint('--allow_changes ' + ','.join(refused))} to apply them from this "
+                        f"checkpoint's step, {flag_hint('--fresh_start true')} to start over, or another --output_dir")
     return sorted(diff)
 
 
@@ -164,7 +165,7 @@ def check_finished_settings(where, recorded: dict | None, current: dict) -> None
     if diff:
         lines = "; ".join(_finished_words(k, recorded, current, diff[k]) for k in diff)
         raise UserError("output_dir", f"{where} holds a run that finished with other settings ({lines})",
-                        "--fresh_start true trains again (the finished run moves to previous-run/), "
+                        f"{flag_hint('--fresh_start true')} trains again (the finished run moves to previous-run/), "
                         "or pass another --output_dir")
 
 

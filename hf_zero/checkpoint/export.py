@@ -1,5 +1,6 @@
 """`hf-zero export CHECKPOINT --out DIR [--dtype bf16|fp32] [--merge-lora]`: a Hugging Face folder (safetensors,
-config, tokenizer) from any checkpoint, ZeRO shards and FSDP2 distributed checkpoints included.
+config, tokenizer) from any checkpoint, ZeRO shards and FSDP2 distributed checkpoints included. CHECKPOINT may be a
+run's output_dir: its final/ when the run finished, else its newest complete checkpoint-N, else its final/.
 
 DeepSpeed checkpoints are consolidated from the fp32 master weights in the shards with DeepSpeed's own
 zero_to_fp32 reader in lazy mode (memory-mapped shards, one tensor materialised at a time), written one
@@ -17,6 +18,7 @@ import shutil
 from pathlib import Path
 
 from hf_zero.checkpoint.safe_load import check_checkpoint, safe_checkpoint_loading
+from hf_zero.checkpoint.store import MANIFEST_NAME, find_resume_checkpoint, list_checkpoints, validate_checkpoint
 from hf_zero.core.errors import UserError
 
 __all__ = ["add_arguments", "run", "export_checkpoint", "DTYPES"]
@@ -29,7 +31,8 @@ _PROCESSOR_FILES = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.t
 
 def add_arguments(parser) -> None:
     parser.add_argument("checkpoint",
-                        help="a checkpoint-N folder, or a run's output_dir (its newest complete checkpoint)")
+                        help="a checkpoint-N or final/ folder, or a run's output_dir: its final/ when the run "
+                        "finished, else its newest complete checkpoint-N")
     parser.add_argument("--out", required=True, help="folder to write (must not exist or be empty)")
     parser.add_argument("--dtype", default="fp32", help="weights dtype: fp32 (default) or bf16")
     parser.add_argument("--merge-lora", dest="merge_lora", action="store_true",
@@ -47,16 +50,11 @@ def run(args) -> int:
 
 
 def _resolve_checkpoint(path: str) -> Path:
-    from hf_zero.checkpoint.store import MANIFEST_NAME, find_resume_checkpoint, list_checkpoints, validate_checkpoint
-
     folder = Path(path)
     if not folder.is_dir():
         raise UserError("CHECKPOINT", f"{path} is not a folder", "give a checkpoint-N folder or a run's output_dir")
-    if not (folder / "trainer_state.json").is_file() and list_checkpoints(folder):
-        found = find_resume_checkpoint(folder)
-        if found is None:
-            raise UserError("CHECKPOINT", f"{path} holds no complete checkpoint", "give a checkpoint-N folder")
-        folder = Path(found)
+    if not any((folder / f).is_file() for f in ("trainer_state.json", "config.json", "adapter_config.json")):
+        folder = _pick_from_run(folder)
     if (folder / MANIFEST_NAME).is_file() and (problem := validate_checkpoint(folder)):
         raise UserError("CHECKPOINT", f"{folder.name} is damaged: {problem}", "export an earlier checkpoint")
     check_checkpoint(folder)  # with or without a manifest: every pickle loads under the safe loader, or none is read
@@ -64,6 +62,23 @@ def _resolve_checkpoint(path: str) -> Path:
         raise UserError("CHECKPOINT", f"{folder} has no config.json or adapter_config.json",
                         "give a checkpoint written by the Trainer (checkpoint-N)")
     return folder
+
+
+def _pick_from_run(run: Path) -> Path:
+    """A run's output_dir: the model it finished with, else the newest complete checkpoint, said in one line."""
+    final = run / "final"
+    finished = (run / "summary.json").is_file() and final.is_dir()
+    found = None if finished else find_resume_checkpoint(run)
+    if found is not None:
+        print(f"[hf_zero] exporting {found}: the newest complete checkpoint in {run}", flush=True)
+        return Path(found)
+    if final.is_dir():
+        why = "the finished run's model" if finished else "no complete checkpoint-N"
+        print(f"[hf_zero] exporting {final}: {why}", flush=True)
+        return final
+    incomplete = f" ({len(list_checkpoints(run))} incomplete)" if list_checkpoints(run) else ""
+    raise UserError("export", f"{run} holds no complete checkpoint-N{incomplete} and no final/",
+                    "give a checkpoint-N or final/ folder, or the output_dir of a run that saved one")
 
 
 def _torch_dtype(name: str):

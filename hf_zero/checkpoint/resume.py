@@ -28,7 +28,7 @@ from hf_zero.checkpoint.store import (
     read_metadata,
     validate_checkpoint,
 )
-from hf_zero.core.errors import RunComplete, UserError
+from hf_zero.core.errors import RunComplete, UserError, flag_hint
 from hf_zero.core.lazy import trainer_callback
 
 __all__ = ["prepare_resume", "complete_message", "convert_to_universal", "Zero3UniversalFix", "UNIVERSAL_SUFFIX"]
@@ -69,20 +69,20 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
         raise UserError("profile", f"{name} was written with profile {meta.get('profile')} ({written} checkpoint) but "
                         f"this run uses {prof.name} ({now}), which cannot read it",
                         f"resume with profile {meta.get('profile')}, or `hf-zero export {checkpoint} --out DIR` and "
-                        "start a new run from DIR with --fresh_start true")
+                        f"start a new run from DIR with {flag_hint('--fresh_start true')}")
     stage_now = int(prof.zero_stage or 0) if prof.uses_deepspeed else 0
     if int(meta.get("zero_stage", 0)) != stage_now:
         raise UserError("profile", f"{name} was written with profile {meta.get('profile')} "
                         f"(ZeRO-{meta.get('zero_stage')}) but this run uses {prof.name} (ZeRO-{stage_now}), whose "
                         "optimizer state is laid out differently",
                         f"resume with profile {meta.get('profile')}, or `hf-zero export {checkpoint} --out DIR` and "
-                        "start a new run from DIR with --fresh_start true")
+                        f"start a new run from DIR with {flag_hint('--fresh_start true')}")
     if meta.get("global_batch") != plan.batch.global_batch:
         raise UserError("global_batch_size", f"{name} was trained with a global batch of {meta.get('global_batch')} "
                         f"({meta.get('micro_batch')} micro x {meta.get('grad_accum')} accum x {meta.get('world_size')} "
                         f"ranks) but this run has {plan.batch.line()}, which changes the data order and the LR schedule",
-                        f"pass --global_batch_size {meta.get('global_batch')} (accumulation adapts to the rank count) "
-                        "or --fresh_start true")
+                        f"pass {flag_hint('--global_batch_size ' + str(meta.get('global_batch')))} "
+                        f"(accumulation adapts to the rank count) or {flag_hint('--fresh_start true')}")
     if meta.get("world_size") == plan.world or not prof.uses_deepspeed:
         # The Trainer's own checkpoints do not depend on the rank count; FSDP2's distributed checkpoints record
         # each tensor's global shape and reshard on load.
@@ -212,7 +212,7 @@ def complete_message(out: Path) -> str:
     result = f"eval loss {before:.4f} -> {after:.4f}; " if isinstance(before, float) and isinstance(after, float) else ""
     model = summary.get("final_dir") or out / "final"
     return (f"{out} holds a finished run ({result}model in {model}, summary in {out / 'summary.json'}); nothing was "
-            "changed. To train again: --fresh_start true (this run moves to "
+            f"changed. To train again: {flag_hint('--fresh_start true')} (this run moves to "
             f"{out / 'previous-run'}) or another --output_dir")
 
 

@@ -6,9 +6,17 @@ run: nothing to do, exit 0) and `RunInterrupted` (SIGINT/SIGTERM: every rank sto
 
 from __future__ import annotations
 
-__all__ = ["UserError", "RunComplete", "RunInterrupted", "EXIT_USAGE"]
+import os
+
+__all__ = ["UserError", "RunComplete", "RunInterrupted", "EXIT_USAGE", "VIA_MAKE_ENV", "flag_hint"]
 
 EXIT_USAGE = 2
+VIA_MAKE_ENV = "HF_ZERO_VIA_MAKE"  # set by `make train`: its recipe flags go in ARGS="..."
+
+
+def flag_hint(flags: str) -> str:
+    """Recipe flags suggested in a message, as the user passes them: `ARGS="--fresh_start true"` under make."""
+    return f'ARGS="{flags}"' if os.environ.get(VIA_MAKE_ENV) == "1" else flags
 
 
 class UserError(Exception):

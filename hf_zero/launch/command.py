@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.core.parse import HF_ZERO_TRAINING_DEFAULTS
 from hf_zero.core.profiles import (
     PROFILE_ENV,
     accelerate_precision,
@@ -95,8 +96,10 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--profile", help="profile name or accelerate YAML (default: picked from the hardware)")
     parser.add_argument("--nproc", type=int, help="processes per machine (default: the profile's)")
     parser.add_argument("--precision", help="override the profile's precision: fp32, bf16 or fp16")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML")
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML (default: %(default)s)")
     parser.add_argument("--recipe", help="recipe script (default: the YAML's `recipe:`, else the curriculum recipe)")
+    parser.add_argument("--help-recipe", nargs="?", const="own", choices=("own", "all"), metavar="all",
+                        help="list the recipe's flags with their help and exit (all: TrainingArguments' too)")
     parser.add_argument("--nodes", type=int, help="machines in the job (multi-node)")
     parser.add_argument("--machine-rank", type=int, help="this machine's rank (multi-node)")
     parser.add_argument("--main-ip", help="address of machine 0 (multi-node)")
@@ -106,6 +109,45 @@ def add_arguments(parser, name: str) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the launch command instead of running it")
     parser.add_argument("--verbose", action="store_true", help="every rank's output and the libraries' warnings, "
                         "progress bars and launcher logs, unfiltered")
+    parser.epilog = (
+        "Every field of the recipe is a flag too, passed on to it and overriding its YAML key, in the YAML's\n"
+        "spelling (e.g. hf-zero train --max_steps 20 --learning_rate 1e-4): the recipe's own fields and every\n"
+        "TrainingArguments field (transformers). List them: hf-zero train --help-recipe (all: every one).\n"
+        f"Default config: {DEFAULT_CONFIG}")
+
+
+def recipe_help(types: tuple, everything: bool = False) -> list[str]:
+    """The recipe's flags from its dataclasses (its ARGUMENT_TYPES), each with its help: the recipe's own fields,
+    then the TrainingArguments ones, counted (listed too when `everything`)."""
+    import dataclasses
+    import textwrap
+
+    from transformers import TrainingArguments
+
+    inherited = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    lines = []
+
+    def describe(f) -> None:
+        default = HF_ZERO_TRAINING_DEFAULTS.get(f.name, f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None))
+        lines.append(f"  --{f.name} (default: {default})")
+        lines.extend(textwrap.wrap(str(f.metadata.get("help", "")), 110, initial_indent=" " * 6,
+                                   subsequent_indent=" " * 6))
+
+    for cls in types:
+        own = [f for f in dataclasses.fields(cls) if f.name not in inherited and f.init]
+        lines.append(f"{cls.__name__}:")
+        for f in own:
+            describe(f)
+    # the recipe's own class: a recipe may redeclare a TrainingArguments field with another default
+    trainer = [f for f in dataclasses.fields(types[-1])
+               if f.name in inherited and f.init and not f.name.startswith("_")]
+    lines.append(f"and every TrainingArguments field (transformers): {len(trainer)} more, e.g. --learning_rate, "
+                 "--max_steps, --save_steps" + (":" if everything else " (list them: --help-recipe all)"))
+    if everything:
+        for f in trainer:
+            describe(f)
+    return lines
 
 
 ACCEPTS_EXTRA = {"train"}  # train passes unknown flags on to the recipe (e.g. --learning_rate 1e-4)
@@ -179,9 +221,13 @@ def run(args) -> int:
         print(f"this machine: {name} ({why})")
         return 0
     validate_flags(args)
-    from hf_zero.core.shipped import recipe_script
+    from hf_zero.core.shipped import load_recipe, recipe_argument_types, recipe_script
 
     args.recipe = str(recipe_script(args.recipe, args.config))
+    if args.help_recipe:
+        print(f"Flags of {args.recipe} (each also a key of the --config YAML; a flag overrides the YAML):")
+        print("\n".join(recipe_help(recipe_argument_types(load_recipe(args.recipe)), args.help_recipe == "all")))
+        return 0
     from hf_zero.launch.launcher import VERBOSE_ENV, quiet_environment
 
     if args.verbose:

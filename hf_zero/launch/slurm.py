@@ -21,6 +21,9 @@ from hf_zero.core.errors import UserError
 __all__ = ["add_arguments", "run", "build_sbatch_script", "ACCEPTS_EXTRA"]
 
 ACCEPTS_EXTRA = True  # unknown flags go to the recipe (e.g. --learning_rate 1e-4), quoted into the srun line
+# The recipe's own --output_dir and --save_steps: read from the recipe flags (--save-steps only applies when the
+# recipe saves nothing; the recipe's --save_steps goes to the recipe).
+DASH_ONLY = ("--output-dir", "--save-steps")
 
 # #SBATCH lines are read by sbatch, not by a shell: quoting does not apply there, so values must be plain words.
 _SLURM_WORD = re.compile(r"^[A-Za-z0-9_.,:+=@/-]+$")

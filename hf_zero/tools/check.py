@@ -25,6 +25,7 @@ __all__ = ["CHECKS", "CheckResult", "run_checks", "add_arguments", "run", "ACCEP
 CHECKS = ("profile", "recipe", "batch", "devices", "precision", "launch", "hostfile", "model", "data", "offload",
           "fsdp", "output")
 ACCEPTS_EXTRA = True  # recipe flags (e.g. --learning_rate 1e-4) are checked with the YAML
+DASH_ONLY = ("--output-dir",)  # --output_dir is the recipe's own flag: checked with the recipe, as it will run
 
 
 @dataclass

@@ -8,7 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, run_settings
-from hf_zero.core.errors import UserError
+from hf_zero.core.errors import UserError, flag_hint
 
 
 def _model(st):
@@ -108,7 +108,8 @@ def _output(st):
     if (Path(where) / "summary.json").is_file() and not st.value("fresh_start") and not training.get(
             "resume_from_checkpoint"):
         st.args.finished_run = where  # `hf-zero train` says so without launching
-        return (f"{where} holds a finished run: `hf-zero train` will say so and change nothing (--fresh_start true "
+        return (f"{where} holds a finished run: `hf-zero train` will say so and change nothing "
+                f"({flag_hint('--fresh_start true')} "
                 "trains again, keeping it in previous-run/)")
     if st.count is None:  # the model did not load, or the recipe loads its own: writable is all we can say
         return verify_output(where, 0, "size not estimated")
