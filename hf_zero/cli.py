@@ -26,10 +26,34 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse prints usage and exits on bad flags; hf_zero wants the one-line error and exit code 2."""
+    """argparse prints usage and exits on bad flags; hf_zero wants the one-line error and exit code 2.
+
+    Every `--multi-word` flag is also taken as `--multi_word`, the recipe flags' spelling (as `accelerate launch`
+    takes both), through a second, hidden argument with the same destination: --help lists each flag once.
+    `dash_only` names flags whose underscore spelling is a recipe flag of another meaning, passed on to the recipe."""
+
+    dash_only: tuple = ()
+    underscored: tuple = ()
 
     def error(self, message):
         raise UserError(self.prog, message, f"see `{self.prog} --help`")
+
+    def add_argument(self, *flags, **kwargs):
+        action = super().add_argument(*flags, **kwargs)
+        aliases = tuple("--" + f[2:].replace("-", "_") for f in flags
+                        if f.startswith("--") and "-" in f[2:] and f not in self.dash_only)
+        if aliases:
+            super().add_argument(*aliases, **{**kwargs, "dest": action.dest, "help": argparse.SUPPRESS,
+                                              "required": False})
+            self.underscored += aliases
+        return action
+
+    def format_help(self):
+        text = super().format_help()
+        if self.underscored:
+            dashed = self.underscored[-1].replace("_", "-")
+            text += f"\nFlags take dashes or underscores ({dashed} or {self.underscored[-1]}).\n"
+        return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,27 +70,9 @@ def command_parser(name: str):
     module = importlib.import_module(COMMANDS[name][0])
     sub = _Parser(prog=f"hf-zero {name}", description=COMMANDS[name][1], allow_abbrev=False,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub.dash_only = getattr(module, "DASH_ONLY", ())
     module.add_arguments(sub, name) if _takes_name(module) else module.add_arguments(sub)
-    add_underscore_spellings(sub, getattr(module, "DASH_ONLY", ()))
     return sub, module
-
-
-def add_underscore_spellings(parser: argparse.ArgumentParser, dash_only=()) -> list[str]:
-    """Every `--multi-word` flag also as `--multi_word`, the recipe flags' spelling, as `accelerate launch` takes
-    both; returns the spellings added. Registered for parsing only, so --help lists each flag once. `dash_only`:
-    flags whose underscore spelling is a recipe flag of another meaning, passed on to the recipe instead."""
-    added = []
-    for action in list(parser._actions):
-        for option in action.option_strings:
-            alias = "--" + option[2:].replace("-", "_")
-            if option.startswith("--") and alias != option and option not in dash_only \
-                    and alias not in parser._option_string_actions:
-                parser._option_string_actions[alias] = action
-                added.append(alias)
-    if added:
-        note = f"Flags take dashes or underscores ({added[-1].replace('_', '-')} or {added[-1]})."
-        parser.epilog = f"{parser.epilog}\n\n{note}" if parser.epilog else note
-    return added
 
 
 def main(argv: list[str] | None = None) -> int:
