@@ -10,8 +10,8 @@ __all__ = ["build_causal_lm", "causal_lm_load_kwargs", "pick_attention", "apply_
 
 
 def causal_lm_load_kwargs(model_args: ModelArguments, packing: bool = False, half: bool = False) -> dict:
-    """`from_pretrained` keyword arguments of every causal LM hf_zero trains (the bench's plain baseline loads its model
-    with exactly these): fp32 weights, and the attention implementation from `pick_attention`."""
+    """`from_pretrained` keyword arguments of every causal LM hf_zero trains (the bench's plain baseline loads its
+    model with exactly these): fp32 weights, and the attention implementation from `pick_attention`."""
     import torch
 
     kwargs = {"dtype": torch.float32}
@@ -51,7 +51,8 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, packing: bool = False
     vocab = getattr(get_model_config(path), "vocab_size", None)
     from hf_zero.data.chat_template import added_template_tokens, grow_embeddings, train_embeddings
 
-    # Tokens a chat template added (hf_zero.data.chat_template) get new embedding rows; any other surplus is a mismatch.
+    # Tokens a chat template added (hf_zero.data.chat_template) get new embedding rows; any other surplus is a
+    # mismatch.
     if vocab is not None and len(tokenizer) - len(added_template_tokens(tokenizer)) > vocab:
         from hf_zero.core.errors import UserError
 
