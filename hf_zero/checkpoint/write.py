@@ -13,6 +13,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from hf_zero.checkpoint.compare import current_settings
 from hf_zero.checkpoint.store import (
     LATEST_NAME,
     METADATA_NAME,
@@ -24,7 +25,6 @@ from hf_zero.checkpoint.store import (
     write_json_atomic,
     write_manifest,
 )
-from hf_zero.checkpoint.compare import current_settings
 from hf_zero.core.files import human_bytes
 
 __all__ = ["CheckpointCallback", "build_checkpoint_metadata", "complete_checkpoint", "verify_saved_model",
