@@ -16,7 +16,7 @@ CONFIG ?= recipes/configs/smollm2_shakespeare.yaml
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-all test-gpu bench bench-gpu clean
+.PHONY: install train test test-all test-gpu bench bench-gpu quality style clean
 
 install: $(STAMP)
 
@@ -60,6 +60,14 @@ test-gpu: install
 # Everything, including the long runs kept out of `make test` (marked slow).
 test-all: install
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+
+# Lint (ruff, settings in pyproject.toml): `quality` fails on any finding, `style` fixes what ruff can fix.
+# No `ruff format`: the code is not ruff-formatted, and reformatting all of it is not a lint fix.
+quality: install
+	$(BIN)/ruff check
+
+style: install
+	$(BIN)/ruff check --fix
 
 clean:
 	rm -rf runs bench_out bench_gpu_out .pytest_cache

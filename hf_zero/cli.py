@@ -13,14 +13,18 @@ __all__ = ["main", "COMMANDS"]
 
 # name -> (module with add_arguments(parser) and run(args) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("hf_zero.launch.command", "launch a recipe under a profile (picks one from the hardware when none is given)"),
+    "train": ("hf_zero.launch.command",
+              "launch a recipe under a profile (picks one from the hardware when none is given)"),
     "profiles": ("hf_zero.launch.command", "list the profiles, or say which one this machine would use"),
     "estimate": ("hf_zero.estimate.command", "memory per rank for every strategy, before you pay for GPUs"),
-    "check": ("hf_zero.tools.check", "preflight: every configuration mistake in one line each, before any process starts"),
-    "export": ("hf_zero.checkpoint.export", "write a Hugging Face folder from any checkpoint (ZeRO shards consolidated)"),
+    "check": ("hf_zero.tools.check",
+              "preflight: every configuration mistake in one line each, before any process starts"),
+    "export": ("hf_zero.checkpoint.export",
+               "write a Hugging Face folder from any checkpoint (ZeRO shards consolidated)"),
     "bench": ("hf_zero.bench.command", "DDP vs ZeRO-1/2/3/offload side by side: time, memory, loss parity"),
     "slurm": ("hf_zero.launch.slurm", "write an sbatch script that runs a recipe on N nodes"),
-    "preview": ("hf_zero.tools.preview", "show a recipe's samples as the model will see them: format, trained tokens, lengths"),
+    "preview": ("hf_zero.tools.preview",
+                "show a recipe's samples as the model will see them: format, trained tokens, lengths"),
     "generate": ("hf_zero.tools.generate", "answer a prompt with a trained model or adapter (and its chat template)"),
 }
 
@@ -94,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(accepts, (set, frozenset, tuple, list)):
             accepts = name in accepts
         if extra and not accepts:
-            raise UserError(f"hf-zero {name}", f"unrecognized arguments: {' '.join(extra)}", f"see `hf-zero {name} --help`")
+            raise UserError(f"hf-zero {name}", f"unrecognized arguments: {' '.join(extra)}",
+                            f"see `hf-zero {name} --help`")
         args.extra = extra
         args.command = name
         args.argv = argv  # as typed, for "resume with: hf-zero ..." lines

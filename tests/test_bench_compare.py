@@ -123,7 +123,8 @@ def test_gpu_preset_writes_its_table_and_falls_back_to_the_cpu(tmp_path):
         assert r["mfu"] is None and r["peak_memory_kind"] == "rss"  # no GPU here: no device peak to divide by
     by = {r["strategy"]: r for r in summary["table"]}
     assert by["single_gpu"]["vs_single_gpu"] == 1.0
-    assert by["zero2"]["vs_single_gpu"] == pytest.approx(by["zero2"]["tokens_per_s"] / by["single_gpu"]["tokens_per_s"])
+    assert by["zero2"]["vs_single_gpu"] == pytest.approx(
+        by["zero2"]["tokens_per_s"] / by["single_gpu"]["tokens_per_s"])
     md = (out / "bench.md").read_text()
     assert "| rows x tokens | strategy | s/step | tokens/s | MFU |" in md and "CPU fallback" in md
     assert md.count("| 2 x 48 |") == len(names)

@@ -1,4 +1,5 @@
-"""Instruction and chat data (hf_zero.data.chat): TRL's formats, the chat template, and labels that train only the answer.
+"""Instruction and chat data (hf_zero.data.chat): TRL's formats, the chat template, and labels that train only the
+answer.
 
 Each format, packed and unpacked, against masks computed by hand from the pieces of the sample; packed rows give every
 answer token the same loss as its sample alone (nothing crosses a document boundary); a sample cut before its answer
@@ -52,7 +53,8 @@ def _chatml_by_hand(tok, turns):
         body = _ids(tok, content) + [end]
         newline = _ids(tok, "\n")
         ids += head + body + newline
-        labels += [IGNORE] * len(head) + (body if role == "assistant" else [IGNORE] * len(body)) + [IGNORE] * len(newline)
+        labels += ([IGNORE] * len(head) + (body if role == "assistant" else [IGNORE] * len(body))
+                   + [IGNORE] * len(newline))
     return ids, labels
 
 

@@ -70,13 +70,15 @@ def test_samples_show_the_learnt_reply(same_reply_runs):
 
     acc = EventAccumulator(str(next(out.rglob("events.out.tfevents.*")).parent), size_guidance={"tensors": 0})
     acc.Reload()
-    assert "samples/chat/text_summary" in acc.Tags()["tensors"] and "train/samples_chat_exact_match" in acc.Tags()["scalars"]
+    assert "samples/chat/text_summary" in acc.Tags()["tensors"]
+    assert "train/samples_chat_exact_match" in acc.Tags()["scalars"]
 
 
 def test_generate_answers_with_the_saved_template(same_reply_runs, capsys):
     final = same_reply_runs["true"] / "final"
     assert (final / "chat_template.jinja").is_file()
-    assert main(["generate", "--model", str(final), "--chat", "--prompt", "xq zzv blorp", "--max-new-tokens", "24"]) == 0
+    assert main(["generate", "--model", str(final), "--chat", "--prompt", "xq zzv blorp",
+                 "--max-new-tokens", "24"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == REPLY
 
 
@@ -118,16 +120,19 @@ def test_zero3_lora_adapter_reloads_with_its_chat_template(tmp_path):
     # the adapter names its base as the recipe did (the offline name); this machine's folder for it is passed along
     assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-llama"
     code = (  # plain peft + transformers, outside the repository: hf_zero is not imported
-        "import json, sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer; from peft import PeftModel;"
+        "import json, sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer;"
+        "from peft import PeftModel;"
         f"final = {str(final)!r}; row = json.loads(sys.argv[1]); base = sys.argv[2];"
         "tok = AutoTokenizer.from_pretrained(final);"
-        "m = AutoModelForCausalLM.from_pretrained(base); m.resize_token_embeddings(len(tok)); m = PeftModel.from_pretrained(m, final);"
+        "m = AutoModelForCausalLM.from_pretrained(base); m.resize_token_embeddings(len(tok));"
+        "m = PeftModel.from_pretrained(m, final);"
         "ids = tok.apply_chat_template(row, tokenize=True, return_dict=True)['input_ids'];"
         "prompt = tok.apply_chat_template(row[:-1], tokenize=False, add_generation_prompt=True);"
         "loss = float(m(torch.tensor([ids]), labels=torch.tensor([ids])).loss);"
         "print(json.dumps({'ids': list(ids), 'prompt': prompt, 'loss': loss, 'vocab': len(tok)}))"
     )
-    got = json.loads(run_cmd([sys.executable, "-c", code, json.dumps(row), resolve_model_path("tiny-llama")], cwd="/").stdout.strip().splitlines()[-1])
+    proc = run_cmd([sys.executable, "-c", code, json.dumps(row), resolve_model_path("tiny-llama")], cwd="/")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["ids"] == trained.sources[0][0]["input_ids"]
     assert got["prompt"] == f"<|im_start|>user\n{row[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
     assert got["vocab"] == 514 and 0 < got["loss"] < 20
@@ -178,8 +183,10 @@ def test_chat_demo_config_on_the_tiny_model(tmp_path):
     from hf_zero.data.assets import WHICH_PLAY_TITLES, resolve_data_path
 
     titles = set(WHICH_PLAY_TITLES.values())
-    held_out = [json.loads(line)["messages"] for line in open(resolve_data_path("builtin:shakespeare/which_play_test"))]
+    held_out = [json.loads(line)["messages"]
+                for line in open(resolve_data_path("builtin:shakespeare/which_play_test"))]
     asked = {m[1]["content"]: m[2]["content"] for m in held_out}
     assert all(r["reference"] in titles and asked[r["question"]] == r["reference"] for r in rows)
-    assert (out / "final" / "chat_template.jinja").is_file() and (out / "final" / "adapter_model.safetensors").is_file()
+    assert (out / "final" / "chat_template.jinja").is_file()
+    assert (out / "final" / "adapter_model.safetensors").is_file()
     assert "stage 1/1 'which_play' starts at step 1" in proc.stdout

@@ -271,8 +271,9 @@ def test_output_dir_without_room_for_the_checkpoints_keeps_what_is_there(capsys,
     model = tmp_path / "big"
     LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=int(layers), num_attention_heads=64,
                 num_key_value_heads=8, vocab_size=512).save_pretrained(model)
-    config = recipe(tmp_path, model_name_or_path=str(model), tokenizer_name_or_path=str(REPO / "hf_zero" / "data" / "tiny_assets" /
-                    "tiny_tokenizer"), save_strategy="steps", save_steps=5, save_total_limit=2)
+    config = recipe(tmp_path, model_name_or_path=str(model),
+                    tokenizer_name_or_path=str(REPO / "hf_zero" / "data" / "tiny_assets" / "tiny_tokenizer"),
+                    save_strategy="steps", save_steps=5, save_total_limit=2)
     rc, res = check(capsys, "--profile", "zero2", "--config", config, output_dir=out)
     assert failed(res) == {"output"}, res
     assert "3 checkpoint(s)" in res["output"][1] and "free but" in res["output"][1]

@@ -216,7 +216,8 @@ def kill_when(profile, out, condition, *extra, config, delay=0.0, timeout=900):
         assert time.time() < deadline
         time.sleep(0.005)
     time.sleep(delay)
-    workers = [c for c in psutil.Process(proc.pid).children(recursive=True) if "curriculum.py" in " ".join(c.cmdline())]
+    workers = [c for c in psutil.Process(proc.pid).children(recursive=True)
+               if "curriculum.py" in " ".join(c.cmdline())]
     assert len(workers) == 2
     for w in workers:  # the workers, not only the launcher: torchrun's workers outlive their launcher
         w.send_signal(signal.SIGKILL)
@@ -400,7 +401,8 @@ def test_lora_zero3_checkpoints_hold_the_gathered_adapter_only(tmp_path):
 
     base = json.loads((out / "checkpoint-10" / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert base == "tiny-llama"  # as the recipe names it, not a path in this machine's cache
-    exported_base = json.loads((tmp_path / "adapter-10" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    exported_base = json.loads(
+        (tmp_path / "adapter-10" / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert exported_base == base
     assert read_metadata(out / "checkpoint-10")["base_model_path"] == resolve_model_path(base)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(resolve_model_path(base)),
@@ -435,7 +437,8 @@ def test_disk_full_stops_cleanly_and_earlier_checkpoints_resume(small_disk, tmp_
     # save_total_limit 1 also lets the preflight's disk estimate (2 checkpoints at once) pass on this small disk.
     proc = launch_recipe("zero3", out, *COMMON, *ROTATE[2:], "--save_total_limit", "1", config=config, check=False)
     assert proc.returncode != 0
-    # Under plain accelerate launch the line is the root cause in torch elastic's failure report (hf_zero.launch.worker).
+    # Under plain accelerate launch the line is the root cause in torch elastic's failure report
+    # (hf_zero.launch.worker).
     line = [ln for ln in proc.stderr.splitlines() if "hf-zero: error: output_dir: no space left" in ln]
     assert len(line) == 1 and "checkpoint-6 and the checkpoints before it are complete" in line[0], proc.stderr[-2000:]
     assert published(out) == [3, 6]

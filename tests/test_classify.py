@@ -28,8 +28,9 @@ CONFIGS = REPO / "recipes" / "configs"
 TINY_TEXT, TINY_DIGITS = CONFIGS / "tiny_classify.yaml", CONFIGS / "tiny_digits.yaml"
 DIGITS_MODEL = REPO / "recipes" / "models" / "digits_resnet"
 CURRICULUM_SUMMARY_KEYS = ["profile", "zero_stage", "engine", "sharding", "offload_optimizer", "offload_param",
-                           "precision", "world_size", "micro_batch", "grad_accum", "global_batch", "nodes", "run_plan", "runtime_s",
-                           "config", "settings", "model", "use_peft", "trainable_params", "total_params", "total_steps",
+                           "precision", "world_size", "micro_batch", "grad_accum", "global_batch", "nodes", "run_plan",
+                           "runtime_s", "config", "settings", "model", "use_peft", "trainable_params", "total_params",
+                           "total_steps",
                            "train_loss", "eval_loss_before", "eval_loss_after", "eval_perplexity_before",
                            "eval_perplexity_after", "resumed_from", "final_dir", "stages", "losses"]
 
@@ -160,7 +161,8 @@ def test_bad_data_specs_name_the_field(data, eval_data, field):
 
 
 @pytest.mark.parametrize("kw,field", [({"validation_fraction": 1.0}, "validation_fraction"),
-                                      ({"max_seq_length": 4}, "max_seq_length"), ({"max_eval_samples": 0}, "max_eval")])
+                                      ({"max_seq_length": 4}, "max_seq_length"),
+                                      ({"max_eval_samples": 0}, "max_eval")])
 def test_bad_argument_values(kw, field):
     with pytest.raises(UserError) as err:
         _args(**kw)

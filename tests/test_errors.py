@@ -104,7 +104,8 @@ def test_mistake_found_inside_the_ranks_crosses_the_launcher_once(tmp_path):
 def test_a_bug_on_one_rank_keeps_its_traceback_once(tmp_path):
     """Not a user error: the failing rank's traceback (its own console is silent) and one line naming the rank."""
     script = tmp_path / "buggy.py"
-    script.write_text("import os, time\nfrom hf_zero.launch.worker import recipe_entry\n\n\n@recipe_entry\ndef main():\n"
+    script.write_text("import os, time\nfrom hf_zero.launch.worker import recipe_entry\n\n\n"
+                      "@recipe_entry\ndef main():\n"
                       "    if os.environ['RANK'] == '1':\n        raise RuntimeError('boom on rank 1')\n"
                       "    time.sleep(120)\n\n\nif __name__ == '__main__':\n    main()\n")
     proc = hf_zero("train", "--profile", "zero2", "--recipe", script, "--config", TINY, "--output_dir", tmp_path / "o")

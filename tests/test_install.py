@@ -28,7 +28,8 @@ def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("install")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     # Build from a copy of the tracked files: building writes build/ and *.egg-info/ beside setup.cfg.
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout
     src = tmp / "src"
     for name in filter(None, files.split("\0")):
         if (REPO / name).is_file():

@@ -1,5 +1,5 @@
-"""`hf-zero estimate` and hf_zero.estimate.memory: DeepSpeed's own estimators, the ZeRO paper's numbers, LoRA counts from peft,
-recommendations, the CLI, and estimate vs what a real DeepSpeed engine holds."""
+"""`hf-zero estimate` and hf_zero.estimate.memory: DeepSpeed's own estimators, the ZeRO paper's numbers, LoRA counts
+from peft, recommendations, the CLI, and estimate vs what a real DeepSpeed engine holds."""
 
 import json
 import os

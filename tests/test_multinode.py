@@ -63,8 +63,8 @@ def test_bad_hostfile_is_one_line(tmp_path, capsys, text, flags, field, says):
 
 def _start_machine(cmd):
     # Own session: on failure the test stops this machine's launcher and its workers without touching pytest.
-    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
 
 
 @pytest.mark.multiproc

@@ -41,8 +41,8 @@ def runs(tmp_path_factory, async_io):
     def launch(name, profile_path, nvme_path=None):
         out = root / name
         env = {"HF_ZERO_NVME_PATH": str(nvme_path)} if nvme_path else {}
-        run_cmd([sys.executable, "-m", "accelerate.commands.launch", "--config_file", profile_path, RECIPE, "--config", config,
-                 "--output_dir", out, "--disable_tqdm", "true"], cwd=cwd, env=env, timeout=900)
+        run_cmd([sys.executable, "-m", "accelerate.commands.launch", "--config_file", profile_path, RECIPE,
+                 "--config", config, "--output_dir", out, "--disable_tqdm", "true"], cwd=cwd, env=env, timeout=900)
         return read_summary(out)
 
     launch.root, launch.cwd = root, cwd
@@ -131,7 +131,8 @@ def test_system_deps_script_is_idempotent():
         pytest.skip("no dpkg here: scripts/system_deps.sh only says it skips")
     status = subprocess.run(["dpkg-query", "-W", "-f=${Status}\n", *wanted], capture_output=True, text=True).stdout
     if status.count("install ok installed") != len(wanted):
-        pytest.skip("the packages are not installed yet; this test does not apt-get for you: run scripts/system_deps.sh")
+        pytest.skip("the packages are not installed yet; this test does not apt-get for you: "
+                    "run scripts/system_deps.sh")
     proc = run_cmd(["bash", REPO / "scripts" / "system_deps.sh"], timeout=900)
     assert "already installed" in proc.stdout and "installing" not in proc.stdout, proc.stdout
     assert "AsyncIOBuilder: ok" in proc.stdout, proc.stdout + proc.stderr

@@ -161,7 +161,7 @@ def test_recipe_trains_with_packing(tmp_path):
     assert s["eval_loss_after"] < s["eval_loss_before"]
 
 
-# --- flash attention: one flattened row, no mask, the varlen path ------------------------------------------------------
+# --- flash attention: one flattened row, no mask, the varlen path ----------------------------------------------------
 
 def test_varlen_collator_flattens_the_documents_of_every_row(tiny_docs):
     """For flash attention the micro-batch's rows become one row of their documents: no padding, no attention mask,

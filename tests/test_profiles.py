@@ -53,7 +53,8 @@ def test_zero3_without_a_model_removes_reuse_stall_and_has_offload_sections():
     assert z3["stage3_max_reuse_distance"] == 0
     assert z3["offload_optimizer"]["device"] == "cpu" and z3["offload_param"]["device"] == "cpu"
     # the reuse walk is Python work, the same on a GPU machine (model-sized settings: tests/test_speed.py)
-    assert build_deepspeed_config(load_profile("zero3"), on_cpu=False)["zero_optimization"]["stage3_max_reuse_distance"] == 0
+    on_gpu = build_deepspeed_config(load_profile("zero3"), on_cpu=False)
+    assert on_gpu["zero_optimization"]["stage3_max_reuse_distance"] == 0
 
 
 def test_nvme_path_comes_from_env(monkeypatch):

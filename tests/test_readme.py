@@ -113,7 +113,8 @@ def _check_dry_run(proc, where):
 
 def _check_estimate_recipe(proc, where):
     """The recipe's longest stage sets the length; the recommendation is a profile and a command that runs."""
-    assert "micro-batch 2 x 192 tokens (stage sonnets" in proc.stdout and "recommended: profile single_gpu" in proc.stdout
+    assert "micro-batch 2 x 192 tokens (stage sonnets" in proc.stdout
+    assert "recommended: profile single_gpu" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1].strip() == \
         "hf-zero train --profile single_gpu --nproc 1 --config recipes/configs/smollm2_shakespeare.yaml"
 

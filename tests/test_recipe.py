@@ -40,7 +40,8 @@ def test_final_model_loads_without_hf_zero(single_run):
     out, _ = single_run
     code = (
         "import sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer;"
-        f"m = AutoModelForCausalLM.from_pretrained({str(out / 'final')!r}); t = AutoTokenizer.from_pretrained({str(out / 'final')!r});"
+        f"m = AutoModelForCausalLM.from_pretrained({str(out / 'final')!r});"
+        f"t = AutoTokenizer.from_pretrained({str(out / 'final')!r});"
         "ids = t('one two three', return_tensors='pt').input_ids; print(float(m(ids, labels=ids).loss))"
     )
     proc = run_cmd([sys.executable, "-c", code], cwd="/")  # outside the repo: hf_zero not needed
@@ -144,7 +145,7 @@ def run_bad(*args, cwd=REPO):
 def test_bad_input_is_one_line_exit_2(tmp_path, args, field):
     proc = run_bad(*args, "--output_dir", tmp_path / "o")
     assert proc.returncode == 2, proc.stderr[-2000:]
-    err = [l for l in proc.stderr.splitlines() if l.startswith("hf-zero: error:")]
+    err = [ln for ln in proc.stderr.splitlines() if ln.startswith("hf-zero: error:")]
     assert len(err) == 1 and field in err[0], proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 

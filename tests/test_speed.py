@@ -63,7 +63,7 @@ def test_the_banner_says_one_rank_zero_saves_nothing(profile, world, says):
     assert (lines[0] if lines else None) is None if says is None else says in lines[0]
 
 
-# --- Liger's kernels --------------------------------------------------------------------------------------------------
+# --- Liger's kernels -------------------------------------------------------------------------------------------------
 
 def test_liger_on_cpu_runs_without_it_in_one_line(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
@@ -75,7 +75,8 @@ def test_liger_on_cpu_runs_without_it_in_one_line(capsys, monkeypatch):
 
 def test_liger_never_takes_over_the_loss():
     with pytest.raises(UserError, match="liger_kernel_config.fused_linear_cross_entropy: hf_zero computes the loss"):
-        reconcile_training_kwargs({"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": True}},
+        reconcile_training_kwargs({"use_liger_kernel": True,
+                                   "liger_kernel_config": {"fused_linear_cross_entropy": True}},
                                   Profile(name="single_gpu"), 1, True, None)
 
 
@@ -111,7 +112,7 @@ def test_liger_kernels_keep_the_loss():
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
 
 
-# --- torch_compile ----------------------------------------------------------------------------------------------------
+# --- torch_compile ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_torch_compile_keeps_the_losses(tmp_path, quiet_env):

@@ -1,10 +1,11 @@
-"""`hf-zero bench`: DDP vs ZeRO-1/2/3/offload and FSDP2 side by side on the same model, data, seed, precision and global batch.
+"""`hf-zero bench`: DDP vs ZeRO-1/2/3/offload and FSDP2 side by side on the same model, data, seed, precision and
+global batch.
 
 Every strategy runs the real recipe through the real launcher (`accelerate launch`, N ranks). Each rank reports its
 step times, start-up and peak memory (hf_zero.bench.probe) and the bytes it holds in parameters, gradients and
-optimizer state after step 1 (hf_zero.estimate.measure); bench adds `hf-zero estimate`'s figure, FLOPs, and the largest loss
-difference against DDP. Then, interleaved A/B, B/A, ..., hf_zero against benchmarks/plain_trainer.py (the same
-training in a plain transformers.Trainer + DeepSpeed script, checked to be the same) for the layer's overhead, and
+optimizer state after step 1 (hf_zero.estimate.measure); bench adds `hf-zero estimate`'s figure, FLOPs, and the
+largest loss difference against DDP. Then, interleaved A/B, B/A, ..., hf_zero against benchmarks/plain_trainer.py (the
+same training in a plain transformers.Trainer + DeepSpeed script, checked to be the same) for the layer's overhead, and
 one run with sequence packing switched the other way from the recipe.
 Output in --out: bench.json (everything), bench.csv, bench.md, bench.png (hf_zero.bench.report).
 """
@@ -44,8 +45,8 @@ def add_arguments(parser) -> None:
                         "(default: the profiles', fp32); loss parity is a target in fp32, recorded in bf16/fp16")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of step-time statistics")
     parser.add_argument("--overhead-repeats", type=int, default=None,
-                        help="hf_zero / plain Trainer pairs, interleaved A/B, B/A, ..., for the overhead ratio and its "
-                        "spread (default 3; 0: skip; --preset gpu: 0)")
+                        help="hf_zero / plain Trainer pairs, interleaved A/B, B/A, ..., for the overhead ratio and "
+                        "its spread (default 3; 0: skip; --preset gpu: 0)")
     parser.add_argument("--overhead-strategy", help="profile for the overhead and packing runs (default: zero2 "
                         "if benchmarked, else the first strategy)")
     parser.add_argument("--no-packing", action="store_true", help="skip the run with packing switched the other "

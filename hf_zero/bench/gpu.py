@@ -36,7 +36,8 @@ def add_preset_arguments(parser) -> None:
 def _check(args) -> tuple[Path, list[int]]:
     config = Path(args.model_config or DEFAULT_MODEL_CONFIG)
     if not (config / "config.json").is_file():
-        raise UserError("--model-config", f"{config} has no config.json", "give a folder holding a model's config.json")
+        raise UserError("--model-config", f"{config} has no config.json",
+                        "give a folder holding a model's config.json")
     try:
         lengths = [int(x) for x in str(args.seq_lens).split(",") if x.strip()]
     except ValueError:

@@ -20,7 +20,8 @@ def plot(report: dict, path: Path, machine: str) -> None:
     fig, ((ax_time, ax_rss), (ax_state, ax_loss)) = plt.subplots(2, 2, figsize=(14, 9))
 
     med = [r["step_time_median_s"] for r in rows]
-    err = [[m - r["step_time_p25_s"] for m, r in zip(med, rows)], [r["step_time_p75_s"] - m for m, r in zip(med, rows)]]
+    err = [[m - r["step_time_p25_s"] for m, r in zip(med, rows)],
+           [r["step_time_p75_s"] - m for m, r in zip(med, rows)]]
     ax_time.bar(x, med, yerr=err, capsize=4, color="tab:blue")
     ax_time.set(xticks=x, xticklabels=names, ylabel="seconds per step (median, p25-p75)", title="Step time")
 

@@ -31,7 +31,8 @@ def machine_info(nproc: int, loadavg_start, note: str = "") -> dict:
     info = Path("/proc/cpuinfo")
     cpu = next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")),
                platform.processor()) if info.exists() else platform.processor()
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
+    gpus = [torch.cuda.get_device_name(i)
+            for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0)]
     return {
         "cpu": cpu, "logical_cpus": os.cpu_count(),
         "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
@@ -79,7 +80,8 @@ def assemble(plan, args, machine, names, results, overhead_strategy, pairs, flip
             row["mfu"] = row["achieved_flops_per_s"] / (peak * plan.nproc) if peak else None
             row["max_abs_loss_diff_vs_reference"] = agreement["max_abs_diff_vs_reference"].get(name)
             if r.get("model_state_by_rank"):
-                split = [offload_split(m, prof.offload_optimizer, prof.offload_param) for m in r["model_state_by_rank"]]
+                split = [offload_split(m, prof.offload_optimizer, prof.offload_param)
+                         for m in r["model_state_by_rank"]]
                 row["model_state_device_bytes_per_rank"] = max(x["device"] for x in split)
                 row["model_state_host_bytes_per_rank"] = max(x["host"] for x in split)
         rows.append(row)

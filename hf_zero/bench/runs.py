@@ -1,6 +1,6 @@
 """One launch of `hf-zero bench`, start to summary: run it (stopped at --timeout, launched once more after a crash),
-and turn the files its ranks wrote (hf_zero.bench.probe, hf_zero.estimate.measure) into step times, throughput, memory and
-losses, or a failure with its cause."""
+and turn the files its ranks wrote (hf_zero.bench.probe, hf_zero.estimate.measure) into step times, throughput, memory
+and losses, or a failure with its cause."""
 
 from __future__ import annotations
 
@@ -106,14 +106,15 @@ def root_cause(lines: list[str]) -> str:
     """The line that says why a launch failed: a worker's exception, not the launcher's ChildFailedError banner."""
     for line in reversed(lines):
         text = line.strip()
-        if re.match(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b.*:", text) and "ChildFailedError" not in text:
+        if (re.match(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b.*:", text)
+                and "ChildFailedError" not in text):
             return text[:300]
     return next((x.strip()[:300] for x in reversed(lines) if x.strip() and not set(x.strip()) <= set("=-")), "")
 
 
 def model_state_bytes(record: dict, ddp_buckets: int) -> dict:
-    """One rank's model states from hf_zero.estimate.measure's snapshots of step 1, counted as the ZeRO paper counts them:
-    parameters and optimizer state after the step, gradients as held through backward (per-parameter gradients,
+    """One rank's model states from hf_zero.estimate.measure's snapshots of step 1, counted as the ZeRO paper counts
+    them: parameters and optimizer state after the step, gradients as held through backward (per-parameter gradients,
     partitions) plus the gradient communication buckets (DDP's are a full second copy). Temporaries of the optimizer
     step itself (DeepSpeed's flattened fp32 gradient copy, torch Adam's intermediates) are left out for every
     strategy, as they must be: only DeepSpeed's can be seen. `total_with_step_temporaries` adds DeepSpeed's."""

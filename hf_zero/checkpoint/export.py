@@ -45,7 +45,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.merge_lora, args.base_model, args.overwrite)
-    print(f"[hf_zero] exported {out['source']} -> {out['out']} ({out['kind']}, {out['tensors']} tensors, {args.dtype})")
+    print(f"[hf_zero] exported {out['source']} -> {out['out']} "
+          f"({out['kind']}, {out['tensors']} tensors, {args.dtype})")
     return 0
 
 

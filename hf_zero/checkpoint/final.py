@@ -45,7 +45,8 @@ def verify_saved_weights(model, folder: Path, atol: float = 0.0) -> int:
     if rank0:
         empty = [k for k, t in saved.items() if t.numel() == 0]
         if empty:
-            raise SavedModelMismatch(f"{folder}: {len(empty)} empty tensors (e.g. {empty[0]}): weights were not gathered")
+            raise SavedModelMismatch(
+                f"{folder}: {len(empty)} empty tensors (e.g. {empty[0]}): weights were not gathered")
     checked, problems = 0, []
     for name, param in model.named_parameters():
         if is_peft and not param.requires_grad:

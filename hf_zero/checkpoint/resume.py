@@ -63,7 +63,8 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
     if not meta:
         _say(f"warning: {name} has no hf_zero metadata; resuming without compatibility checks")
         return False
-    written = _format_of(meta.get("engine") or ("deepspeed" if meta.get("zero_stage") else _engine_on_disk(checkpoint)))
+    written = _format_of(meta.get("engine")
+                         or ("deepspeed" if meta.get("zero_stage") else _engine_on_disk(checkpoint)))
     now = _format_of(prof.engine)
     if written != now:
         raise UserError("profile", f"{name} was written with profile {meta.get('profile')} ({written} checkpoint) but "
@@ -79,8 +80,9 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
                         f"start a new run from DIR with {flag_hint('--fresh_start true')}")
     if meta.get("global_batch") != plan.batch.global_batch:
         raise UserError("global_batch_size", f"{name} was trained with a global batch of {meta.get('global_batch')} "
-                        f"({meta.get('micro_batch')} micro x {meta.get('grad_accum')} accum x {meta.get('world_size')} "
-                        f"ranks) but this run has {plan.batch.line()}, which changes the data order and the LR schedule",
+                        f"({meta.get('micro_batch')} micro x {meta.get('grad_accum')} accum x "
+                        f"{meta.get('world_size')} ranks) but this run has {plan.batch.line()}, which changes the "
+                        "data order and the LR schedule",
                         f"pass {flag_hint('--global_batch_size ' + str(meta.get('global_batch')))} "
                         f"(accumulation adapts to the rank count) or {flag_hint('--fresh_start true')}")
     if meta.get("world_size") == plan.world or not prof.uses_deepspeed:
@@ -209,7 +211,8 @@ def _read_json(path: Path) -> dict:
 def complete_message(out: Path) -> str:
     summary = _read_json(out / "summary.json")
     before, after = summary.get("eval_loss_before"), summary.get("eval_loss_after")
-    result = f"eval loss {before:.4f} -> {after:.4f}; " if isinstance(before, float) and isinstance(after, float) else ""
+    result = (f"eval loss {before:.4f} -> {after:.4f}; "
+              if isinstance(before, float) and isinstance(after, float) else "")
     model = summary.get("final_dir") or out / "final"
     return (f"{out} holds a finished run ({result}model in {model}, summary in {out / 'summary.json'}); nothing was "
             f"changed. To train again: {flag_hint('--fresh_start true')} (this run moves to "

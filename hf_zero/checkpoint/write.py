@@ -13,6 +13,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from hf_zero.checkpoint.compare import current_settings
 from hf_zero.checkpoint.store import (
     LATEST_NAME,
     METADATA_NAME,
@@ -24,11 +25,10 @@ from hf_zero.checkpoint.store import (
     write_json_atomic,
     write_manifest,
 )
-from hf_zero.checkpoint.compare import current_settings
 from hf_zero.core.files import human_bytes
 
-__all__ = ["CheckpointCallback", "build_checkpoint_metadata", "complete_checkpoint", "verify_saved_model", "is_disk_full",
-           "stop_on_full_disk"]
+__all__ = ["CheckpointCallback", "build_checkpoint_metadata", "complete_checkpoint", "verify_saved_model",
+           "is_disk_full", "stop_on_full_disk"]
 
 
 class CheckpointCallback(TrainerCallback):
@@ -74,7 +74,8 @@ def build_checkpoint_metadata(trainer) -> dict:
     for entry in state.log_history:
         if entry.get("step") == step:
             metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "step"})
-    stage_losses = [v for k, v in metrics.items() if k.startswith("eval_") and k.endswith("_loss") and k != "eval_loss"]
+    stage_losses = [v for k, v in metrics.items()
+                    if k.startswith("eval_") and k.endswith("_loss") and k != "eval_loss"]
     if stage_losses and "eval_loss" not in metrics:
         metrics["eval_loss"] = sum(stage_losses) / len(stage_losses)  # same mean as CurriculumTrainer.evaluate
     plan = current_plan()  # set by setup_run, which every recipe calls before it builds a Trainer
@@ -104,7 +105,8 @@ def build_checkpoint_metadata(trainer) -> dict:
 
 
 def is_disk_full(err: BaseException, path) -> bool:
-    """ENOSPC as Python, safetensors or torch report it (torch.save only says "unexpected pos ..."), or no room left."""
+    """ENOSPC as Python, safetensors or torch report it (torch.save only says "unexpected pos ..."), or no room
+    left."""
     seen = err
     while seen is not None:
         if getattr(seen, "errno", None) == errno.ENOSPC or "No space left on device" in str(seen):

@@ -26,7 +26,8 @@ class ModelArguments:
 
     model_name_or_path: str = field(
         default="tiny-llama",
-        metadata={"help": "Local folder, hub id (when online) or offline name: tiny-llama, smollm2-135m-instruct, minilm."},
+        metadata={"help": "Local folder, hub id (when online) or offline name: tiny-llama, smollm2-135m-instruct, "
+                          "minilm."},
     )
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
     attn_implementation: str | None = field(
@@ -35,7 +36,8 @@ class ModelArguments:
     use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
     lora_r: int = field(default=16, metadata={"help": "LoRA rank; higher = more trainable parameters and memory."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input; 0 for exact parity tests."})
+    lora_dropout: float = field(default=0.05,
+                                metadata={"help": "Dropout on the LoRA input; 0 for exact parity tests."})
     lora_target_modules: list[str] | None = field(
         default=None, metadata={"help": "Module names to adapt (e.g. q_proj v_proj); default: peft's for the model."}
     )
@@ -119,7 +121,8 @@ class CurriculumArguments(TrainingArguments):
         value = values.get("fused_cross_entropy", "auto")
         mode = {"true": True, "false": False, "auto": "auto"}.get(value.lower()) if isinstance(value, str) else value
         if mode not in ("auto", True, False):
-            raise UserError("fused_cross_entropy", f"{value!r} is not auto, true or false", "e.g. fused_cross_entropy: auto")
+            raise UserError("fused_cross_entropy", f"{value!r} is not auto, true or false",
+                            "e.g. fused_cross_entropy: auto")
         values["fused_cross_entropy"] = mode
 
     def __post_init__(self):
@@ -142,10 +145,13 @@ class Stage:
     )
     epochs: float | None = field(default=None, metadata={"help": "Passes over the stage's data."})
     steps: int | None = field(default=None, metadata={"help": "Optimizer steps in this stage."})
-    learning_rate: float | None = field(default=None, metadata={"help": "Peak LR of the stage (default: --learning_rate)."})
+    learning_rate: float | None = field(default=None,
+                                        metadata={"help": "Peak LR of the stage (default: --learning_rate)."})
     warmup_steps: int = field(default=0, metadata={"help": "Linear warmup at the start of the stage."})
-    lr_schedule: str = field(default="cosine", metadata={"help": "Decay within the stage: cosine, linear or constant."})
-    min_lr_ratio: float = field(default=0.1, metadata={"help": "LR at the end of the stage, as a fraction of its peak."})
+    lr_schedule: str = field(default="cosine",
+                             metadata={"help": "Decay within the stage: cosine, linear or constant."})
+    min_lr_ratio: float = field(default=0.1,
+                                metadata={"help": "LR at the end of the stage, as a fraction of its peak."})
     max_seq_length: int | None = field(default=None, metadata={"help": "Tokens per sample in this stage."})
     eval_data: list[str] | None = field(
         default=None, metadata={"help": "Held-out data of the stage (its first eval_samples rows) instead of a slice "
@@ -179,7 +185,8 @@ class Stage:
             raise UserError(f"{where}.weights", f"{len(self.weights)} weights for {len(self.data)} data sources",
                             "give one weight per entry of `data`")
         if self.lr_schedule not in ("cosine", "linear", "constant"):
-            raise UserError(f"{where}.lr_schedule", f"unknown schedule {self.lr_schedule!r}", "use cosine, linear or constant")
+            raise UserError(f"{where}.lr_schedule", f"unknown schedule {self.lr_schedule!r}",
+                            "use cosine, linear or constant")
         from hf_zero.core.validate import positive
 
         rules = (("learning_rate", self.learning_rate is None or positive(self.learning_rate), "must be a positive "

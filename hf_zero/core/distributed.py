@@ -83,7 +83,8 @@ def waiting_for(what: str):
         limit = f"{_timeout_s} s" if _timeout_s else "its timeout"
         if "timed out" in text or "timeout" in text:
             raise DistWaitError(
-                "distributed", f"rank {_rank()} gave up after {limit} waiting for {what} (a rank is stuck or has died)",
+                "distributed",
+                f"rank {_rank()} gave up after {limit} waiting for {what} (a rank is stuck or has died)",
                 f"see that rank's output; if it is only slow, raise {DIST_TIMEOUT_ENV} (seconds) or ddp_timeout",
             ) from None
         if any(w in text for w in ("connection closed", "connection reset", "broken pipe", "connection refused")):

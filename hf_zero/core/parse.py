@@ -49,7 +49,8 @@ def _unknown_key_error(key: str, known: list[str], where: str) -> UserError:
 def load_yaml_config(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
-        raise UserError("--config", f"{path} does not exist", "pass a recipe YAML, e.g. recipes/configs/tiny_curriculum.yaml")
+        raise UserError("--config", f"{path} does not exist",
+                        "pass a recipe YAML, e.g. recipes/configs/tiny_curriculum.yaml")
     try:
         data = yaml.safe_load(p.read_text()) or {}
     except yaml.YAMLError as err:
@@ -93,7 +94,8 @@ def parse_stages(raw, where: str, lines: dict | None = None) -> list[Stage]:
     stages, seen = [], set()
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
-            raise UserError(f"stages[{i}]", "each stage needs at least `name` and `data`", "see the README's YAML reference")
+            raise UserError(f"stages[{i}]", "each stage needs at least `name` and `data`",
+                            "see the README's YAML reference")
         if item.get("name") in (None, "", []):  # the keys below are named by the stage's name
             build_stage(item, i, where, lines)
         for key in item:
@@ -126,7 +128,8 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yam
     yaml_values = resolve_recipe_paths(yaml_values, config_path)
     lines = yaml_lines(config_path)
     stages = parse_stages(yaml_values.pop("stages", None), config_path or "the command line", lines)
-    yaml_values.pop("recipe", None)  # which recipe the YAML is for: read by the tools (hf_zero.core.shipped), not by it
+    # which recipe the YAML is for: read by the tools (hf_zero.core.shipped), not by it
+    yaml_values.pop("recipe", None)
 
     class _Parser(HfArgumentParser):
         def error(self, message):
@@ -145,7 +148,8 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yam
     check_yaml_types(parser, yaml_values, config_path, lines)
     defaults = {k: v for k, v in HF_ZERO_TRAINING_DEFAULTS.items() if k in known}
     defaults["output_dir"] = f"runs/{Path(config_path).stem}" if config_path else "runs/default"
-    if "ddp_timeout" in known:  # minutes, not torch's 30: a stuck rank fails the run soon (hf_zero/core/distributed.py)
+    # minutes, not torch's 30: a stuck rank fails the run soon (hf_zero/core/distributed.py)
+    if "ddp_timeout" in known:
         from hf_zero.core.distributed import dist_timeout
 
         defaults["ddp_timeout"] = dist_timeout()

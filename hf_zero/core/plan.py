@@ -151,7 +151,8 @@ def plan_in_worker(types: tuple, argv: list[str], script: str, env=os.environ):
             plan = RunPlan.from_json(path.read_text())
         except (OSError, ValueError, TypeError) as err:
             raise UserError(PLAN_ENV, f"cannot read the run plan {path}: {err}",
-                            "launch again with hf-zero train (it writes the plan), or unset HF_ZERO_RUN_PLAN") from None
+                            "launch again with hf-zero train (it writes the plan), "
+                            "or unset HF_ZERO_RUN_PLAN") from None
         if plan.argv != tuple(argv) or plan.world != world:
             raise UserError(PLAN_ENV, f"{path} was resolved for {plan.world} ranks and arguments "
                             f"{' '.join(plan.argv)}, but this rank runs in {world} with {' '.join(argv)}",

@@ -210,8 +210,8 @@ def _validate_values(raw: dict, path: Path) -> None:
     for key, value, ok, fix in rules:
         if not ok(value):
             top = key.split(".")[0]
-            raise UserError(f"profile {path.name}: {key}", f"{value!r} is not valid {at_line(str(path), lines, key, top)}",
-                            fix)
+            raise UserError(f"profile {path.name}: {key}",
+                            f"{value!r} is not valid {at_line(str(path), lines, key, top)}", fix)
     machines, procs = raw.get("num_machines", 1), raw.get("num_processes", 1)
     if procs % machines:
         raise UserError(f"profile {path.name}: num_processes", f"{procs} processes do not divide over {machines} "
@@ -266,8 +266,8 @@ def pick_profile(gpus: int | None = None, model=None, gpu_memory_bytes: int | No
     With GPUs and a known run (`recipe`: hf_zero.estimate.recipe.RecipeMemory, or just a `model` and LoRA rank at
     micro-batch 1 x 1024 tokens), hf_zero's estimator picks the fastest profile whose peak fits the device less 10%
     headroom, at the recipe's own micro-batch and length, in `precision` (default bf16): 1 GPU single_gpu, zero2,
-    zero3_offload, fsdp2_offload; k GPUs zero2, zero3, fsdp2, zero3_offload, fsdp2_offload. Nothing fits: a one-line error with the estimate and what
-    would fit. Without a known run: single_gpu on 1 GPU, ZeRO-2 on several.
+    zero3_offload, fsdp2_offload; k GPUs zero2, zero3, fsdp2, zero3_offload, fsdp2_offload. Nothing fits: a one-line
+    error with the estimate and what would fit. Without a known run: single_gpu on 1 GPU, ZeRO-2 on several.
     """
     gpus = gpu_count() if gpus is None else gpus
     if gpus == 0:

@@ -40,7 +40,8 @@ def plan_batch(micro: int, accumulation: int, world: int, global_batch: int | No
     per_step = micro * world
     if global_batch % per_step:
         fits = [m for m in range(1, micro + 1) if global_batch % (m * world) == 0]
-        hint = f"use per_device_train_batch_size {fits[-1]}" if fits else f"make it a multiple of {world} (the world size)"
+        hint = (f"use per_device_train_batch_size {fits[-1]}" if fits
+                else f"make it a multiple of {world} (the world size)")
         raise UserError(
             "global_batch_size",
             f"{global_batch} is not divisible by micro batch {micro} x {world} ranks",
@@ -102,7 +103,8 @@ def reconcile_training_kwargs(
     if out.get("gradient_checkpointing"):
         # Reentrant checkpointing breaks with LoRA under ZeRO-3 (recomputed gathered shapes differ,
         # transformers#47254) and needs input grads with frozen embeddings; non-reentrant works everywhere.
-        out["gradient_checkpointing_kwargs"] = {"use_reentrant": False, **(out.get("gradient_checkpointing_kwargs") or {})}
+        out["gradient_checkpointing_kwargs"] = {"use_reentrant": False,
+                                                **(out.get("gradient_checkpointing_kwargs") or {})}
     return out, plan
 
 

@@ -265,8 +265,8 @@ def _run_assets(model: str | None, data=()) -> dict:
     elif model == "smollm2-135m-instruct":
         found[model] = (get_cache_dir() / "models" / model, get_smollm2_path, model_folder_problem)
     if any(spec in BUILTIN_DATA and spec.rsplit("/", 1)[1] in CURRICULUM_STAGES for spec in data):
-        found["shakespeare"] = (get_cache_dir() / "data" / "shakespeare" / "curriculum", prepare_shakespeare_curriculum,
-                                _curriculum_problem)
+        found["shakespeare"] = (get_cache_dir() / "data" / "shakespeare" / "curriculum",
+                                prepare_shakespeare_curriculum, _curriculum_problem)
     if any(spec in BUILTIN_DATA and spec.rsplit("/", 1)[1] in WHICH_PLAY_SPLITS for spec in data):
         found["which_play"] = (get_cache_dir() / "data" / "shakespeare" / "which_play-v2", prepare_which_play,
                                _which_play_problem)
@@ -323,7 +323,8 @@ def _build_missing_in_child(model: str | None, data, builder: bool) -> None:
 
     cmd = [sys.executable, "-m", "hf_zero.data.assets", *(["--model", model] if model else []),
            *[a for d in data for a in ("--data", d)]]
-    env = {k: v for k, v in os.environ.items() if k not in _DIST_ENV and not k.startswith(("ACCELERATE_", "TORCHELASTIC"))}
+    env = {k: v for k, v in os.environ.items()
+           if k not in _DIST_ENV and not k.startswith(("ACCELERATE_", "TORCHELASTIC"))}
     proc = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
     code = proc.returncode
     prefix = "hf-zero: error: "
@@ -340,8 +341,9 @@ def _build_missing_in_child(model: str | None, data, builder: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m hf_zero.data.assets", description="Build a run's offline model and "
-                                     "data into the cache (HF_ZERO_CACHE), once, in this one process.")
+    parser = argparse.ArgumentParser(prog="python -m hf_zero.data.assets",
+                                     description="Build a run's offline model and data into the cache "
+                                     "(HF_ZERO_CACHE), once, in this one process.")
     parser.add_argument("--model", help="an offline model name, e.g. tiny-llama or smollm2-135m-instruct")
     parser.add_argument("--data", action="append", default=[], help="a data source, e.g. builtin:shakespeare/lines")
     args = parser.parse_args(argv)

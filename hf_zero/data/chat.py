@@ -82,12 +82,14 @@ def detect_format(columns: list[str], first_row: dict | None, opts: FormatOption
     """One of text / prompt_completion / conversational_prompt_completion / conversational."""
     cols = set(columns)
     has = {
-        "conversational": opts.messages_field in cols or (opts.messages_field == "messages" and "conversations" in cols),
+        "conversational": (opts.messages_field in cols
+                           or (opts.messages_field == "messages" and "conversations" in cols)),
         "prompt_completion": {opts.prompt_field, opts.completion_field} <= cols,
         "text": opts.text_field in cols,
     }
     if opts.dataset_format not in FORMATS:
-        raise UserError("dataset_format", f"unknown format {opts.dataset_format!r}", f"use one of {', '.join(FORMATS)}")
+        raise UserError("dataset_format", f"unknown format {opts.dataset_format!r}",
+                        f"use one of {', '.join(FORMATS)}")
     if opts.dataset_format != "auto":
         fmt = opts.dataset_format
         if not has[fmt]:
@@ -100,7 +102,8 @@ def detect_format(columns: list[str], first_row: dict | None, opts: FormatOption
         if fmt is None:
             hint = " (a prompt without a completion is not training data)" if opts.prompt_field in cols else ""
             raise UserError(where, f"{spec} has no column {opts.text_field!r}, no {opts.prompt_field}+"
-                            f"{opts.completion_field} and no {opts.messages_field}{hint} (columns: {', '.join(columns)})",
+                            f"{opts.completion_field} and no {opts.messages_field}{hint} "
+                            f"(columns: {', '.join(columns)})",
                             "set text_field / prompt_field / completion_field / messages_field to its columns")
     if fmt == "prompt_completion" and first_row is not None and isinstance(first_row.get(opts.prompt_field), list):
         fmt = "conversational_prompt_completion"
@@ -108,7 +111,8 @@ def detect_format(columns: list[str], first_row: dict | None, opts: FormatOption
 
 
 def trains_what(fmt: str, opts: FormatOptions) -> str:
-    answers = (fmt.startswith("conversational") and fmt != "conversational_prompt_completion" and opts.assistant_only_loss
+    answers = (fmt.startswith("conversational") and fmt != "conversational_prompt_completion"
+               and opts.assistant_only_loss
                or fmt.endswith("prompt_completion") and opts.completion_only_loss)
     return "answers only" if answers else "all tokens"
 

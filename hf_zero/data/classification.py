@@ -33,10 +33,12 @@ class ClassificationArguments(TrainingArguments):
     max_seq_length: int = field(
         default=128, metadata={"help": "Tokens per text sample unless a stage sets its own; evaluation uses this."})
     text_field: str = field(default="text", metadata={"help": "Column holding the text in local data files."})
-    label_field: str = field(default="label", metadata={"help": "Column holding the label (int or name) in local files."})
+    label_field: str = field(default="label",
+                             metadata={"help": "Column holding the label (int or name) in local files."})
     eval_data: str | None = field(
         default=None, metadata={"help": "Held-out data evaluated at each stage end; default: the validation split of "
-                                        "the first stage's built-in data (builtin:bbc/train -> builtin:bbc/validation)."})
+                                        "the first stage's built-in data "
+                                        "(builtin:bbc/train -> builtin:bbc/validation)."})
     validation_fraction: float = field(
         default=0.2, metadata={"help": "Share of a built-in data set held out as its validation split."})
     split_seed: int = field(
@@ -45,11 +47,13 @@ class ClassificationArguments(TrainingArguments):
     max_eval_samples: int | None = field(
         default=None, metadata={"help": "Evaluate on at most this many held-out samples (quick runs); default: all."})
     augment: bool = field(
-        default=True, metadata={"help": "Random rotation/shift/scale of training images (never of evaluation images)."})
+        default=True,
+        metadata={"help": "Random rotation/shift/scale of training images (never of evaluation images)."})
     global_batch_size: int | None = field(
         default=None,
         metadata={"help": "Fix the global batch: gradient accumulation = global / (micro batch x world size)."})
-    fresh_start: bool = field(default=False, metadata={"help": "Ignore checkpoints in output_dir and start from step 0."})
+    fresh_start: bool = field(default=False,
+                              metadata={"help": "Ignore checkpoints in output_dir and start from step 0."})
     allow_changes: list[str] | None = field(
         default=None,
         metadata={"help": "Settings a resume may change (comma- or space-separated, e.g. learning_rate,seed,stages): "

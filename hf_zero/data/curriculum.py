@@ -71,7 +71,8 @@ class CurriculumSchedule:
                 for s in self.spans]
 
 
-def build_schedule(stages: list[Stage], pool_sizes: list[int], global_batch: int, base_lr: float) -> CurriculumSchedule:
+def build_schedule(stages: list[Stage], pool_sizes: list[int], global_batch: int,
+                   base_lr: float) -> CurriculumSchedule:
     """Steps per stage: `steps` as given, or `epochs` over the stage's training pool, rounded up to whole steps."""
     spans, start = [], 0
     for i, (stage, size) in enumerate(zip(stages, pool_sizes)):

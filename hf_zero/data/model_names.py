@@ -16,7 +16,8 @@ from pathlib import Path
 
 from hf_zero.core.errors import UserError
 
-__all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "resolve_model_path", "get_tiny_llama_path", "get_model_config", "get_tokenizer", "is_tiny"]
+__all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "resolve_model_path", "get_tiny_llama_path", "get_model_config",
+           "get_tokenizer", "is_tiny"]
 
 TINY_LLAMA = "tiny-llama"
 # Llamas built from config with the bundled tiny tokenizer: name -> shape.
@@ -78,7 +79,8 @@ def resolve_model_path(name_or_path: str) -> str:
         return str(path.parent)
     if path.exists():
         if not (path / "config.json").is_file():
-            raise UserError("model_name_or_path", f"{path} has no config.json", "point it at a Hugging Face model folder")
+            raise UserError("model_name_or_path", f"{path} has no config.json",
+                            "point it at a Hugging Face model folder")
         return str(path)
     if name_or_path.startswith((".", "/")) or name_or_path.count("/") > 1:
         raise UserError("model_name_or_path", f"{name_or_path} does not exist",

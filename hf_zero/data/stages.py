@@ -47,7 +47,8 @@ def verify_data_file(path: Path, spec: str, where: str) -> None:
     except UnicodeDecodeError as err:
         row, start = raw.count(b"\n", 0, err.start) + 1, raw.rfind(b"\n", 0, err.start) + 1
         raise UserError(where, f"{spec} row {row}: byte 0x{raw[err.start]:02x} is not UTF-8 (byte "
-                        f"{err.start - start + 1} of the line)", "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+                        f"{err.start - start + 1} of the line)",
+                        "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
     if not text.strip():
         raise UserError(where, f"{spec} has only blank lines", "give it rows, or remove it from the stage")
     if path.suffix == ".jsonl" or path.suffix == ".json" and _json_rows(text):
@@ -92,7 +93,8 @@ def load_source(spec: str, where: str):
         verify_data_file(local, spec, where)
     if local.suffix in _FORMATS:
         if not local.exists():
-            raise UserError(where, f"data file {path} does not exist", "fix the path (a relative path is read from the recipe YAML's folder)")
+            raise UserError(where, f"data file {path} does not exist",
+                            "fix the path (a relative path is read from the recipe YAML's folder)")
         verify_data_file(local, spec, where)
         try:
             ds = datasets.load_dataset(_FORMATS[local.suffix], data_files=str(local), split="train")

@@ -1,6 +1,6 @@
 """Memory per rank of FSDP2 (torch's `fully_shard`, as accelerate 1.15 prepares a model for hf_zero's fsdp2 and
-fsdp2_offload profiles), for `hf-zero estimate` beside ZeRO (hf_zero/estimate/memory.py holds the ZeRO arithmetic and the
-strategy table; this module only the FSDP2 rows).
+fsdp2_offload profiles), for `hf-zero estimate` beside ZeRO (hf_zero/estimate/memory.py holds the ZeRO arithmetic and
+the strategy table; this module only the FSDP2 rows).
 
 Ψ all params, Ψt trainable, N ranks, p the compute precision's bytes (4 fp32, 2 bf16/fp16). Each parameter is sharded
 on dim 0; rank 0 holds ceil(dim0/N) rows of every one (FSDP2 pads the others' storage to that size), so "Ψ/N" below

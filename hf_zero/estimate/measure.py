@@ -22,7 +22,8 @@ from transformers import TrainerCallback
 
 from hf_zero.core.files import write_json_atomic
 
-__all__ = ["StepPeakRecorder", "MemoryMeasureCallback", "measure_engine_bytes", "measure_requested", "read_measurements", "MEASURE_ENV"]
+__all__ = ["StepPeakRecorder", "MemoryMeasureCallback", "measure_engine_bytes", "measure_requested",
+           "read_measurements", "MEASURE_ENV"]
 
 MEASURE_ENV = "HF_ZERO_MEASURE_MEMORY"
 KINDS = ("params", "grads", "optimizer", "gathered_params", "buffers")

@@ -22,9 +22,9 @@ Peak on a GPU ("total", what torch.cuda.max_memory_allocated reports) = the larg
 states above + buffers) and the forward/backward peak: the states that stay allocated through a step ("resident":
 ddp f(Ψ-Ψt) + 12Ψt, weights + Adam, gradients freed by zero_grad; ZeRO-1/2 pΨ + 12Ψt/N; ZeRO-3 pΨ/N + its
 gradient buffer pΨt/N + 12Ψt/N + the layers it keeps gathered; offloaded states count on the host only; with
-gradient accumulation the gradients too) + hf_zero/estimate/activations.py's saved activations, loss and autocast copies.
-ZeRO-3 keeps a module gathered when it is used again within stage3_max_reuse_distance (1e9) elements: at the turn
-from forward to backward that is the last ~distance/2 elements of the model, p bytes each; at one rank without
+gradient accumulation the gradients too) + hf_zero/estimate/activations.py's saved activations, loss and autocast
+copies. ZeRO-3 keeps a module gathered when it is used again within stage3_max_reuse_distance (1e9) elements: at the
+turn from forward to backward that is the last ~distance/2 elements of the model, p bytes each; at one rank without
 parameter offload "gathering" is a view of the partition (no copy).
 Buffers: DDP gradient buckets (a 4Ψt copy, N > 1); ZeRO-1/2 one reduce bucket (p x reduce_bucket_size; allgather
 is in place); ZeRO-3 reduce + prefetch buckets + persistent params (numel <= threshold), sized as the Trainer fills

@@ -41,7 +41,8 @@ def quiet_environment(env=os.environ) -> None:
     warnings.filterwarnings("ignore", category=FutureWarning)
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # weight loading / shard writing bars, one per rank
     env.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    env.setdefault("TQDM_DISABLE", "1")  # bars made with tqdm directly (GGUF conversion); hf_zero's own passes disable=False
+    # bars made with tqdm directly (GGUF conversion); hf_zero's own passes disable=False
+    env.setdefault("TQDM_DISABLE", "1")
     env.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     if "DS_ACCELERATOR" not in env:
         import torch

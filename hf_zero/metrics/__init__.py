@@ -33,7 +33,8 @@ def build_compute_metrics(training_args=None, names=CLASSIFICATION_METRICS):
     """A `compute_metrics` for the Trainer: argmax of the logits, then every metric -> {"accuracy": ..., ...}."""
     import contextlib
 
-    ctx = training_args.main_process_first(local=True, desc="load metrics") if training_args else contextlib.nullcontext()
+    ctx = (training_args.main_process_first(local=True, desc="load metrics") if training_args
+           else contextlib.nullcontext())
     with ctx:
         metrics = [load_metric(n) for n in names]
 

@@ -109,7 +109,8 @@ def _parse(st, yaml_values: dict, extra: list):
     mistake (paths and line numbers still come from the file)."""
     from hf_zero.core.parse import parse_recipe_args
 
-    return parse_recipe_args(st.types, ["--config", st.args.config, *extra], yaml_values=yaml_values)[:len(st.types) + 1]
+    return parse_recipe_args(st.types, ["--config", st.args.config, *extra],
+                             yaml_values=yaml_values)[:len(st.types) + 1]
 
 
 def _recipe(st):

@@ -1,6 +1,6 @@
 """`hf-zero check`'s checks of what a run loads and writes: the model (and tokenizer), the stages' data, offload
-targets and the output folder. Each takes the check state (hf_zero.tools.check) and returns a one-line verdict, None for
-"not checked for this recipe", or raises UserError."""
+targets and the output folder. Each takes the check state (hf_zero.tools.check) and returns a one-line verdict, None
+for "not checked for this recipe", or raises UserError."""
 
 from __future__ import annotations
 

@@ -51,7 +51,8 @@ def source_lines(report) -> list[str]:
              f"(cut before the answer){f', {report.empty:,} empty' if report.empty else ''}"]
     if len(n):
         lines.append(f"tokens per sample: min {n.min()} / median {int(np.median(n))} / p95 "
-                     f"{int(np.percentile(n, 95))} / max {n.max()}; {100 * report.loss_tokens / n.sum():.1f}% carry loss")
+                     f"{int(np.percentile(n, 95))} / max {n.max()}; "
+                     f"{100 * report.loss_tokens / n.sum():.1f}% carry loss")
     return lines
 
 
@@ -75,10 +76,11 @@ def run(args) -> int:
     tokenizer = get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)
     for stage in stages:
         length = stage.max_seq_length or data_args.max_seq_length
-        data = load_stage_data(stage, tokenizer, data_args.max_seq_length, data_args.text_field, data_args.eval_samples,
-                               training.get("seed", 42), formats=FormatOptions.from_args(data_args))
-        print(f"stage {stage.name!r}: {len(stage.data)} source(s), max_seq_length {length}, {data.pool_size:,} training "
-              f"samples, {len(data.eval_samples):,} held out")
+        data = load_stage_data(stage, tokenizer, data_args.max_seq_length, data_args.text_field,
+                               data_args.eval_samples, training.get("seed", 42),
+                               formats=FormatOptions.from_args(data_args))
+        print(f"stage {stage.name!r}: {len(stage.data)} source(s), max_seq_length {length}, "
+              f"{data.pool_size:,} training samples, {len(data.eval_samples):,} held out")
         if data_args.packing:
             from hf_zero.data.packing import pack_documents, padding_stats
 

@@ -44,7 +44,8 @@ def build_processor(model_args: ModelArguments, kind: str):
         return AutoImageProcessor.from_pretrained(path)
     except (OSError, ValueError) as err:
         raise UserError("model_name_or_path", f"{path} has no usable preprocessor_config.json "
-                        f"({str(err).splitlines()[0][:100]})", "add the image processor's config to the folder") from None
+                        f"({str(err).splitlines()[0][:100]})",
+                        "add the image processor's config to the folder") from None
 
 
 def build_classifier(model_args: ModelArguments, kind: str, label_names: list[str], seed: int, profile=None):
@@ -141,5 +142,6 @@ class SyncNormStatsCallback(trainer_callback()):
     that request evaluations (the curriculum's), so that it sees their request at the same step."""
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if model is not None and (control.should_evaluate or control.should_save or state.global_step >= state.max_steps):
+        if model is not None and (control.should_evaluate or control.should_save
+                                  or state.global_step >= state.max_steps):
             sync_norm_stats(model)

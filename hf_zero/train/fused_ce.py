@@ -90,7 +90,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # backpropagated once only (the Trainer never does it twice); a second time is an error, not wrong gradients.
         grads, ctx.grads = ctx.grads, None
         if grads is None:
-            raise RuntimeError("fused cross-entropy: backward ran twice through one forward; set fused_cross_entropy: false")
+            raise RuntimeError("fused cross-entropy: backward ran twice through one forward; "
+                               "set fused_cross_entropy: false")
         return (*(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in grads), None, None, None)
 
 

@@ -29,8 +29,8 @@ def base_dtype(use_peft: bool, profile):
 
 def causal_lm_load_kwargs(model_args: ModelArguments, packing: bool = False, half: bool = False,
                           base: str = "fp32") -> dict:
-    """`from_pretrained` keyword arguments of every causal LM hf_zero trains (the bench's plain baseline loads its model
-    with exactly these): weights in `base` (see base_precision), and the attention implementation from
+    """`from_pretrained` keyword arguments of every causal LM hf_zero trains (the bench's plain baseline loads its
+    model with exactly these): weights in `base` (see base_precision), and the attention implementation from
     `pick_attention`."""
     import torch
 
@@ -73,7 +73,8 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
     vocab = getattr(get_model_config(path), "vocab_size", None)
     from hf_zero.data.chat_template import added_template_tokens, grow_embeddings, train_embeddings
 
-    # Tokens a chat template added (hf_zero.data.chat_template) get new embedding rows; any other surplus is a mismatch.
+    # Tokens a chat template added (hf_zero.data.chat_template) get new embedding rows; any other surplus is a
+    # mismatch.
     if vocab is not None and len(tokenizer) - len(added_template_tokens(tokenizer)) > vocab:
         from hf_zero.core.errors import UserError
 
@@ -109,7 +110,6 @@ def trainable_in_fp32(model) -> list[str]:
 
 def describe_weights(model, profile) -> str:
     """How the weights are held during the run, for the banner: "fp32", or "frozen base bf16, trainable fp32"."""
-    import torch
 
     names = {v: k for k, v in _DTYPES.items()}
     if profile.uses_deepspeed and profile.precision != "fp32":  # the engine casts the module when it wraps it

@@ -15,7 +15,8 @@ __all__ = ["throughput_callback"]
 
 def _flops_per_token(model) -> float:
     """The bench's model FLOPs per token without its attention term (12·L·h·s): rows change length from stage to
-    stage, so the MFU logged during training is a slight lower bound; `hf-zero bench` reports it with the row length."""
+    stage, so the MFU logged during training is a slight lower bound; `hf-zero bench` reports it with the row
+    length."""
     from hf_zero.bench.plan import flops_per_token
     from hf_zero.train.model import count_parameters
 

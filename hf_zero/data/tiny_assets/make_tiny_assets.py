@@ -1,4 +1,5 @@
-"""Regenerate the committed tiny assets: recipes/data/tiny/{short,medium,long}.jsonl and hf_zero/data/tiny_assets/tiny_tokenizer.
+"""Regenerate the committed tiny assets: recipes/data/tiny/{short,medium,long}.jsonl and
+hf_zero/data/tiny_assets/tiny_tokenizer.
 
     python hf_zero/data/tiny_assets/make_tiny_assets.py
 
