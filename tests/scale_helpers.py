@@ -29,7 +29,9 @@ def write_short_config(src: Path, dst: Path, steps: list[int], **overrides) -> P
     for stage, n in zip(data["stages"], steps):
         paths = stage["data"] if isinstance(stage["data"], list) else [stage["data"]]
         data_paths = [p if p.startswith("builtin:") else str((Path(src).parent / p).resolve()) for p in paths]
-        stages.append({**stage, "steps": n, "data": data_paths})
+        # A warmup as long as the stage never reaches its peak LR, which the stage checks refuse: shorten it too.
+        warmup = {"warmup_steps": min(stage["warmup_steps"], n - 1)} if "warmup_steps" in stage else {}
+        stages.append({**stage, "steps": n, "data": data_paths, **warmup})
     data.update(stages=stages, eval_samples=0, **overrides)
     dst.write_text(yaml.safe_dump(data, sort_keys=False))
     return dst
