@@ -170,7 +170,7 @@ def test_chat_demo_config_on_the_tiny_model(tmp_path):
     out = tmp_path / "run"
     config.update(model_name_or_path="tiny-llama", max_seq_length=512, eval_samples=8, sample_prompts=4,
                   output_dir=str(out))
-    config["stages"][0]["steps"] = 3
+    config["stages"][0].update(steps=3, warmup_steps=1)  # a warmup as long as the stage is refused
     path = tmp_path / "smollm2_chat.yaml"
     path.write_text(yaml.safe_dump(config))
     proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "train", "--config", path, "--disable_tqdm", "true"])
