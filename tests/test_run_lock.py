@@ -112,7 +112,7 @@ time.sleep(600)
 RANK = """
 import sys, time
 from pathlib import Path
-from hf_zero.launch.worker import die_with_launcher
+from hf_zero.launch.parent_watch import die_with_launcher
 die_with_launcher()
 Path(sys.argv[1]).write_text("armed")
 time.sleep(600)
@@ -138,7 +138,7 @@ def test_a_rank_dies_with_its_launcher_even_in_another_session(tmp_path):
 
 def test_a_rank_whose_launcher_died_before_it_armed_stops_at_once():
     env = {**os.environ, "HF_ZERO_LAUNCHER_PID": str(_dead_pid())}
-    code = "from hf_zero.launch.worker import die_with_launcher; die_with_launcher(); print('still running')"
+    code = "from hf_zero.launch.parent_watch import die_with_launcher; die_with_launcher(); print('still running')"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
     assert proc.returncode == -signal.SIGKILL and "still running" not in proc.stdout
     env.pop("HF_ZERO_LAUNCHER_PID")  # started by hand: its shell may end first (nohup); it runs on

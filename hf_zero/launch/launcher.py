@@ -24,7 +24,8 @@ from pathlib import Path
 
 from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.core.run_lock import LOCK_ENV, RunLock
-from hf_zero.launch.worker import LAUNCHER_PID_ENV, RESUME_ENV, STATUS_ENV, read_status
+from hf_zero.launch.parent_watch import LAUNCHER_PID_ENV
+from hf_zero.launch.worker import RESUME_ENV, STATUS_ENV, read_status
 
 __all__ = ["main", "VERBOSE_ENV", "quiet_environment"]
 
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_environment()
     status = Path(tempfile.mkdtemp(prefix="hf_zero-run-"))
     os.environ[STATUS_ENV] = str(status)
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank ends when this process ends (worker.py)
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank ends when this process ends (parent_watch.py)
     if os.environ.get(VERBOSE_ENV) != "1":
         _quiet_launcher()
     from accelerate.commands.launch import launch_command, launch_command_parser
