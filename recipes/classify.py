@@ -25,6 +25,7 @@ def main(argv=None):
     from transformers import DataCollatorWithPadding, default_data_collator
 
     from hf_zero.checkpoint.final import save_final_model
+    from hf_zero.core.console import say
     from hf_zero.data.classification import get_data_kind, load_classification_data
     from hf_zero.data.curriculum import CurriculumDataset
     from hf_zero.metrics import build_compute_metrics
@@ -36,7 +37,7 @@ def main(argv=None):
         classification_stage_table,
     )
     from hf_zero.train.model import count_parameters, describe_weights
-    from hf_zero.train.run import main_process_print, setup_run, write_summary
+    from hf_zero.train.run import setup_run, write_summary
     from hf_zero.train.trainer import CurriculumTrainer
 
     # Parse: YAML + flags, reconciled with the profile before any engine exists; the checkpoint to resume from.
@@ -87,7 +88,7 @@ def main(argv=None):
         "eval_accuracy": after.get("eval_accuracy"),
         "eval_f1_macro": after.get("eval_f1_macro"),
     }, history)
-    main_process_print(f"[hf_zero] done: eval accuracy {after.get('eval_accuracy')}, macro-F1 "
+    say(f"[hf_zero] done: eval accuracy {after.get('eval_accuracy')}, macro-F1 "
                        f"{after.get('eval_f1_macro')}; model in {final_dir}, summary in {summary}")
 
 

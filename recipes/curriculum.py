@@ -19,13 +19,14 @@ ARGUMENT_TYPES = (ModelArguments, CurriculumArguments)
 @recipe_entry  # one line for a mistake, a clean stop on Ctrl-C, rank 0's console only
 def main(argv=None):
     from hf_zero.checkpoint.final import save_final_model
+    from hf_zero.core.console import say
     from hf_zero.data.chat import FormatOptions
     from hf_zero.data.curriculum import CurriculumDataset
     from hf_zero.data.model_names import get_tokenizer, resolve_model_path
     from hf_zero.data.stages import build_collator, load_stage_data
     from hf_zero.train import recipe_steps as steps
     from hf_zero.train.model import build_causal_lm, count_parameters, describe_weights, is_zero3_partitioned
-    from hf_zero.train.run import main_process_print, setup_run, write_summary
+    from hf_zero.train.run import setup_run, write_summary
     from hf_zero.train.samples import SampleCallback, exact_match_summary
     from hf_zero.train.trainer import CurriculumTrainer, eval_means, stage_table
 
@@ -77,7 +78,7 @@ def main(argv=None):
         "zero3_partitioned_at_build": partitioned,
         **exact_match_summary(history),
     }, history)
-    main_process_print(f"[hf_zero] done: {steps.loss_words(before, after, len(eval_sets))}"
+    say(f"[hf_zero] done: {steps.loss_words(before, after, len(eval_sets))}"
                        + (f"model in {final_dir}" if final_dir else "no model written (save_final_model: false)")
                        + f", summary in {summary}")
 

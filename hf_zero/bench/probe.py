@@ -15,6 +15,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from hf_zero.core.console import rank
 from hf_zero.core.files import write_json_atomic
 
 __all__ = ["BENCH_ENV", "bench_requested", "BenchProbeCallback", "ddp_bucket_bytes", "peak_memory",
@@ -79,10 +80,9 @@ class BenchProbeCallback(TrainerCallback):
             self.fingerprint = training_fingerprint(self.trainer)
 
     def on_train_end(self, args, state, control, **kwargs):
-        rank = int(os.environ.get("RANK", "0"))
         import psutil
 
-        record = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        record = {"rank": rank(), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
                   "process_start": psutil.Process().create_time(), "step_begin": self.begin,
                   "step_end": self.end, "train_end": time.time(), "ddp_bucket_bytes": self.buckets, **peak_memory(),
                   "fingerprint": self.fingerprint}

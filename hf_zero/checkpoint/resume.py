@@ -28,6 +28,7 @@ from hf_zero.checkpoint.store import (
     read_metadata,
     validate_checkpoint,
 )
+from hf_zero.core.console import rank
 from hf_zero.core.errors import RunComplete, UserError, flag_hint
 from hf_zero.core.lazy import trainer_callback
 
@@ -226,7 +227,7 @@ def prepare_resume(ctx, fresh_start: bool = False) -> str | None:
     import torch.distributed as dist
 
     decision = None
-    if int(os.environ.get("RANK", "0")) == 0:
+    if rank() == 0:
         try:
             decision = _choose(ctx, fresh_start)
             if decision.get("universal"):

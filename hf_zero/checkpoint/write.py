@@ -25,7 +25,10 @@ from hf_zero.checkpoint.store import (
     write_json_atomic,
     write_manifest,
 )
+from hf_zero.core.console import say
+from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
+from hf_zero.core.report import report_user_error
 
 __all__ = ["CheckpointCallback", "build_checkpoint_metadata", "complete_checkpoint", "verify_saved_model",
            "is_disk_full", "stop_on_full_disk"]
@@ -123,9 +126,6 @@ def stop_on_full_disk(run_dir: Path, staged: Path) -> None:
     shutil.rmtree(staged, ignore_errors=True)
     latest = (run_dir / LATEST_NAME).read_text().strip() if (run_dir / LATEST_NAME).is_file() else None
     kept = f"{latest} and the checkpoints before it are complete" if latest else "no earlier checkpoint was written"
-    from hf_zero.core.errors import UserError
-    from hf_zero.launch.worker import report_user_error
-
     report_user_error(UserError("output_dir", f"no space left on device while writing {staged.name} "
                                 f"({human_bytes(free)} free in {run_dir}); {kept}",
                                 "free some space or move --output_dir, then re-run the same command to resume"))
@@ -199,8 +199,6 @@ def _publish(trainer, staged: Path, run_dir: Path, started: float) -> None:
             checksums.setdefault(rel, crc32_of(staged / rel, fsync=True))
         manifest = write_manifest(staged, checksums)
         final = publish_checkpoint(staged, run_dir)
-        from hf_zero.core.console import say
-
         kept_best = rotate_checkpoints(run_dir, trainer.args.save_total_limit, trainer.args.metric_for_best_model,
                                        bool(trainer.args.greater_is_better), log=say)
         best = [str(kept_best) if kept_best is not None else None]

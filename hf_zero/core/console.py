@@ -12,21 +12,45 @@ import os
 import sys
 
 from hf_zero.core.files import human_bytes
-from hf_zero.launch.worker import rank
 
-__all__ = ["setup_console", "verbose", "say", "console_callback", "step_line", "eval_line"]
+__all__ = ["VERBOSE_ENV", "rank", "quiet_environment", "setup_console", "verbose", "say", "console_callback",
+           "step_line", "eval_line"]
+
+VERBOSE_ENV = "HF_ZERO_VERBOSE"
+
+
+def rank() -> int:
+    """This process's rank in the run (0 when not launched by torchrun / accelerate)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def verbose() -> bool:
-    from hf_zero.launch.launcher import VERBOSE_ENV
-
     return os.environ.get(VERBOSE_ENV) == "1"
+
+
+def quiet_environment(env=os.environ) -> None:
+    """Settings every process of the run inherits: set before torch, DeepSpeed or the hub libraries load. In this
+    process also the stack's FutureWarnings (deprecations for its maintainers; a run would print hundreds)."""
+    if env.get(VERBOSE_ENV) == "1":
+        return
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # weight loading / shard writing bars, one per rank
+    env.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    # bars made with tqdm directly (GGUF conversion); hf_zero's own passes disable=False
+    env.setdefault("TQDM_DISABLE", "1")
+    env.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    if "DS_ACCELERATOR" not in env:
+        import torch  # only here: `hf-zero --help` and the light commands never reach it
+
+        if not torch.cuda.is_available():
+            # Named up front, DeepSpeed skips its probe and the "Setting accelerator to CPU" warning per process.
+            env["DS_ACCELERATOR"] = "cpu"
 
 
 def setup_console() -> None:
     """At the recipe's entry, before torch, DeepSpeed or transformers load."""
-    from hf_zero.launch.launcher import quiet_environment
-
     quiet_environment()
     if verbose():
         return

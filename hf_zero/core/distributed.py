@@ -8,6 +8,7 @@ import contextlib
 import os
 import time
 
+from hf_zero.core.console import rank
 from hf_zero.core.errors import UserError
 
 __all__ = ["DIST_TIMEOUT_ENV", "DEFAULT_DIST_TIMEOUT", "DistWaitError", "RankLostError", "dist_timeout",
@@ -64,10 +65,6 @@ def set_dist_timeout(seconds: int) -> None:
         _set_pg_timeout(timedelta(seconds=seconds))
 
 
-def _rank() -> str:
-    return os.environ.get("RANK", "0")
-
-
 @contextlib.contextmanager
 def waiting_for(what: str):
     """Turn a collective that timed out (or lost its peer) inside the block into one line naming this rank and `what`
@@ -84,11 +81,11 @@ def waiting_for(what: str):
         if "timed out" in text or "timeout" in text:
             raise DistWaitError(
                 "distributed",
-                f"rank {_rank()} gave up after {limit} waiting for {what} (a rank is stuck or has died)",
+                f"rank {rank()} gave up after {limit} waiting for {what} (a rank is stuck or has died)",
                 f"see that rank's output; if it is only slow, raise {DIST_TIMEOUT_ENV} (seconds) or ddp_timeout",
             ) from None
         if any(w in text for w in ("connection closed", "connection reset", "broken pipe", "connection refused")):
-            raise RankLostError("distributed", f"rank {_rank()} lost a rank while waiting for {what} (it exited)",
+            raise RankLostError("distributed", f"rank {rank()} lost a rank while waiting for {what} (it exited)",
                                 "see why that rank stopped: its error, or the launcher's line naming it") from None
         raise
 
@@ -97,6 +94,6 @@ def stall_if_asked() -> None:
     """Test hook: `HF_ZERO_TEST_STALL=1:600` makes rank 1 sleep 600 s before its first collective."""
     spec = os.environ.get(STALL_ENV)
     if spec:
-        rank, _, seconds = spec.partition(":")
-        if rank.strip() == _rank():
+        who, _, seconds = spec.partition(":")
+        if who.strip() == str(rank()):
             time.sleep(float(seconds or 3600))

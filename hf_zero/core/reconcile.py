@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from hf_zero.core.console import say
 from hf_zero.core.deepspeed_config import build_deepspeed_config
 from hf_zero.core.errors import UserError
 from hf_zero.core.profiles import Profile
@@ -137,10 +138,8 @@ def _liger_kernels(out: dict, has_gpu: bool) -> None:
             raise UserError(f"liger_kernel_config.{key}", "hf_zero computes the loss itself (fused_cross_entropy, "
                             "with Liger's kernel on CUDA)", f"remove {key} from liger_kernel_config")
     if not has_gpu:
-        from hf_zero.train.run import main_process_print
-
         out["use_liger_kernel"] = False
-        main_process_print("[hf_zero] use_liger_kernel: Liger's kernels need a CUDA GPU; running without them here")
+        say("[hf_zero] use_liger_kernel: Liger's kernels need a CUDA GPU; running without them here")
         return
     from transformers.utils import is_liger_kernel_available
 

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from hf_zero.core.console import rank
 from hf_zero.core.errors import UserError
 
 __all__ = ["LOCK_NAME", "LOCK_ENV", "RunLock", "hold_in_worker", "release_held"]
@@ -118,7 +119,7 @@ class RunLock:
 def hold_in_worker(output_dir) -> None:
     """Rank 0's part, before it writes anything in `output_dir`: take the lock unless hf_zero's launcher holds it
     (or this process already does). The other ranks rely on rank 0: a refused rank 0 ends their launch."""
-    if os.environ.get("RANK", "0") != "0":
+    if rank() != 0:
         return
     lock = RunLock(output_dir)
     if os.environ.get(LOCK_ENV) == str(lock.path) or str(lock.path) in _HELD:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from hf_zero.core.console import rank
 from hf_zero.core.errors import UserError
 
 __all__ = ["ClassificationArguments", "ClassificationData", "BUILTIN_CLASSIFICATION", "get_data_kind",
@@ -307,7 +308,6 @@ class ImageSource:
         return len(self.images)
 
     def __getitem__(self, i: int) -> dict:
-        import os
 
         from PIL import Image
 
@@ -316,7 +316,7 @@ class ImageSource:
             if self._rng is None:
                 import numpy as np
 
-                self._rng = np.random.default_rng([self.seed, int(os.environ.get("RANK", "0"))])
+                self._rng = np.random.default_rng([self.seed, rank()])
             img = random_affine(img, self._rng)
         pixels = self.processor(img.convert("RGB"), return_tensors="pt")["pixel_values"][0]
         return {"pixel_values": pixels, "labels": int(self.labels[i])}

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from hf_zero.core.console import rank
 from hf_zero.core.files import write_json_atomic
 
 __all__ = ["StepPeakRecorder", "MemoryMeasureCallback", "measure_engine_bytes", "measure_requested",
@@ -108,8 +109,7 @@ class MemoryMeasureCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self.done or self.recorder is None:
             return
-        rank = int(os.environ.get("RANK", "0"))
-        record = {"rank": rank, "world_size": int(os.environ.get("WORLD_SIZE", "1")), "step": state.global_step,
+        record = {"rank": rank(), "world_size": int(os.environ.get("WORLD_SIZE", "1")), "step": state.global_step,
                   **self.recorder.result()}
         self.recorder, self.done = None, True
         self.output_dir.mkdir(parents=True, exist_ok=True)

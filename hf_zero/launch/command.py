@@ -74,7 +74,7 @@ def ensure_launched(argv: list[str], script: str) -> list[str]:
     cmd, env = build_launch_command(profile, script, rest, launcher="hf_zero.launch.launcher")
     _prepare_assets(rest)
     print(f"[hf_zero] relaunching under profile {Path(path).stem}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    from hf_zero.launch.worker import RESUME_ENV
+    from hf_zero.launch.interrupt import RESUME_ENV
 
     if RESUME_ENV not in os.environ:  # "resume with: ..." repeats what the user ran
         env[RESUME_ENV] = shlex.join(["python", script, *argv])
@@ -268,7 +268,7 @@ def run(args) -> int:
         return 0
     _prepare_assets(["--config", args.config, *extra])
     from hf_zero.launch import launcher
-    from hf_zero.launch.worker import RESUME_ENV
+    from hf_zero.launch.interrupt import RESUME_ENV
 
     env[RESUME_ENV] = shlex.join(["hf-zero", *getattr(args, "argv", ["train"])])
     os.environ.update(env)

@@ -1,33 +1,67 @@
 """Ctrl-C and SIGTERM: every rank stops at the same step end, nothing half-written, one line saying where the run
 stands (the step reached, the newest complete checkpoint, the command that resumes), exit 130 / 143.
 
-A signal only sets a flag while training (hf_zero.launch.worker); `StopOnSignal` turns it into `should_training_stop`
-at the next optimizer step end, agreed by all ranks through one small all-reduce, so no rank is left waiting in a
-collective the others never join. Before the first step there is nothing to finish: the rank stops at once.
+A signal only sets a flag while training (`on_signal`, installed by hf_zero.launch.worker); `StopOnSignal` turns
+it into `should_training_stop` at the next optimizer step end, agreed by all ranks through one small all-reduce,
+so no rank is left waiting in a collective the others never join. Before the first step there is nothing to
+finish: the rank stops at once.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
 
+from hf_zero.checkpoint.store import LATEST_NAME, checkpoint_step, list_checkpoints, validate_checkpoint
+from hf_zero.core.console import rank
 from hf_zero.core.errors import RunInterrupted
-from hf_zero.launch.worker import (
-    STATUS_ENV,
-    interrupt_requested,
-    rank,
-    read_status,
-    resume_command,
-    set_training,
-    write_status,
-)
+from hf_zero.core.report import STATUS_ENV, read_status, write_status
 
-__all__ = ["stop_on_signal", "note_run", "report_interrupt", "raise_if_interrupted", "interrupt_line",
-           "newest_complete_checkpoint", "noted_output_dir", "where_it_stands"]
+__all__ = ["RESUME_ENV", "on_signal", "interrupt_requested", "set_training", "resume_command", "stop_on_signal",
+           "note_run", "report_interrupt", "raise_if_interrupted", "interrupt_line", "newest_complete_checkpoint",
+           "noted_output_dir", "where_it_stands"]
 
+RESUME_ENV = "HF_ZERO_RESUME_CMD"  # the command that started the run, as the user typed it (for "resume with: ...")
 _RUN: dict = {"output_dir": None, "step": None, "max_steps": None}
+_STATE = {"signum": None, "training": False}
+
+
+def on_signal(signum, frame):
+    _STATE["signum"] = _STATE["signum"] or signum
+    if not _STATE["training"]:  # nothing to finish cleanly before the first step: stop where we are
+        raise RunInterrupted(signum)
+
+
+def interrupt_requested() -> int | None:
+    """The signal that asked this rank to stop, if any."""
+    return _STATE["signum"]
+
+
+def set_training(active: bool) -> None:
+    """While training, a signal only asks to stop: hf_zero.launch.interrupt.StopOnSignal stops every rank at the same
+    step end."""
+    _STATE["training"] = active
+
+
+def resume_command() -> str:
+    """The command that restarts this run, as the user typed it when hf_zero's launcher knows it; else the
+    launcher's command line read from /proc; else words."""
+    if os.environ.get(RESUME_ENV):
+        return os.environ[RESUME_ENV]
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
+    except OSError:
+        return "the same command"
+    if "accelerate.commands.launch" in argv:  # python -m accelerate.commands.launch ...
+        argv = ["accelerate", "launch", *argv[argv.index("accelerate.commands.launch") + 1:]]
+    elif len(argv) > 2 and Path(argv[1]).name in ("accelerate", "torchrun"):
+        argv = [Path(argv[1]).name, *argv[2:]]
+    elif not any(Path(a).name == "torchrun" or a == "torch.distributed.run" for a in argv):
+        return "the same command"
+    return shlex.join(argv)
 
 
 def note_run(output_dir) -> None:
@@ -43,8 +77,6 @@ def noted_output_dir() -> str | None:
 
 def newest_complete_checkpoint(output_dir) -> Path | None:
     """The checkpoint a re-run resumes from, by sizes only (a resume checks the checksums itself)."""
-    from hf_zero.checkpoint.store import LATEST_NAME, list_checkpoints, validate_checkpoint
-
     if not output_dir or not Path(output_dir).is_dir():
         return None
     latest = Path(output_dir) / LATEST_NAME
@@ -65,8 +97,6 @@ def where_it_stands(output_dir, command: str) -> str:
     """The newest complete checkpoint and the command that resumes from it."""
     checkpoint = newest_complete_checkpoint(output_dir)
     if checkpoint is not None:
-        from hf_zero.checkpoint.store import checkpoint_step
-
         return f"newest complete checkpoint: {checkpoint} (step {checkpoint_step(checkpoint)}); resume with: {command}"
     if output_dir:
         return f"no complete checkpoint in {output_dir}, so running it again starts from step 0: {command}"

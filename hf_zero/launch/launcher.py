@@ -22,36 +22,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hf_zero.core.console import VERBOSE_ENV, quiet_environment
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.core.report import STATUS_ENV, read_status
 from hf_zero.core.run_lock import LOCK_ENV, RunLock
+from hf_zero.launch.interrupt import RESUME_ENV
 from hf_zero.launch.parent_watch import LAUNCHER_PID_ENV
-from hf_zero.launch.worker import RESUME_ENV, STATUS_ENV, read_status
 
-__all__ = ["main", "VERBOSE_ENV", "quiet_environment"]
-
-VERBOSE_ENV = "HF_ZERO_VERBOSE"
-
-
-def quiet_environment(env=os.environ) -> None:
-    """Settings every process of the run inherits: set before torch, DeepSpeed or the hub libraries load. In this
-    process also the stack's FutureWarnings (deprecations for its maintainers; a run would print hundreds)."""
-    if env.get(VERBOSE_ENV) == "1":
-        return
-    import warnings
-
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # weight loading / shard writing bars, one per rank
-    env.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    # bars made with tqdm directly (GGUF conversion); hf_zero's own passes disable=False
-    env.setdefault("TQDM_DISABLE", "1")
-    env.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    if "DS_ACCELERATOR" not in env:
-        import torch
-
-        if not torch.cuda.is_available():
-            # Named up front, DeepSpeed skips its probe and the "Setting accelerator to CPU" warning per process.
-            env["DS_ACCELERATOR"] = "cpu"
-
+__all__ = ["main"]
 
 def _quiet_launcher() -> None:
     import logging

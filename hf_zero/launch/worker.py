@@ -15,92 +15,27 @@ from __future__ import annotations
 
 import errno
 import functools
-import json
 import os
 import signal
 import sys
 import threading
-import time
-from pathlib import Path
 
+from hf_zero.core.console import rank, setup_console
 from hf_zero.core.errors import EXIT_USAGE, RunComplete, RunInterrupted, UserError
+from hf_zero.core.report import report_user_error, write_status
 from hf_zero.core.run_lock import release_held
+from hf_zero.launch.interrupt import (
+    interrupt_requested,
+    newest_complete_checkpoint,
+    noted_output_dir,
+    on_signal,
+    report_interrupt,
+)
 from hf_zero.launch.parent_watch import die_with_launcher
 
-__all__ = ["STATUS_ENV", "RESUME_ENV", "recipe_entry", "report_user_error", "write_status", "read_status", "rank",
-           "interrupt_requested", "set_training", "resume_command", "write_failure", "stop_on_write_failure"]
+__all__ = ["recipe_entry", "write_failure", "stop_on_write_failure"]
 
-STATUS_ENV = "HF_ZERO_STATUS_DIR"
-RESUME_ENV = "HF_ZERO_RESUME_CMD"  # the command that started the run, as the user typed it (for "resume with: ...")
-_STATE = {"signum": None, "training": False}
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def write_status(name: str, data: dict) -> None:
-    folder = os.environ.get(STATUS_ENV)
-    if not folder:
-        return
-    from hf_zero.core.files import write_json_atomic
-
-    write_json_atomic(Path(folder) / name, data)
-
-
-def read_status(folder, name: str) -> dict | None:
-    try:
-        return json.loads((Path(folder) / name).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _elastic_error_file(message) -> None:
-    """torch elastic's error file: its launcher reads the root cause from here (a str message is its short form)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(path, "w") as f:
-            json.dump(message, f)
-
-
-def _gist(line) -> str:
-    """A report without its figures: two ranks out of disk space see different free bytes, but it is one report."""
-    import re
-
-    return re.sub(r"\d+(\.\d+)?( ?[KMGT]i?B\b| B\b)?", "#", str(line))
-
-
-def _reported_by_another_rank(line: str) -> bool:
-    """Whether a rank on this machine already wrote `line` to its torch elastic error file (they sit side by side
-    in one folder per local rank); the first rank's report is the root cause, a second copy would repeat it."""
-    mine = Path(os.environ["TORCHELASTIC_ERROR_FILE"])
-    for other in mine.parent.parent.glob(f"*/{mine.name}"):
-        try:
-            if other != mine and _gist(json.loads(other.read_text()).get("message")) == _gist(line):
-                return True
-        except (OSError, ValueError, AttributeError):
-            continue
-    return False
-
-
-def report_user_error(err: UserError) -> None:
-    """The one line, printed once: by hf_zero's launcher, torchrun's failure report, or rank 0 when alone."""
-    line = f"hf-zero: error: {err.line()}"
-    write_status(f"error-rank{rank()}.json", {"kind": "user", "rank": rank(), "line": line,
-                                              "lost_rank": getattr(err, "lost_rank", False)})
-    if os.environ.get("TORCHELASTIC_ERROR_FILE") and not os.environ.get(STATUS_ENV):
-        if rank() != 0:
-            # Every rank usually finds the same mistake: wait for torchrun to stop this rank once rank 0 has failed
-            # (a loaded machine can take seconds to notice), so the line is listed once, as rank 0's root cause.
-            # A mistake only this rank sees (a file missing on one node) is reported after the wait.
-            try:
-                time.sleep(30)
-            except RunInterrupted as stop:  # stopped by torchrun: rank 0's report stands
-                _exit(128 + stop.signum)
-        if not _reported_by_another_rank(line):
-            _elastic_error_file({"message": line, "timestamp": int(time.time())})
-    elif not os.environ.get(STATUS_ENV) and (rank() == 0 or getattr(err, "every_rank", False)):
-        print(line, file=sys.stderr, flush=True)
+_STATE = {"write_failed": False}
 
 
 # A write that failed for the disk's sake (full, over quota, too large, read-only, failing), not the program's.
@@ -120,8 +55,6 @@ def write_failure(exc: BaseException, filename: str | None = None) -> UserError 
         return None
     if seen is None:
         return None
-    from hf_zero.launch.interrupt import newest_complete_checkpoint, noted_output_dir
-
     output_dir = noted_output_dir()
     where = getattr(seen, "filename", None) or filename or (f"into {output_dir}" if output_dir else "a file")
     where = os.fsdecode(where) if isinstance(where, bytes) else str(where)
@@ -168,43 +101,6 @@ def _report_bug(exc: BaseException) -> None:
     write_status(f"error-rank{rank()}.json", {"kind": "bug", "rank": rank(), "traceback": text})
 
 
-def _on_signal(signum, frame):
-    _STATE["signum"] = _STATE["signum"] or signum
-    if not _STATE["training"]:  # nothing to finish cleanly before the first step: stop where we are
-        raise RunInterrupted(signum)
-
-
-def interrupt_requested() -> int | None:
-    """The signal that asked this rank to stop, if any."""
-    return _STATE["signum"]
-
-
-def set_training(active: bool) -> None:
-    """While training, a signal only asks to stop: hf_zero.launch.interrupt.StopOnSignal stops every rank at the same
-    step end."""
-    _STATE["training"] = active
-
-
-def resume_command() -> str:
-    """The command that restarts this run, as the user typed it when hf_zero's launcher knows it; else the
-    launcher's command line read from /proc; else words."""
-    if os.environ.get(RESUME_ENV):
-        return os.environ[RESUME_ENV]
-    import shlex
-
-    try:
-        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode().split("\0")[:-1]
-    except OSError:
-        return "the same command"
-    if "accelerate.commands.launch" in argv:  # python -m accelerate.commands.launch ...
-        argv = ["accelerate", "launch", *argv[argv.index("accelerate.commands.launch") + 1:]]
-    elif len(argv) > 2 and Path(argv[1]).name in ("accelerate", "torchrun"):
-        argv = [Path(argv[1]).name, *argv[2:]]
-    elif not any(Path(a).name == "torchrun" or a == "torch.distributed.run" for a in argv):
-        return "the same command"
-    return shlex.join(argv)
-
-
 def _exit(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
@@ -232,12 +128,10 @@ def recipe_entry(func):
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
         die_with_launcher()
-        from hf_zero.core.console import setup_console
-
         setup_console()
         threading.excepthook = _thread_failed
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, _on_signal)
+            signal.signal(sig, on_signal)
         try:
             result = func(*args, **kwargs)
             _tear_down()
@@ -251,14 +145,10 @@ def recipe_entry(func):
             write_status("complete.json", {"line": str(done)})
             return 0
         except RunInterrupted as stop:
-            from hf_zero.launch.interrupt import report_interrupt
-
             report_interrupt(stop.signum)
             _exit(128 + stop.signum)
         except BaseException as exc:
             if interrupt_requested():  # a collective broken by a rank that already stopped: not a second story
-                from hf_zero.launch.interrupt import report_interrupt
-
                 report_interrupt(interrupt_requested())
                 _exit(128 + interrupt_requested())
             failed = write_failure(exc) if isinstance(exc, Exception) else None

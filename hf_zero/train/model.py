@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hf_zero.core.config import ModelArguments
+from hf_zero.core.console import say
 from hf_zero.data.model_names import get_model_config, resolve_model_path
 
 __all__ = ["build_causal_lm", "causal_lm_load_kwargs", "pick_attention", "apply_lora", "lora_kwargs",
@@ -52,9 +53,7 @@ def pick_attention(model_args: ModelArguments, packing: bool, half: bool) -> str
 
     if not (torch.cuda.is_available() and is_flash_attn_2_available()):
         return None
-    from hf_zero.train.run import main_process_print
-
-    main_process_print("[hf_zero] attention: flash_attention_2 (found flash-attn; packed rows take its varlen path)")
+    say("[hf_zero] attention: flash_attention_2 (found flash-attn; packed rows take its varlen path)")
     return "flash_attention_2"
 
 

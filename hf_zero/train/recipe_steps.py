@@ -8,7 +8,8 @@ from __future__ import annotations
 import math
 
 from hf_zero.checkpoint.safe_load import safe_checkpoint_loading
-from hf_zero.train.run import RunContext, main_process_print, print_banner
+from hf_zero.core.console import say
+from hf_zero.train.run import RunContext, print_banner
 
 __all__ = ["start", "lay_out", "attach_probes", "announce", "train", "summary_fields", "loss_words"]
 
@@ -64,8 +65,8 @@ def announce(ctx: RunContext, schedule, trainable: int, total: int, *lines: str,
     """The banner, the recipe's own lines, then each stage's steps and learning rate."""
     print_banner(ctx, trainable, total, weights)
     for line in lines:
-        main_process_print(f"[hf_zero] {line}")
-    main_process_print("[hf_zero] stages: " + " | ".join(
+        say(f"[hf_zero] {line}")
+    say("[hf_zero] stages: " + " | ".join(
         f"{r['stage']}: steps {r['first_step']}-{r['last_step']} lr {r['lr']:g}" for r in schedule.table()))
 
 

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_zero.checkpoint.compare import note_settings, run_settings
+from hf_zero.core.console import rank, say
 from hf_zero.core.plan import RunPlan
 from hf_zero.core.profiles import Profile, one_rank_note
 from hf_zero.core.run_lock import hold_in_worker
 
-__all__ = ["RunContext", "setup_run", "print_banner", "write_summary", "main_process_print"]
+__all__ = ["RunContext", "setup_run", "print_banner", "write_summary"]
 
 
 @dataclass
@@ -37,12 +38,6 @@ class RunContext:
     @property
     def config_path(self) -> str | None:
         return self.plan.config
-
-
-def main_process_print(*parts) -> None:
-    from hf_zero.core.console import say
-
-    say(*parts)  # rank 0 only, through the progress bar when one is on screen
 
 
 def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str | None = None) -> RunContext:
@@ -148,12 +143,12 @@ def print_banner(ctx: RunContext, trainable: int, total: int, weights: str = "")
         f"  output: {ctx.output_dir}",
         "=" * 72,
     ]
-    main_process_print("\n".join(lines))
+    say("\n".join(lines))
 
 
 def _write_json(path: Path, data) -> None:
     """Atomically, on rank 0 only: a reader never sees half a file."""
-    if os.environ.get("RANK", "0") != "0":
+    if rank() != 0:
         return
     from hf_zero.core.files import write_json_atomic
 
