@@ -33,7 +33,6 @@ UPWARD = {
     'hf_zero.checkpoint.resume -> hf_zero.train.fsdp',
     'hf_zero.checkpoint.write -> hf_zero.train.fsdp',
     'hf_zero.checkpoint.write -> hf_zero.train.model',
-    'hf_zero.core.profiles -> hf_zero.estimate.recipe',
     'hf_zero.core.reconcile -> hf_zero.data.model_names',
     'hf_zero.estimate.command -> hf_zero.launch.launcher',
     'hf_zero.estimate.fsdp -> hf_zero.train.fsdp',
@@ -47,8 +46,6 @@ UPWARD = {
 # Circles of modules that import each other, until they are broken: each as the sorted tuple of its modules.
 CYCLES = {
     ('hf_zero.bench.command', 'hf_zero.bench.gpu'),
-    ('hf_zero.core.deepspeed_config', 'hf_zero.core.profiles', 'hf_zero.core.reconcile', 'hf_zero.estimate.recipe'),
-    ('hf_zero.data.assets', 'hf_zero.data.model_names'),
     ('hf_zero.launch.command', 'hf_zero.tools.check'),
 }
 
@@ -101,9 +98,7 @@ LOCAL = {
     'hf_zero.core.plan -> hf_zero.core.parse': 'not moved to the top yet',
     'hf_zero.core.plan -> hf_zero.core.profiles': 'not moved to the top yet',
     'hf_zero.core.plan -> hf_zero.core.shipped': 'not moved to the top yet',
-    'hf_zero.core.profiles -> hf_zero.core.errors': 'not moved to the top yet',
     'hf_zero.core.profiles -> hf_zero.core.validate': 'not moved to the top yet',
-    'hf_zero.core.profiles -> hf_zero.estimate.recipe': 'not moved to the top yet',
     'hf_zero.core.reconcile -> hf_zero.data.model_names': 'not moved to the top yet',
     'hf_zero.core.shipped -> hf_zero.core.config': 'not moved to the top yet',
     'hf_zero.core.shipped -> hf_zero.core.errors': 'not moved to the top yet',
@@ -112,13 +107,10 @@ LOCAL = {
     'hf_zero.data.assets -> hf_zero.core.distributed': 'not moved to the top yet',
     'hf_zero.data.assets -> hf_zero.core.files': 'not moved to the top yet',
     'hf_zero.data.assets -> hf_zero.core.parse': 'not moved to the top yet',
-    'hf_zero.data.assets -> hf_zero.data.model_names': 'not moved to the top yet',
     'hf_zero.data.cache -> hf_zero.core.distributed': 'not moved to the top yet',
     'hf_zero.data.chat -> hf_zero.data.chat_template': 'not moved to the top yet',
     'hf_zero.data.chat_template -> hf_zero.data.model_names': 'not moved to the top yet',
     'hf_zero.data.classification -> hf_zero.data.stages': 'not moved to the top yet',
-    'hf_zero.data.model_names -> hf_zero.data.assets': 'not moved to the top yet',
-    'hf_zero.data.model_names -> hf_zero.data.cache': 'not moved to the top yet',
     'hf_zero.data.stages -> hf_zero.core.console': 'not moved to the top yet',
     'hf_zero.data.stages -> hf_zero.data.assets': 'not moved to the top yet',
     'hf_zero.data.stages -> hf_zero.data.chat': 'not moved to the top yet',
@@ -168,6 +160,7 @@ LOCAL = {
     'hf_zero.tools.check -> hf_zero.core.shipped': 'not moved to the top yet',
     'hf_zero.tools.check -> hf_zero.core.validate': 'not moved to the top yet',
     'hf_zero.tools.check -> hf_zero.data.model_names': 'not moved to the top yet',
+    'hf_zero.tools.check -> hf_zero.estimate.recipe': 'not moved to the top yet',
     'hf_zero.tools.check -> hf_zero.launch.command': 'not moved to the top yet',
     'hf_zero.tools.check -> hf_zero.launch.hostfile': 'not moved to the top yet',
     'hf_zero.tools.check -> hf_zero.tools.check_rules': 'not moved to the top yet',

@@ -7,7 +7,8 @@ from conftest import PROFILES
 
 from hf_zero.core.deepspeed_config import build_deepspeed_config
 from hf_zero.core.errors import UserError
-from hf_zero.core.profiles import list_profiles, load_profile, pick_profile, profile_from_env
+from hf_zero.core.profiles import list_profiles, load_profile, profile_from_env
+from hf_zero.estimate.recipe import pick_profile
 
 REQUIRED = {"cpu", "single_gpu", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "zero3_nvme", "l40x4",
             "h100x8", "multinode", "fsdp2", "fsdp2_offload"}

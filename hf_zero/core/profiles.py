@@ -26,7 +26,6 @@ __all__ = [
     "resolve_profile_path",
     "load_profile",
     "profile_from_env",
-    "pick_profile",
     "one_rank_note",
     "gpu_count",
     "precision_name",
@@ -257,53 +256,6 @@ def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def pick_profile(gpus: int | None = None, model=None, gpu_memory_bytes: int | None = None,
-                 lora_r: int | None = None, *, recipe=None, precision: str | None = None) -> tuple[str, str]:
-    """The profile for this machine and the reason, as `make train` prints it.
-
-    With GPUs and a known run (`recipe`: hf_zero.estimate.recipe.RecipeMemory, or just a `model` and LoRA rank at
-    micro-batch 1 x 1024 tokens), hf_zero's estimator picks the fastest profile whose peak fits the device less 10%
-    headroom, at the recipe's own micro-batch and length, in `precision` (default bf16): 1 GPU single_gpu, zero2,
-    zero3_offload, fsdp2_offload; k GPUs zero2, zero3, fsdp2, zero3_offload, fsdp2_offload. Nothing fits: a one-line
-    error with the estimate and what would fit. Without a known run: single_gpu on 1 GPU, ZeRO-2 on several.
-    """
-    gpus = gpu_count() if gpus is None else gpus
-    if gpus == 0:
-        return "cpu", "no GPU found: DeepSpeed on the CPU accelerator, 2 ranks, ZeRO-2 (the fastest stage on CPU)"
-    if recipe is None and model is not None:
-        from hf_zero.estimate.recipe import RecipeMemory
-
-        lora = {"r": lora_r, "task_type": "CAUSAL_LM"} if lora_r else None
-        recipe = RecipeMemory(model=model, micro=1, accumulation=1, seq_len=1024, lora=lora)
-    if recipe is None:
-        return (("single_gpu", "1 GPU found: no sharding needed for one device (run `hf-zero estimate` to check it "
-                 "fits)") if gpus == 1 else
-                ("zero2", f"{gpus} GPUs found: ZeRO-2 on {gpus} ranks (run `hf-zero estimate` to check it fits)"))
-    from hf_zero.estimate.recipe import candidates, plan
-
-    if gpu_memory_bytes is None:
-        import torch
-
-        gpu_memory_bytes = torch.cuda.get_device_properties(0).total_memory
-    choices = candidates(gpus)
-    # The recipe's own micro-batch: hf-zero train runs it as written.
-    found = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16", choices=choices, only_own=True)
-    if found["profile"]:
-        return found["profile"], f"{gpus} GPU{'s' if gpus > 1 else ''} found: {found['profile']} on {gpus} " \
-            f"rank{'s' if gpus > 1 else ''} is {found['reason']}"
-    smaller = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16", choices=choices)
-    from hf_zero.core.errors import UserError
-
-    need = (f"micro-batch {recipe.micro} x {recipe.seq_len} tokens needs {found['need_bytes'] / 2**30:.1f} GiB per "
-            f"GPU even with {found['need_profile']}, over {gpus} x {gpu_memory_bytes / 2**30:.1f} GiB less 10% "
-            "headroom")
-    if smaller["profile"]:
-        raise UserError("profile", f"{need}; micro-batch {smaller['micro_batch']} x accumulation "
-                        f"{smaller['accumulation']} (same global batch) fits {smaller['profile']} "
-                        f"({smaller['peak_bytes'] / 2**30:.1f} GiB)", f"run: {smaller['command']}")
-    raise UserError("profile", need, smaller["hint"])
 
 
 def one_rank_note(profile: Profile, world: int) -> list[str]:

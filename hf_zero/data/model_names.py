@@ -15,6 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
+from hf_zero.data.cache import build_once, get_cache_dir, model_folder_problem
+from hf_zero.data.smollm2 import get_smollm2_path
 
 __all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "resolve_model_path", "get_tiny_llama_path", "get_model_config",
            "get_tokenizer", "is_tiny"]
@@ -54,8 +56,6 @@ def _build_tiny_llama(folder: Path, name: str = TINY_LLAMA) -> None:
 def get_tiny_llama_path(name: str = TINY_LLAMA) -> Path:
     """tiny-llama's initial weights, written once. Loading them with from_pretrained (instead of initialising from
     config in every run) makes the start identical under DDP and zero.Init, whose initialisation differs."""
-    from hf_zero.data.cache import build_once, get_cache_dir, model_folder_problem
-
     return build_once(get_cache_dir() / "models" / f"{name}-v1", _build_tiny_llama, name, verify=model_folder_problem)
 
 
@@ -64,8 +64,6 @@ def resolve_model_path(name_or_path: str) -> str:
     if is_tiny(name_or_path):
         return str(get_tiny_llama_path(name_or_path))
     if name_or_path == "smollm2-135m-instruct":
-        from hf_zero.data.assets import get_smollm2_path
-
         return str(get_smollm2_path())
     if name_or_path == "minilm":
         try:

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field, replace
 
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
+from hf_zero.core.profiles import gpu_count
 
-__all__ = ["HEADROOM", "RecipeMemory", "read_recipe", "lora_fields", "plan", "candidates"]
+__all__ = ["HEADROOM", "RecipeMemory", "read_recipe", "lora_fields", "plan", "candidates", "pick_profile"]
 
 HEADROOM = 0.10
 HEADROOM_WHY = ("10% of the GPU kept free: the estimate is within 10% of measured peak allocated memory "
@@ -178,3 +179,44 @@ def _what_would_fit(count, recipe, world, kw, usable, gpu_memory, cpu_memory, ch
     return {"profile": None, "need_bytes": need, "need_profile": last, "need_micro_batch": micro, "hint": hint,
             "reason": f"nothing fits {human_bytes(gpu_memory)} per GPU less {HEADROOM:.0%} headroom: even {last} at "
                       f"micro-batch {micro} needs {human_bytes(need)}; {hint}"}
+
+
+def pick_profile(gpus: int | None = None, model=None, gpu_memory_bytes: int | None = None,
+                 lora_r: int | None = None, *, recipe=None, precision: str | None = None) -> tuple[str, str]:
+    """The profile for this machine and the reason, as `make train` prints it.
+
+    With GPUs and a known run (`recipe`: hf_zero.estimate.recipe.RecipeMemory, or just a `model` and LoRA rank at
+    micro-batch 1 x 1024 tokens), hf_zero's estimator picks the fastest profile whose peak fits the device less 10%
+    headroom, at the recipe's own micro-batch and length, in `precision` (default bf16): 1 GPU single_gpu, zero2,
+    zero3_offload, fsdp2_offload; k GPUs zero2, zero3, fsdp2, zero3_offload, fsdp2_offload. Nothing fits: a one-line
+    error with the estimate and what would fit. Without a known run: single_gpu on 1 GPU, ZeRO-2 on several.
+    """
+    gpus = gpu_count() if gpus is None else gpus
+    if gpus == 0:
+        return "cpu", "no GPU found: DeepSpeed on the CPU accelerator, 2 ranks, ZeRO-2 (the fastest stage on CPU)"
+    if recipe is None and model is not None:
+        lora = {"r": lora_r, "task_type": "CAUSAL_LM"} if lora_r else None
+        recipe = RecipeMemory(model=model, micro=1, accumulation=1, seq_len=1024, lora=lora)
+    if recipe is None:
+        return (("single_gpu", "1 GPU found: no sharding needed for one device (run `hf-zero estimate` to check it "
+                 "fits)") if gpus == 1 else
+                ("zero2", f"{gpus} GPUs found: ZeRO-2 on {gpus} ranks (run `hf-zero estimate` to check it fits)"))
+    if gpu_memory_bytes is None:
+        import torch
+
+        gpu_memory_bytes = torch.cuda.get_device_properties(0).total_memory
+    choices = candidates(gpus)
+    # The recipe's own micro-batch: hf-zero train runs it as written.
+    found = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16", choices=choices, only_own=True)
+    if found["profile"]:
+        return found["profile"], f"{gpus} GPU{'s' if gpus > 1 else ''} found: {found['profile']} on {gpus} " \
+            f"rank{'s' if gpus > 1 else ''} is {found['reason']}"
+    smaller = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16", choices=choices)
+    need = (f"micro-batch {recipe.micro} x {recipe.seq_len} tokens needs {found['need_bytes'] / 2**30:.1f} GiB per "
+            f"GPU even with {found['need_profile']}, over {gpus} x {gpu_memory_bytes / 2**30:.1f} GiB less 10% "
+            "headroom")
+    if smaller["profile"]:
+        raise UserError("profile", f"{need}; micro-batch {smaller['micro_batch']} x accumulation "
+                        f"{smaller['accumulation']} (same global batch) fits {smaller['profile']} "
+                        f"({smaller['peak_bytes'] / 2**30:.1f} GiB)", f"run: {smaller['command']}")
+    raise UserError("profile", need, smaller["hint"])

@@ -15,10 +15,10 @@ from hf_zero.core.profiles import (
     accelerate_precision,
     list_profiles,
     load_profile,
-    pick_profile,
     resolve_profile_path,
 )
 from hf_zero.core.shipped import shipped_dir
+from hf_zero.estimate.recipe import pick_profile
 
 __all__ = ["build_launch_command", "ensure_launched", "add_arguments", "run", "DEFAULT_RECIPE", "DEFAULT_CONFIG"]
 

@@ -93,7 +93,8 @@ class _State:
 
 
 def _profile(st):
-    from hf_zero.core.profiles import accelerate_precision, load_profile, pick_profile
+    from hf_zero.core.profiles import accelerate_precision, load_profile
+    from hf_zero.estimate.recipe import pick_profile
     from hf_zero.tools.check_rules import verify_profile_keys
 
     prof = load_profile(st.args.profile or pick_profile()[0])
