@@ -296,7 +296,7 @@ def test_plain_python_on_a_multi_process_profile_says_what_to_run(tmp_path):
 
 def _start_args(tmp_path):
     from hf_zero.core.config import CurriculumArguments, ModelArguments
-    from hf_zero.core.parse import parse_recipe_args
+    from hf_zero.plan.parse import parse_recipe_args
 
     m, stages, kwargs, _ = parse_recipe_args((ModelArguments, CurriculumArguments),
                                              ["--config", str(TINY), "--output_dir", str(tmp_path / "o")])
@@ -304,7 +304,7 @@ def _start_args(tmp_path):
 
 
 def test_recipe_start_checks_raise_the_first_failure(tmp_path):
-    from hf_zero.core.profiles import load_profile
+    from hf_zero.plan.profiles import load_profile
     from hf_zero.tools.check_rules import check_at_start
 
     kwargs, parsed, stages = _start_args(tmp_path)

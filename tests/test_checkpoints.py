@@ -117,7 +117,7 @@ def test_publish_replaces_a_stale_folder_and_moves_latest(tmp_path):
 
 
 def _ctx(tmp_path, world=1, global_batch=4, stage=2, fresh=False):
-    from hf_zero.core.reconcile import BatchPlan
+    from hf_zero.plan.reconcile import BatchPlan
 
     batch = BatchPlan(micro=global_batch // world, accumulation=1, world=world)
     profile = SimpleNamespace(name=f"zero{stage}", zero_stage=stage, uses_deepspeed=stage > 0, uses_fsdp=False,

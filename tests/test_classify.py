@@ -13,7 +13,6 @@ from conftest import REPO, launch_recipe, read_summary
 
 from hf_zero.core.config import ModelArguments, Stage
 from hf_zero.core.errors import UserError
-from hf_zero.core.parse import parse_recipe_args
 from hf_zero.data.classification import (
     ClassificationArguments,
     ImageSource,
@@ -22,6 +21,7 @@ from hf_zero.data.classification import (
     random_affine,
     split_indices,
 )
+from hf_zero.plan.parse import parse_recipe_args
 
 CLASSIFY = REPO / "recipes" / "classify.py"
 CONFIGS = REPO / "recipes" / "configs"

@@ -63,7 +63,7 @@ def test_profiles_table_matches_the_profiles_and_the_readme(capsys):
     profile table repeats."""
     import re
 
-    from hf_zero.core.profiles import list_profiles, load_profile
+    from hf_zero.plan.profiles import list_profiles, load_profile
 
     assert main(["profiles"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -155,7 +155,7 @@ def test_help_recipe_lists_the_recipes_fields(capsys):
     assert "  --learning_rate " not in out and "  --logging_steps " not in out  # not all 100+ of them
     assert main(["train", "--help_recipe", "all"]) == 0
     everything = capsys.readouterr().out
-    from hf_zero.core.parse import HF_ZERO_TRAINING_DEFAULTS
+    from hf_zero.plan.parse import HF_ZERO_TRAINING_DEFAULTS
 
     assert "  --learning_rate (default: " in everything and "The initial learning rate" in everything
     assert f"  --logging_steps (default: {HF_ZERO_TRAINING_DEFAULTS['logging_steps']})" in everything  # hf_zero's

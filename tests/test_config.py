@@ -8,7 +8,7 @@ from transformers import TrainingArguments
 
 from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
 from hf_zero.core.errors import UserError
-from hf_zero.core.parse import parse_recipe_args, recipe_fields
+from hf_zero.plan.parse import parse_recipe_args, recipe_fields
 
 TYPES = (ModelArguments, CurriculumArguments)
 

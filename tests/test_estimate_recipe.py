@@ -78,10 +78,10 @@ def test_train_on_one_gpu_picks_by_the_estimate(capsys, tmp_path, monkeypatch):
     the precision it was sized for, else one line with the estimate and a command that fits."""
     import torch
 
-    import hf_zero.core.profiles
+    import hf_zero.plan.profiles
 
     memory = {"bytes": 80 * GIB}
-    monkeypatch.setattr(hf_zero.core.profiles, "gpu_count", lambda: 1)
+    monkeypatch.setattr(hf_zero.plan.profiles, "gpu_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda i: type("P", (), {"total_memory": memory["bytes"]}))
     recipe = _recipe(tmp_path, f"model_name_or_path: {LLAMA_1B}\nper_device_train_batch_size: 8\n"

@@ -167,7 +167,7 @@ def test_waits_between_ranks_become_one_line(monkeypatch, raised, says):
 
 def test_timeout_reaches_the_trainer_and_the_recipe_can_set_it(monkeypatch):
     from hf_zero.core.config import CurriculumArguments, ModelArguments
-    from hf_zero.core.parse import parse_recipe_args
+    from hf_zero.plan.parse import parse_recipe_args
 
     def timeout(*flags):
         types = (ModelArguments, CurriculumArguments)
@@ -184,7 +184,8 @@ def test_timeout_reaches_the_trainer_and_the_recipe_can_set_it(monkeypatch):
 
 _PROBE_RECIPE = """
 import os, sys
-from hf_zero.data.assets import missing_run_assets, recipe_assets
+from hf_zero.data.assets import missing_run_assets
+from hf_zero.plan.parse import recipe_assets
 from hf_zero.launch.command import ensure_launched
 
 argv = ensure_launched(sys.argv[1:], __file__)

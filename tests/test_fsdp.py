@@ -16,7 +16,7 @@ from test_checkpoints import COMMON, config, losses_after, max_weight_diff, publ
 
 from hf_zero.checkpoint.store import read_metadata, size_breakdown, validate_checkpoint
 from hf_zero.core.errors import UserError
-from hf_zero.core.profiles import load_profile, profile_from_env
+from hf_zero.plan.profiles import load_profile, profile_from_env
 
 LORA = ["--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0", "--lora_target_modules", "q_proj", "v_proj"]
 
@@ -43,7 +43,7 @@ def test_fsdp_profiles_describe_engine_sharding_and_offload():
 def test_precision_is_the_profiles_and_reaches_the_trainer_as_for_zero():
     from dataclasses import replace
 
-    from hf_zero.core.reconcile import reconcile_training_kwargs
+    from hf_zero.plan.reconcile import reconcile_training_kwargs
 
     bf16 = replace(load_profile("fsdp2"), mixed_precision="bf16")  # PRECISION=bf16 at launch
     kwargs, plan = reconcile_training_kwargs({"per_device_train_batch_size": 2}, bf16, 2, has_gpu=False,
@@ -125,7 +125,7 @@ def test_resume_refuses_a_checkpoint_of_another_engine(tmp_path):
     from test_checkpoints import _with_meta
 
     from hf_zero.checkpoint.resume import _choose
-    from hf_zero.core.reconcile import BatchPlan
+    from hf_zero.plan.reconcile import BatchPlan
 
     ck = _with_meta(tmp_path, engine="fsdp2", profile="fsdp2", zero_stage=0)
 

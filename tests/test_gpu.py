@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, read_summary, run_cmd
 from scale_helpers import write_short_config
 
-from hf_zero.core.profiles import gpu_count, list_profiles, load_profile
+from hf_zero.plan.profiles import gpu_count, list_profiles, load_profile
 
 GPUS = gpu_count()
 NPROC = min(2, GPUS)

@@ -51,7 +51,7 @@ def installed(tmp_path_factory):
 
 def test_wheel_imports_hf_zero_from_the_virtualenv_not_the_checkout(installed, tmp_path):
     bin_dir, env = installed
-    where = _run([bin_dir / "python", "-c", "import hf_zero, hf_zero.core.shipped as s; "
+    where = _run([bin_dir / "python", "-c", "import hf_zero, hf_zero.plan.shipped as s; "
                   "print(hf_zero.__file__); print(s.shipped_dir('accelerate_configs'))"], cwd=tmp_path, env=env)
     module, profiles = where.stdout.split()
     venv = bin_dir.parent

@@ -203,7 +203,7 @@ def test_cli_table_profile_and_recipe(capsys, tmp_path):
     assert main(["estimate", "--config", str(recipe), "--profile", "zero3", "--gpu-memory", "80GB"]) == 0
     out = capsys.readouterr().out
     assert "zero3 " in out and "zero2 " not in out and "LoRA r=4" in out and "micro-batch 3 x 64 tokens" in out
-    from hf_zero.core.profiles import load_profile
+    from hf_zero.plan.profiles import load_profile
 
     prof = load_profile("zero3")  # the profile supplies precision and GPU count
     assert f"{prof.precision}, 1 node(s) x {prof.num_processes} GPU(s)" in out and "recommended: profile zero3," in out

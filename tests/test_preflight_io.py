@@ -17,8 +17,8 @@ from conftest import PROFILES, RECIPE, REPO, TINY
 
 from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
-from hf_zero.core.parse import build_stage, parse_stages
 from hf_zero.data.stages import check_held_out, load_source
+from hf_zero.plan.parse import build_stage, parse_stages
 
 ERROR = "hf-zero: error:"
 

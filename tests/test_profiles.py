@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 from conftest import PROFILES
 
-from hf_zero.core.deepspeed_config import build_deepspeed_config
 from hf_zero.core.errors import UserError
-from hf_zero.core.profiles import list_profiles, load_profile, profile_from_env
 from hf_zero.estimate.recipe import pick_profile
+from hf_zero.plan.deepspeed_config import build_deepspeed_config
+from hf_zero.plan.profiles import list_profiles, load_profile, profile_from_env
 
 REQUIRED = {"cpu", "single_gpu", "ddp", "zero1", "zero2", "zero3", "zero3_offload", "zero3_nvme", "l40x4",
             "h100x8", "multinode", "fsdp2", "fsdp2_offload"}

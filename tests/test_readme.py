@@ -127,7 +127,7 @@ def _check_estimate_lora_8b(proc, where):
 
 
 def _check_test_gpu(proc, where):
-    from hf_zero.core.profiles import gpu_count
+    from hf_zero.plan.profiles import gpu_count
 
     if gpu_count() == 0:  # every GPU test skipped, with the reason, and nothing counted as passed
         assert "no CUDA GPU on this machine" in proc.stdout and " passed" not in proc.stdout, proc.stdout[-2000:]

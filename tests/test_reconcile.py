@@ -3,8 +3,8 @@
 import pytest
 
 from hf_zero.core.errors import UserError
-from hf_zero.core.profiles import load_profile
-from hf_zero.core.reconcile import plan_batch, reconcile_training_kwargs
+from hf_zero.plan.profiles import load_profile
+from hf_zero.plan.reconcile import plan_batch, reconcile_training_kwargs
 
 
 @pytest.mark.parametrize("world,accum", [(1, 16), (2, 8), (4, 4), (8, 2)])

@@ -1,4 +1,4 @@
-"""The run plan (hf_zero/core/plan.py): resolved once, read by every rank, copied by checkpoints and summaries.
+"""The run plan (hf_zero/plan/run_plan.py): resolved once, read by every rank, copied by checkpoints and summaries.
 A value given in one place (here `--nproc` and `--precision`, against what the profile's YAML says) must be what
 the worker trains with, what each checkpoint records and what summary.json says."""
 
@@ -10,9 +10,9 @@ from conftest import REPO, TINY, run_cmd
 
 from hf_zero.checkpoint.safe_load import safe_load
 from hf_zero.core.errors import UserError
-from hf_zero.core.plan import PLAN_ENV, PLAN_NAME, RunPlan, plan_for_launch, plan_in_worker, resolve_run
-from hf_zero.core.profiles import load_profile
-from hf_zero.core.shipped import recipe_argument_types
+from hf_zero.plan.profiles import load_profile
+from hf_zero.plan.run_plan import PLAN_ENV, PLAN_NAME, RunPlan, plan_for_launch, plan_in_worker, resolve_run
+from hf_zero.plan.shipped import recipe_argument_types
 
 RECIPE = str(REPO / "recipes" / "curriculum.py")
 TYPES = recipe_argument_types(None)  # the curriculum recipe's, plus TrainingArguments
@@ -23,7 +23,7 @@ def _argv(out):
 
 
 def test_the_plan_reads_back_from_its_json_unchanged(tmp_path):
-    from hf_zero.core.parse import parse_recipe_args
+    from hf_zero.plan.parse import parse_recipe_args
 
     *parsed, _, training, config = parse_recipe_args(TYPES, _argv(tmp_path))
     plan, kwargs = resolve_run(load_profile("zero3"), tuple(parsed), training, world=4, nodes=2, gpus=0,

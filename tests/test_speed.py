@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from hf_zero.core.config import ModelArguments
-from hf_zero.core.deepspeed_config import zero3_speed_settings
 from hf_zero.core.errors import UserError
-from hf_zero.core.profiles import Profile, load_profile, one_rank_note
-from hf_zero.core.reconcile import reconcile_training_kwargs
 from hf_zero.data.model_names import get_model_config
+from hf_zero.plan.deepspeed_config import zero3_speed_settings
+from hf_zero.plan.profiles import Profile, load_profile, one_rank_note
+from hf_zero.plan.reconcile import reconcile_training_kwargs
 
 
 def _tiny_layer_params():
@@ -41,7 +41,7 @@ def test_the_mlp_is_a_leaf_module_only_without_lora_inside(targets, leaf):
 
 
 def test_zero3_overlaps_gradient_reduction_on_gpus_only():
-    from hf_zero.core.deepspeed_config import build_deepspeed_config
+    from hf_zero.plan.deepspeed_config import build_deepspeed_config
 
     for on_cpu in (True, False):
         z = build_deepspeed_config(load_profile("zero3"), on_cpu=on_cpu)["zero_optimization"]

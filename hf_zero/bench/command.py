@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hf_zero.bench.runs import measure_launch, model_state_bytes, root_cause, summarize_run
 from hf_zero.core.errors import UserError
-from hf_zero.core.shipped import shipped_dir
+from hf_zero.plan.shipped import shipped_dir
 
 # summarize_run, root_cause, model_state_bytes: hf_zero.bench.runs's, re-exported as bench's own.
 __all__ = ["add_arguments", "run", "execute", "DEFAULT_STRATEGIES", "DEFAULT_BENCH_CONFIG", "PLAIN_SCRIPT",
@@ -61,7 +61,7 @@ def add_arguments(parser) -> None:
 
 
 def _check_args(args) -> list[str]:
-    from hf_zero.core.profiles import list_profiles
+    from hf_zero.plan.profiles import list_profiles
 
     if args.overhead_repeats is None:
         args.overhead_repeats = 3
@@ -128,7 +128,7 @@ def plain_launch_command(profile: str, nproc: int, port: int, spec: Path, run_di
     """The launcher accelerate itself picks for `profile` (what hf_zero's run goes through): torchrun for DeepSpeed
     and DDP at any rank count, the plain interpreter for a one-process profile without either. The script takes its
     precision from the TrainingArguments in the spec, as hf_zero's recipe does."""
-    from hf_zero.core.profiles import load_profile
+    from hf_zero.plan.profiles import load_profile
 
     script = [str(PLAIN_SCRIPT), "--spec", str(spec), "--output_dir", str(run_dir)]
     if load_profile(profile).distributed_type == "NO" and nproc == 1:

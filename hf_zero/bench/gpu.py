@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
-from hf_zero.core.shipped import shipped_dir
+from hf_zero.plan.shipped import shipped_dir
 
 __all__ = ["add_preset_arguments", "run_preset", "PRESET_STRATEGIES", "DEFAULT_MODEL_CONFIG"]
 

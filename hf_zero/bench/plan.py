@@ -70,13 +70,13 @@ def build_plan(config: str, model: str | None, steps: int | None, nproc: int, ex
     samples (as the recipe trains them, packed or not, and the other way for the packing comparison)."""
     import yaml
 
-    from hf_zero.core.parse import load_yaml_config, parse_recipe_args, parse_stages, recipe_fields
-    from hf_zero.core.reconcile import plan_batch
     from hf_zero.data.curriculum import build_sample_order, build_schedule
     from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
     from hf_zero.data.packing import padding_stats, real_tokens
     from hf_zero.data.stages import load_stage_data
     from hf_zero.estimate.memory import count_model
+    from hf_zero.plan.parse import load_yaml_config, parse_recipe_args, parse_stages, recipe_fields
+    from hf_zero.plan.reconcile import plan_batch
     from hf_zero.train.model import lora_kwargs
 
     raw = load_yaml_config(config)
@@ -166,8 +166,8 @@ def write_plain_spec(plan: BenchPlan, profile_name: str, precision: str | None, 
 
     from transformers import TrainingArguments
 
-    from hf_zero.core.profiles import accelerate_precision, gpu_count, load_profile
-    from hf_zero.core.reconcile import reconcile_training_kwargs
+    from hf_zero.plan.profiles import accelerate_precision, gpu_count, load_profile
+    from hf_zero.plan.reconcile import reconcile_training_kwargs
     from hf_zero.train.model import base_precision, causal_lm_load_kwargs, lora_kwargs
 
     prof = load_profile(profile_name)

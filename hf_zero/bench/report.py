@@ -59,7 +59,7 @@ def _ratio(a, b):
 
 def assemble(plan, args, machine, names, results, overhead_strategy, pairs, flipped) -> dict:
     from hf_zero.bench.plan import device_peak_flops, estimate_bytes
-    from hf_zero.core.profiles import load_profile
+    from hf_zero.plan.profiles import load_profile
 
     precision = args.precision or load_profile(names[0]).precision
     peak = device_peak_flops(machine["gpus"][0] if machine["gpus"] else None, precision)

@@ -25,7 +25,7 @@ NOT_COMPARED = frozenset({
     "bf16", "fp16", "bf16_full_eval", "fp16_full_eval", "tf32", "deepspeed", "fsdp", "fsdp_config", "use_cpu",
     "accelerator_config", "parallelism_config", "local_rank", "ddp_backend", "ddp_timeout", "ddp_bucket_cap_mb",
     "ddp_find_unused_parameters", "ddp_broadcast_buffers", "ddp_static_graph",
-    # Set from the stages (which are compared); the curriculum's order is the sampler (core/reconcile.py).
+    # Set from the stages (which are compared); the curriculum's order is the sampler (plan/reconcile.py).
     "max_steps", "num_train_epochs", "train_sampling_strategy",
     # Same computation, other speed or memory.
     "activation_checkpointing", "activation_checkpointing_kwargs", "gradient_checkpointing",

@@ -68,7 +68,7 @@ def _versions() -> dict:
 def build_checkpoint_metadata(trainer) -> dict:
     """What a resume (or a person) needs to know about the checkpoint being written at trainer.state.global_step.
     How the run is laid out (profile, precision, ranks, batch) is copied from its run plan."""
-    from hf_zero.core.plan import current_plan
+    from hf_zero.plan.run_plan import current_plan
     from hf_zero.train.model import count_parameters
 
     state, args = trainer.state, trainer.args

@@ -1,4 +1,4 @@
-"""Recipe arguments: dataclasses documented field by field (read from YAML + flags by core/parse.py).
+"""Recipe arguments: dataclasses documented field by field (read from YAML + flags by plan/parse.py).
 
 As in TRL (`SFTConfig`), a recipe's own arguments extend `TrainingArguments` (`CurriculumArguments` here,
 `ClassificationArguments` for the classifier) and the model's are a separate class (`ModelArguments`, TRL's

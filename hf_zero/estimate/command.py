@@ -71,8 +71,8 @@ def add_arguments(parser) -> None:
 
 def _strategy_of(name: str):
     """(strategy names, profile or None) for --profile."""
-    from hf_zero.core.profiles import list_profiles, load_profile
     from hf_zero.estimate.memory import STRATEGIES
+    from hf_zero.plan.profiles import list_profiles, load_profile
 
     if name == "all":
         return list(STRATEGIES), None
@@ -163,7 +163,7 @@ def run(args) -> int:
     precision = args.precision or (prof.precision if prof else "bf16")
     gpu_mem = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
     cpu_mem = parse_bytes(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
-    from hf_zero.core.reconcile import plan_batch
+    from hf_zero.plan.reconcile import plan_batch
 
     batch = plan_batch(recipe.micro, recipe.accumulation, gpn * nodes, recipe.global_batch)
     try:

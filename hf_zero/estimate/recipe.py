@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
-from hf_zero.core.profiles import gpu_count
+from hf_zero.plan.profiles import gpu_count
 
 __all__ = ["HEADROOM", "RecipeMemory", "read_recipe", "lora_fields", "plan", "candidates", "pick_profile"]
 
@@ -53,9 +53,9 @@ def lora_fields(model_args) -> dict | None:
 def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
     """The recipe YAML as it will run, parsed as its recipe parses it (`parse_recipe_args`, its own argument
     classes); `overrides`: `--key value` flags given to `hf-zero train` after the recipe."""
-    from hf_zero.core.parse import parse_recipe_args
-    from hf_zero.core.reconcile import plan_batch
-    from hf_zero.core.shipped import load_recipe, recipe_argument_types, recipe_script
+    from hf_zero.plan.parse import parse_recipe_args
+    from hf_zero.plan.reconcile import plan_batch
+    from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
 
     types = recipe_argument_types(load_recipe(str(recipe_script(None, path))))
     model_args, *_, stages, training, _ = parse_recipe_args(types, ["--config", path, *overrides])
@@ -92,7 +92,7 @@ def candidates(world: int) -> list[tuple[str, str]]:
 
 def _command(recipe: RecipeMemory, profile: str, gpn: int, nodes: int, precision: str, micro: int, accum: int):
     """The `hf-zero train` line that runs this plan (None without a recipe file to run)."""
-    from hf_zero.core.profiles import load_profile
+    from hf_zero.plan.profiles import load_profile
 
     if not recipe.path:
         return None
@@ -130,9 +130,9 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
     """The fastest profile (and micro-batch x accumulation keeping the global batch) that fits, its command, the
     headroom it leaves and why; "profile": None and what would fit when nothing does. `choices`: (profile,
     strategy) pairs to try in order (default: candidates(world)); `only_own`: keep the recipe's micro-batch."""
-    from hf_zero.core.reconcile import plan_batch
     from hf_zero.data.model_names import get_model_config
     from hf_zero.estimate.memory import count_model
+    from hf_zero.plan.reconcile import plan_batch
 
     world = gpus_per_node * nodes
     batch = plan_batch(recipe.micro, recipe.accumulation, world, recipe.global_batch)

@@ -9,16 +9,16 @@ import sys
 from pathlib import Path
 
 from hf_zero.core.errors import EXIT_USAGE, UserError
-from hf_zero.core.parse import HF_ZERO_TRAINING_DEFAULTS
-from hf_zero.core.profiles import (
+from hf_zero.estimate.recipe import pick_profile
+from hf_zero.plan.parse import HF_ZERO_TRAINING_DEFAULTS
+from hf_zero.plan.profiles import (
     PROFILE_ENV,
     accelerate_precision,
     list_profiles,
     load_profile,
     resolve_profile_path,
 )
-from hf_zero.core.shipped import shipped_dir
-from hf_zero.estimate.recipe import pick_profile
+from hf_zero.plan.shipped import shipped_dir
 
 __all__ = ["build_launch_command", "ensure_launched", "add_arguments", "run", "DEFAULT_RECIPE", "DEFAULT_CONFIG"]
 
@@ -61,7 +61,7 @@ def ensure_launched(argv: list[str], script: str) -> list[str]:
     """
     if "--config_file" not in argv and not any(a.startswith("--config_file=") for a in argv):
         return argv
-    from hf_zero.core.parse import pop_flag
+    from hf_zero.plan.parse import pop_flag
 
     profile, rest = pop_flag(argv, "--config_file")
     path = str(resolve_profile_path(profile))
@@ -84,7 +84,8 @@ def ensure_launched(argv: list[str], script: str) -> list[str]:
 
 def _prepare_assets(recipe_argv: list[str]) -> None:
     """The run's offline model and data, built here, once, before any rank starts (hf_zero/data/assets.py)."""
-    from hf_zero.data.assets import prepare_run_assets, recipe_assets
+    from hf_zero.data.assets import prepare_run_assets
+    from hf_zero.plan.parse import recipe_assets
 
     prepare_run_assets(*recipe_assets(recipe_argv))
 
@@ -221,7 +222,7 @@ def run(args) -> int:
         print(f"this machine: {name} ({why})")
         return 0
     validate_flags(args)
-    from hf_zero.core.shipped import load_recipe, recipe_argument_types, recipe_script
+    from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
 
     args.recipe = str(recipe_script(args.recipe, args.config))
     if args.help_recipe:
@@ -235,7 +236,7 @@ def run(args) -> int:
     quiet_environment()  # before the preflight loads data and models: no progress bars there either
     profile = args.profile
     if not profile:
-        from hf_zero.core.profiles import gpu_count
+        from hf_zero.plan.profiles import gpu_count
 
         gpus = gpu_count()
         recipe = _recipe_memory(args.config, args.extra) if gpus else None
@@ -247,7 +248,7 @@ def run(args) -> int:
         print(f"[hf_zero] profile {profile}: {why}", flush=True)
     extra = [a for a in args.extra if a != "--"]
     if args.hostfile:
-        from hf_zero.launch.hostfile import apply_hostfile
+        from hf_zero.plan.hostfile import apply_hostfile
 
         apply_hostfile(args)
     cmd, env = build_launch_command(

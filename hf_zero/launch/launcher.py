@@ -135,11 +135,11 @@ def _on_sigterm(signum, frame):
 def _resolve_plan(args, folder: Path) -> Path | None:
     """The run plan, resolved here once before any rank starts, from the launch this process was given (the
     profile, and the process count, machines and precision hf_zero put on accelerate's command line); its path goes
-    to every rank in the environment (hf_zero.core.plan)."""
+    to every rank in the environment (hf_zero.plan.run_plan)."""
     from dataclasses import replace
 
-    from hf_zero.core.plan import PLAN_ENV, plan_for_launch
-    from hf_zero.core.profiles import load_profile
+    from hf_zero.plan.profiles import load_profile
+    from hf_zero.plan.run_plan import PLAN_ENV, plan_for_launch
 
     if not args.config_file or not args.training_script.endswith(".py"):
         return None  # not a recipe under a profile: the ranks resolve it themselves, as under `accelerate launch`
@@ -159,7 +159,7 @@ def _lock_output(args, plan: Path | None) -> RunLock | None:
     would be refused by machine 0's."""
     if plan is None or (args.machine_rank or 0) != 0:
         return None
-    from hf_zero.core.plan import RunPlan
+    from hf_zero.plan.run_plan import RunPlan
 
     lock = RunLock(RunPlan.from_json(plan.read_text()).output_dir)
     line = lock.acquire()
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"hf-zero: error: {err.line()}")
         return EXIT_USAGE
     finally:
-        from hf_zero.core.plan import PLAN_ENV
+        from hf_zero.plan.run_plan import PLAN_ENV
 
         for name in (PLAN_ENV, LOCK_ENV, LAUNCHER_PID_ENV):  # an in-process caller (hf-zero train, tests) must
             os.environ.pop(name, None)  # not pass them to a later launch

@@ -75,7 +75,7 @@ def _check_positive(flag: str, value, minimum: int = 1) -> None:
 
 def _output_dir(args, extra: list[str], yaml_values: dict) -> tuple[Path, list[str]]:
     """One output folder for every attempt of the job: a requeue resumes only if it looks in the same place."""
-    from hf_zero.core.parse import pop_flag
+    from hf_zero.plan.parse import pop_flag
 
     from_extra, extra = pop_flag(extra, "--output_dir")
     if from_extra and args.output_dir and Path(from_extra).resolve() != Path(args.output_dir).resolve():
@@ -106,9 +106,9 @@ def _requeue_checkpointing(yaml_values: dict, extra: list[str], save_steps: int)
 
 def build_sbatch_script(args, extra: list[str], command_line: str = "") -> str:
     """The sbatch script text for parsed `hf-zero slurm` args; raises UserError on anything unsafe or inconsistent."""
-    from hf_zero.core.parse import load_yaml_config
-    from hf_zero.core.profiles import load_profile
     from hf_zero.launch.command import build_launch_command
+    from hf_zero.plan.parse import load_yaml_config
+    from hf_zero.plan.profiles import load_profile
 
     _check_positive("--nodes", args.nodes)
     _check_positive("--gpus-per-node", args.gpus_per_node, 0)
@@ -123,7 +123,7 @@ def build_sbatch_script(args, extra: list[str], command_line: str = "") -> str:
     profile = load_profile(args.profile)
     config = Path(args.config).expanduser().resolve()
     yaml_values = load_yaml_config(str(config))
-    from hf_zero.core.shipped import recipe_script
+    from hf_zero.plan.shipped import recipe_script
 
     recipe = recipe_script(args.recipe, args.config).expanduser().resolve()
     if not recipe.is_file():

@@ -45,7 +45,7 @@ class _State:
     def __init__(self, args, light: bool = False):
         self.args, self.profile, self.raw, self.parsed = args, None, None, None
         self.light = light
-        from hf_zero.core.shipped import load_recipe, recipe_argument_types
+        from hf_zero.plan.shipped import load_recipe, recipe_argument_types
 
         recipe = load_recipe(getattr(args, "recipe", None))
         self.types = recipe_argument_types(recipe)
@@ -53,7 +53,7 @@ class _State:
         self.tokenizer = self.count = self.pool_sizes = self.batch = None
         self.hosts = None
         if args.hostfile:  # as `hf-zero train --hostfile` does; a bad file is the hostfile check's to report
-            from hf_zero.launch.hostfile import read_hostfile
+            from hf_zero.plan.hostfile import read_hostfile
 
             with contextlib.suppress(UserError), contextlib.redirect_stdout(sys.stderr):
                 self.hosts = read_hostfile(args.hostfile)
@@ -80,7 +80,7 @@ class _State:
     @property
     def recipe_values(self):
         """The recipe's own values (data, formats) as attributes, as its TrainingArguments subclass would hold them."""
-        from hf_zero.core.parse import recipe_fields
+        from hf_zero.plan.parse import recipe_fields
 
         return recipe_fields(self.types[-1], self.parsed[-1])
 
@@ -93,8 +93,8 @@ class _State:
 
 
 def _profile(st):
-    from hf_zero.core.profiles import accelerate_precision, load_profile
     from hf_zero.estimate.recipe import pick_profile
+    from hf_zero.plan.profiles import accelerate_precision, load_profile
     from hf_zero.tools.check_rules import verify_profile_keys
 
     prof = load_profile(st.args.profile or pick_profile()[0])
@@ -108,7 +108,7 @@ def _profile(st):
 def _parse(st, yaml_values: dict, extra: list):
     """parse_recipe_args on the YAML's known keys only, so that one misspelled key does not hide every other
     mistake (paths and line numbers still come from the file)."""
-    from hf_zero.core.parse import parse_recipe_args
+    from hf_zero.plan.parse import parse_recipe_args
 
     return parse_recipe_args(st.types, ["--config", st.args.config, *extra],
                              yaml_values=yaml_values)[:len(st.types) + 1]
@@ -118,8 +118,8 @@ def _recipe(st):
     import difflib
 
     from hf_zero.core.config import Stage
-    from hf_zero.core.parse import load_yaml_config
     from hf_zero.core.validate import resolve_recipe_paths
+    from hf_zero.plan.parse import load_yaml_config
 
     config = st.args.config
     raw = load_yaml_config(config)
@@ -152,7 +152,7 @@ def _recipe(st):
 
 
 def _batch(st):
-    from hf_zero.core.reconcile import check_profile_accumulation, plan_batch
+    from hf_zero.plan.reconcile import check_profile_accumulation, plan_batch
 
     accum = st.value("gradient_accumulation_steps")
     accum = int(1 if accum is None else accum)
@@ -164,14 +164,14 @@ def _batch(st):
 
 
 def _devices(st):
-    from hf_zero.core.profiles import gpu_count
+    from hf_zero.plan.profiles import gpu_count
     from hf_zero.tools.check_rules import verify_devices
 
     return verify_devices(st.profile, st.nproc, gpu_count() if st.args.gpus is None else st.args.gpus)
 
 
 def _precision(st):
-    from hf_zero.core.profiles import gpu_count
+    from hf_zero.plan.profiles import gpu_count
     from hf_zero.tools.check_rules import verify_precision
 
     real = gpu_count()
@@ -199,8 +199,8 @@ from hf_zero.tools.check_io import _data, _model, _offload, _output  # noqa: E40
 
 
 def _fsdp(st):
-    from hf_zero.core.profiles import gpu_count
     from hf_zero.data.model_names import get_model_config
+    from hf_zero.plan.profiles import gpu_count
     from hf_zero.train.fsdp import verify_fsdp
 
     config = None
@@ -263,7 +263,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from hf_zero.core.shipped import recipe_script
+    from hf_zero.plan.shipped import recipe_script
 
     args.recipe = str(recipe_script(args.recipe, args.config))
     if args.nproc is not None and args.nproc < 1:

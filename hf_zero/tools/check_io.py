@@ -38,10 +38,10 @@ def _model(st):
 
 def _data(st):
     from hf_zero.core.config import Stage
-    from hf_zero.core.parse import build_stage
     from hf_zero.core.validate import yaml_lines
     from hf_zero.data.chat import FormatOptions
     from hf_zero.data.stages import check_stage_files, load_stage_data
+    from hf_zero.plan.parse import build_stage
 
     if not st.curriculum:
         return _recipe_data(st)

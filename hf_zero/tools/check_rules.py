@@ -71,11 +71,11 @@ def verify_devices(profile, nproc: int, gpus: int) -> str:
 
 def verify_precision(profile, precision: str, recipe_kwargs: dict, gpus: int, real_gpus: bool) -> str:
     """The profile owns precision; the recipe may not contradict it; the hardware must support it."""
-    from hf_zero.core.reconcile import _profile_precision
+    from hf_zero.plan.reconcile import _profile_precision
 
     if recipe_kwargs:
         _profile_precision(profile, recipe_kwargs)  # a recipe saying bf16/fp16 against the profile: both named
-    from hf_zero.core.profiles import precision_name
+    from hf_zero.plan.profiles import precision_name
 
     name = precision_name(precision)
     if gpus == 0:
@@ -118,7 +118,7 @@ def verify_hostfile(path: str | None, nproc: int) -> str:
     is given, the processes per machine (its slots)."""
     if not path:
         return "none given (each machine is launched with the profile's machine_rank)"
-    from hf_zero.launch.hostfile import find_machine_rank, read_hostfile
+    from hf_zero.plan.hostfile import find_machine_rank, read_hostfile
 
     hosts = read_hostfile(path)
     slots = hosts[0][1]
@@ -278,7 +278,7 @@ def _nproc(profile, world: int, env: dict) -> int:
 
 def check_launch_at_start(profile, parsed: tuple, world: int, config: str | None = None, env: dict | None = None):
     """Launch, profile keys and devices: before any process group exists."""
-    from hf_zero.core.profiles import gpu_count
+    from hf_zero.plan.profiles import gpu_count
 
     env = dict(os.environ if env is None else env)
     verify_launch(profile, env, config)
@@ -296,7 +296,7 @@ def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: l
                         env: dict | None = None) -> None:
     """NVMe and output room for the model's size: after its offline assets are in the cache (it reads its config)."""
     model = next((a for a in parsed if hasattr(a, "model_name_or_path")), None)
-    from hf_zero.core.profiles import gpu_count
+    from hf_zero.plan.profiles import gpu_count
     from hf_zero.train.fsdp import verify_fsdp
 
     config = None

@@ -58,10 +58,10 @@ def source_lines(report) -> list[str]:
 
 def run(args) -> int:
     from hf_zero.core.config import CurriculumArguments, ModelArguments
-    from hf_zero.core.parse import parse_recipe_args, recipe_fields
     from hf_zero.data.chat import FormatOptions
     from hf_zero.data.model_names import get_tokenizer
     from hf_zero.data.stages import load_stage_data
+    from hf_zero.plan.parse import parse_recipe_args, recipe_fields
 
     if args.samples < 0:
         raise UserError("-n", f"must be 0 or more, got {args.samples}")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from hf_zero.checkpoint.compare import note_settings, run_settings
 from hf_zero.core.console import rank, say
-from hf_zero.core.plan import RunPlan
-from hf_zero.core.profiles import Profile, one_rank_note
 from hf_zero.core.run_lock import hold_in_worker
+from hf_zero.plan.profiles import Profile, one_rank_note
+from hf_zero.plan.run_plan import RunPlan
 
 __all__ = ["RunContext", "setup_run", "print_banner", "write_summary"]
 
@@ -52,11 +52,11 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     from hf_zero.launch.command import ensure_launched
 
     argv = ensure_launched(list(sys.argv[1:] if argv is None else argv), script or sys.argv[0])
-    from hf_zero.core.parse import pop_flag
-    from hf_zero.core.shipped import check_recipe_matches
+    from hf_zero.plan.parse import pop_flag
+    from hf_zero.plan.shipped import check_recipe_matches
 
     check_recipe_matches(pop_flag(list(argv), "--config")[0], script or sys.argv[0])
-    from hf_zero.core.plan import plan_in_worker
+    from hf_zero.plan.run_plan import plan_in_worker
 
     # The run plan (the launcher's run_plan.json, or resolved here under a plain `accelerate launch`): profile,
     # precision, ranks, batch and DeepSpeed dict come from it, never from re-reading the environment.
@@ -64,8 +64,8 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     # One run per output folder, before anything is written or moved in it (a refused run changes nothing).
     hold_in_worker(kwargs["output_dir"])
     profile, world, config_path = plan.profile, plan.world, plan.config
-    from hf_zero.core.plan import PLAN_ENV
-    from hf_zero.core.profiles import profile_from_env
+    from hf_zero.plan.profiles import profile_from_env
+    from hf_zero.plan.run_plan import PLAN_ENV
     from hf_zero.tools.check_rules import check_launch_at_start, check_room_at_start
 
     # `hf-zero check`'s cheap checks (launch, devices, profile keys) before any process group exists. The launch is

@@ -64,7 +64,7 @@ def throughput_callback(model):
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # every rank logs at the same steps
                 out["peak_memory_bytes"] = int(peak.item())
                 from hf_zero.bench.plan import device_peak_flops
-                from hf_zero.core.plan import current_plan
+                from hf_zero.plan.run_plan import current_plan
 
                 device_peak = device_peak_flops(torch.cuda.get_device_name(args.device), current_plan().precision)
                 if device_peak and "tokens_per_second" in out:

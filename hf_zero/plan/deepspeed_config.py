@@ -1,10 +1,10 @@
 """The DeepSpeed config hf_zero hands the Trainer for a DeepSpeed profile: the profile's ZeRO stage, offload and
-precision, with ZeRO-3's gather/release settings sized from the model's shape (hf_zero.core.reconcile calls it once,
+precision, with ZeRO-3's gather/release settings sized from the model's shape (hf_zero.plan.reconcile calls it once,
 when the run plan is resolved)."""
 
 from __future__ import annotations
 
-from hf_zero.core.profiles import Profile
+from hf_zero.plan.profiles import Profile
 
 __all__ = ["build_deepspeed_config", "zero3_speed_settings"]
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # core/config.py imports transformers: only when a stage is b
     from hf_zero.core.config import Stage
 
 __all__ = ["HF_ZERO_TRAINING_DEFAULTS", "load_yaml_config", "build_stage", "parse_stages", "parse_recipe_args",
-           "recipe_fields", "pop_flag"]
+           "recipe_fields", "pop_flag", "recipe_assets"]
 
 
 HF_ZERO_TRAINING_DEFAULTS = {
@@ -128,7 +128,7 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yam
     yaml_values = resolve_recipe_paths(yaml_values, config_path)
     lines = yaml_lines(config_path)
     stages = parse_stages(yaml_values.pop("stages", None), config_path or "the command line", lines)
-    # which recipe the YAML is for: read by the tools (hf_zero.core.shipped), not by it
+    # which recipe the YAML is for: read by the tools (hf_zero.plan.shipped), not by it
     yaml_values.pop("recipe", None)
 
     class _Parser(HfArgumentParser):
@@ -217,3 +217,18 @@ def pop_flag(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
     parser.add_argument(flag, dest="value")
     namespace, rest = parser.parse_known_args(argv)
     return namespace.value, rest
+
+
+def recipe_assets(argv: list[str]) -> tuple[str, list[str]]:
+    """(model, data sources) a recipe's `--config YAML` + flags name, read as the recipe will read them."""
+    from hf_zero.core.config import ModelArguments  # imports transformers: only when a recipe is read
+
+    config, rest = pop_flag(list(argv), "--config")
+    values = load_yaml_config(config) if config else {}
+    model, _ = pop_flag(rest, "--model_name_or_path")
+    model = model or values.get("model_name_or_path") or ModelArguments.model_name_or_path
+    data = []
+    for stage in values.get("stages") or []:
+        sources = stage.get("data") if isinstance(stage, dict) else None
+        data += [d for d in (sources if isinstance(sources, list) else [sources]) if isinstance(d, str)]
+    return str(model), data

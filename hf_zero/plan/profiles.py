@@ -2,10 +2,10 @@
 stage or FSDP2), offload and precision.
 
 A profile is found by name (`zero3`, `fsdp2`) or path and validated with accelerate's own config loader; for
-DeepSpeed, core/deepspeed_config.py turns it into the DeepSpeed config hf_zero hands the Trainer, and FSDP2 is
-configured by accelerate itself from the profile's `fsdp_config`. The run plan (core/plan.py) carries the profile to
-the ranks; a run started with plain `accelerate launch --config_file X` has none, and its ranks read the profile back
-from the environment accelerate sets (`profile_from_env`).
+DeepSpeed, plan/deepspeed_config.py turns it into the DeepSpeed config hf_zero hands the Trainer, and FSDP2 is
+configured by accelerate itself from the profile's `fsdp_config`. The run plan (plan/run_plan.py) carries the profile
+to the ranks; a run started with plain `accelerate launch --config_file X` has none, and its ranks read the profile
+back from the environment accelerate sets (`profile_from_env`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import yaml
 
 from hf_zero.core.errors import UserError
-from hf_zero.core.shipped import shipped_dir
+from hf_zero.plan.shipped import shipped_dir
 
 __all__ = [
     "PROFILES_DIR",

@@ -8,9 +8,9 @@ import os
 from dataclasses import dataclass
 
 from hf_zero.core.console import say
-from hf_zero.core.deepspeed_config import build_deepspeed_config
 from hf_zero.core.errors import UserError
-from hf_zero.core.profiles import Profile
+from hf_zero.plan.deepspeed_config import build_deepspeed_config
+from hf_zero.plan.profiles import Profile
 
 __all__ = ["BatchPlan", "plan_batch", "check_profile_accumulation", "reconcile_training_kwargs"]
 

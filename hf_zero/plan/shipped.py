@@ -71,7 +71,7 @@ def _named_recipe(config: str | None) -> str | None:
     if not config or not Path(config).is_file():
         return None
     from hf_zero.core.errors import UserError
-    from hf_zero.core.parse import load_yaml_config
+    from hf_zero.plan.parse import load_yaml_config
 
     try:
         value = load_yaml_config(config).get(RECIPE_KEY)
