@@ -90,7 +90,7 @@ def test_layer_classes_follow_what_accelerate_can_shard():
     """BERT lists its embeddings among _no_split_modules, but accelerate shards the input embeddings in a group of
     their own (twice would crash in fully_shard); a ResNet has no input embeddings at all (accelerate fails)."""
     from hf_zero.data.model_names import get_model_config
-    from hf_zero.train.fsdp import verify_fsdp
+    from hf_zero.plan.fsdp import verify_fsdp
 
     fsdp2 = load_profile("fsdp2")
     assert verify_fsdp(fsdp2, {}, 0, get_model_config("minilm")).startswith("FSDP2: one shard group per BertLayer,")

@@ -150,7 +150,7 @@ def _export_full(folder: Path, out: Path, dtype) -> int:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
-    from hf_zero.train.fsdp import is_fsdp_checkpoint, lazy_dcp_state
+    from hf_zero.checkpoint.fsdp import is_fsdp_checkpoint, lazy_dcp_state
 
     if _is_deepspeed(folder):
         count = _write_sharded(_lazy_zero_state(folder, trainable_only=False), out, dtype)

@@ -37,7 +37,7 @@ def verify_saved_weights(model, folder: Path, atol: float = 0.0) -> int:
     import torch
     import torch.distributed as dist
 
-    from hf_zero.train.fsdp import full_tensor
+    from hf_zero.checkpoint.fsdp import full_tensor
 
     is_peft = hasattr(model, "peft_config")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -100,7 +100,7 @@ def save_final_model(trainer, folder: Path) -> Path:
     folder = Path(folder)
     with waiting_for("the other ranks while saving and verifying the final model"):
         if getattr(trainer, "is_fsdp_enabled", False):
-            from hf_zero.train.fsdp import save_pretrained_gathered
+            from hf_zero.checkpoint.fsdp import save_pretrained_gathered
 
             save_pretrained_gathered(trainer, folder)
         else:

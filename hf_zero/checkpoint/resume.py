@@ -94,7 +94,7 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
 
 
 def _engine_on_disk(checkpoint: Path) -> str:
-    from hf_zero.train.fsdp import is_fsdp_checkpoint
+    from hf_zero.checkpoint.fsdp import is_fsdp_checkpoint
 
     if is_fsdp_checkpoint(checkpoint):
         return "fsdp2"

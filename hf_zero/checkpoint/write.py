@@ -68,8 +68,8 @@ def _versions() -> dict:
 def build_checkpoint_metadata(trainer) -> dict:
     """What a resume (or a person) needs to know about the checkpoint being written at trainer.state.global_step.
     How the run is laid out (profile, precision, ranks, batch) is copied from its run plan."""
+    from hf_zero.estimate.measure import count_parameters
     from hf_zero.plan.run_plan import current_plan
-    from hf_zero.train.model import count_parameters
 
     state, args = trainer.state, trainer.args
     step = state.global_step
@@ -138,7 +138,7 @@ def complete_checkpoint(trainer, staged: Path, run_dir: Path, started: float) ->
     """After the Trainer wrote `staged` (checkpoint/staging.py): what FSDP2 leaves out, the saved weights read back,
     then metadata, manifest, the rename into place and rotation."""
     if trainer.is_fsdp_enabled:
-        from hf_zero.train.fsdp import save_pretrained_gathered
+        from hf_zero.checkpoint.fsdp import save_pretrained_gathered
 
         # The Trainer writes only the distributed checkpoint; config and tokenizer make it exportable, and
         # a LoRA adapter (small) is gathered so the checkpoint loads with peft as under ZeRO.

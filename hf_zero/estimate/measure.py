@@ -23,8 +23,8 @@ from transformers import TrainerCallback
 from hf_zero.core.console import rank
 from hf_zero.core.files import write_json_atomic
 
-__all__ = ["StepPeakRecorder", "MemoryMeasureCallback", "measure_engine_bytes", "measure_requested",
-           "read_measurements", "MEASURE_ENV"]
+__all__ = ["count_parameters", "parameter_numel", "StepPeakRecorder", "MemoryMeasureCallback", "measure_engine_bytes",
+           "measure_requested", "read_measurements", "MEASURE_ENV"]
 
 MEASURE_ENV = "HF_ZERO_MEASURE_MEMORY"
 KINDS = ("params", "grads", "optimizer", "gathered_params", "buffers")
@@ -182,3 +182,18 @@ def measure_engine_bytes(engine_or_model, optimizer=None) -> dict:
     add("grads", *attrs("grad_partitions_flat_buffer", "averaged_gradients", "grads_in_partition", "all_grad_tensors"),
         *[t.grad for t in masters], *[p.grad for p in params], *[getattr(p, "grad_accum", None) for p in params])
     return out
+
+
+def parameter_numel(p) -> int:
+    # Under ZeRO-3 a parameter's local tensor is empty; ds_numel is its full size.
+    return getattr(p, "ds_numel", p.numel())
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameters, counted at full size even when partitioned."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = parameter_numel(p)
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total

@@ -200,8 +200,8 @@ from hf_zero.tools.check_io import _data, _model, _offload, _output  # noqa: E40
 
 def _fsdp(st):
     from hf_zero.data.model_names import get_model_config
+    from hf_zero.plan.fsdp import verify_fsdp
     from hf_zero.plan.profiles import gpu_count
-    from hf_zero.train.fsdp import verify_fsdp
 
     config = None
     if st.profile.uses_fsdp:

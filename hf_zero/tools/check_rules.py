@@ -296,8 +296,8 @@ def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: l
                         env: dict | None = None) -> None:
     """NVMe and output room for the model's size: after its offline assets are in the cache (it reads its config)."""
     model = next((a for a in parsed if hasattr(a, "model_name_or_path")), None)
+    from hf_zero.plan.fsdp import verify_fsdp
     from hf_zero.plan.profiles import gpu_count
-    from hf_zero.train.fsdp import verify_fsdp
 
     config = None
     if profile.uses_fsdp and model is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hf_zero.core.config import ModelArguments
 from hf_zero.core.console import say
 from hf_zero.data.model_names import get_model_config, resolve_model_path
+from hf_zero.estimate.measure import count_parameters
 
 __all__ = ["build_causal_lm", "causal_lm_load_kwargs", "pick_attention", "apply_lora", "lora_kwargs",
            "count_parameters", "is_zero3_partitioned", "base_precision", "base_dtype", "trainable_in_fp32",
@@ -138,21 +139,6 @@ def apply_lora(model, model_args: ModelArguments, task_type: str, modules_to_sav
     # config._name_or_path, summary.json and each checkpoint's hf_zero_checkpoint.json).
     model.name_or_path = model_args.model_name_or_path
     return get_peft_model(model, LoraConfig(**lora_kwargs(model_args, task_type, modules_to_save)))
-
-
-def _numel(p) -> int:
-    # Under ZeRO-3 a parameter's local tensor is empty; ds_numel is its full size.
-    return getattr(p, "ds_numel", p.numel())
-
-
-def count_parameters(model) -> tuple[int, int]:
-    """(trainable, total) parameters, counted at full size even when partitioned."""
-    trainable = total = 0
-    for p in model.parameters():
-        n = _numel(p)
-        total += n
-        trainable += n if p.requires_grad else 0
-    return trainable, total
 
 
 def is_zero3_partitioned(model) -> bool:

@@ -18,7 +18,7 @@ def _flops_per_token(model) -> float:
     stage, so the MFU logged during training is a slight lower bound; `hf-zero bench` reports it with the row
     length."""
     from hf_zero.bench.plan import flops_per_token
-    from hf_zero.train.model import count_parameters
+    from hf_zero.estimate.measure import count_parameters
 
     trainable, total = count_parameters(model)
     count = SimpleNamespace(total_params=total, trainable_params=trainable, num_layers=0, hidden_size=0)
