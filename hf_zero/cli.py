@@ -13,19 +13,20 @@ __all__ = ["main", "COMMANDS"]
 
 # name -> (module with add_arguments(parser) and run(args) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("hf_zero.launch.command",
+    "train": ("hf_zero.commands.train",
               "launch a recipe under a profile (picks one from the hardware when none is given)"),
-    "profiles": ("hf_zero.launch.command", "list the profiles, or say which one this machine would use"),
-    "estimate": ("hf_zero.estimate.command", "memory per rank for every strategy, before you pay for GPUs"),
-    "check": ("hf_zero.tools.check",
+    "profiles": ("hf_zero.commands.profiles", "list the profiles, or say which one this machine would use"),
+    "estimate": ("hf_zero.commands.estimate", "memory per rank for every strategy, before you pay for GPUs"),
+    "check": ("hf_zero.commands.check",
               "preflight: every configuration mistake in one line each, before any process starts"),
-    "export": ("hf_zero.checkpoint.export",
+    "export": ("hf_zero.commands.export",
                "write a Hugging Face folder from any checkpoint (ZeRO shards consolidated)"),
-    "bench": ("hf_zero.bench.command", "DDP vs ZeRO-1/2/3/offload side by side: time, memory, loss parity"),
-    "slurm": ("hf_zero.launch.slurm", "write an sbatch script that runs a recipe on N nodes"),
-    "preview": ("hf_zero.tools.preview",
+    "bench": ("hf_zero.commands.bench", "DDP vs ZeRO-1/2/3/offload side by side: time, memory, loss parity"),
+    "slurm": ("hf_zero.commands.slurm", "write an sbatch script that runs a recipe on N nodes"),
+    "preview": ("hf_zero.commands.preview",
                 "show a recipe's samples as the model will see them: format, trained tokens, lengths"),
-    "generate": ("hf_zero.tools.generate", "answer a prompt with a trained model or adapter (and its chat template)"),
+    "generate": ("hf_zero.commands.generate",
+                 "answer a prompt with a trained model or adapter (and its chat template)"),
 }
 
 
@@ -75,7 +76,7 @@ def command_parser(name: str):
     sub = _Parser(prog=f"hf-zero {name}", description=COMMANDS[name][1], allow_abbrev=False,
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub.dash_only = getattr(module, "DASH_ONLY", ())
-    module.add_arguments(sub, name) if _takes_name(module) else module.add_arguments(sub)
+    module.add_arguments(sub)
     return sub, module
 
 
@@ -94,10 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("hf-zero", f"unknown command {name!r}", f"use one of: {', '.join(COMMANDS)}")
         sub, module = command_parser(name)
         args, extra = sub.parse_known_args(argv[1:])
-        accepts = getattr(module, "ACCEPTS_EXTRA", False)  # True, or the set of this module's commands that do
-        if isinstance(accepts, (set, frozenset, tuple, list)):
-            accepts = name in accepts
-        if extra and not accepts:
+        if extra and not getattr(module, "ACCEPTS_EXTRA", False):
             raise UserError(f"hf-zero {name}", f"unrecognized arguments: {' '.join(extra)}",
                             f"see `hf-zero {name} --help`")
         args.extra = extra
@@ -124,12 +122,6 @@ def _version() -> str:
         return version("hf_zero")
     except PackageNotFoundError:  # a checkout used without installing
         return "unknown (not installed)"
-
-
-def _takes_name(module) -> bool:
-    import inspect
-
-    return len(inspect.signature(module.add_arguments).parameters) == 2
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import REPO, run_cmd
 
-from hf_zero.bench.command import _env, model_state_bytes, root_cause, summarize_run
+from hf_zero.bench.execute import _env, model_state_bytes, root_cause, summarize_run
 from hf_zero.bench.report import progress_line
 from hf_zero.bench.runs import measure_launch
 from hf_zero.cli import main
@@ -151,8 +151,8 @@ def test_a_baseline_that_trains_something_else_is_not_comparable(bench, tmp_path
     never a met (or missed) overhead target, however tight the timing."""
     from scale_helpers import free_port
 
-    from hf_zero.bench.command import plain_launch_command
     from hf_zero.bench.compare import overhead
+    from hf_zero.bench.execute import plain_launch_command
 
     out, _, report = bench
     spec = json.loads((out / "plain" / "spec.json").read_text())

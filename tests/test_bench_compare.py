@@ -47,7 +47,7 @@ def test_overhead_verdict_needs_the_same_training_and_a_spread_within_the_target
 def test_plain_baseline_goes_through_the_launcher_accelerate_picks_for_the_profile(tmp_path):
     """accelerate runs DeepSpeed and DDP profiles through torchrun even at one process (a plain interpreter there
     has no process group: DeepSpeed then looks for MPI and the baseline crashed at --nproc 1)."""
-    from hf_zero.bench.command import PLAIN_SCRIPT, plain_launch_command
+    from hf_zero.bench.execute import PLAIN_SCRIPT, plain_launch_command
 
     spec, run = tmp_path / "spec.json", tmp_path / "run"
     single = plain_launch_command("single_gpu", 1, 1234, spec, run)

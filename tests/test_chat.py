@@ -233,6 +233,6 @@ def test_bad_row_names_file_and_row(tmp_path, bad, words):
     ("Macbeth", "Hamlet", False, False),
 ])
 def test_exact_match_and_contains(answer, reference, exact, contained):
-    from hf_zero.tools.generate import contains, exact_match
+    from hf_zero.train.generate import contains, exact_match
 
     assert (exact_match(answer, reference), contains(answer, reference)) == (exact, contained)

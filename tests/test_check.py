@@ -13,7 +13,7 @@ from conftest import PROFILES, RECIPE, REPO, TINY
 
 from hf_zero.cli import main
 from hf_zero.core.errors import UserError
-from hf_zero.tools.check import CHECKS
+from hf_zero.preflight.checks import CHECKS
 
 GOOD = ["--profile", "zero2", "--config", str(TINY)]
 
@@ -305,7 +305,7 @@ def _start_args(tmp_path):
 
 def test_recipe_start_checks_raise_the_first_failure(tmp_path):
     from hf_zero.plan.profiles import load_profile
-    from hf_zero.tools.check_rules import check_at_start
+    from hf_zero.preflight.check_rules import check_at_start
 
     kwargs, parsed, stages = _start_args(tmp_path)
     zero2 = load_profile("zero2")

@@ -8,7 +8,7 @@ import pytest
 from conftest import REPO
 
 from hf_zero.cli import main
-from hf_zero.launch.command import build_launch_command
+from hf_zero.launch.launch_command import build_launch_command
 
 
 def test_help_does_not_import_torch():
@@ -125,7 +125,7 @@ def test_underscore_flags_reach_the_launch_line(capsys):
 
 
 def test_train_help_names_the_default_config_and_the_recipe_flags(capsys):
-    from hf_zero.launch.command import DEFAULT_CONFIG
+    from hf_zero.plan.shipped import DEFAULT_CONFIG
 
     with pytest.raises(SystemExit):
         main(["train", "--help"])

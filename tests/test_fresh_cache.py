@@ -186,7 +186,7 @@ _PROBE_RECIPE = """
 import os, sys
 from hf_zero.data.assets import missing_run_assets
 from hf_zero.plan.parse import recipe_assets
-from hf_zero.launch.command import ensure_launched
+from hf_zero.launch.launch_command import ensure_launched
 
 argv = ensure_launched(sys.argv[1:], __file__)
 rank = os.environ.get("RANK", "0")

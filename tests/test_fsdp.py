@@ -108,7 +108,7 @@ def test_misspelled_fsdp_key_is_refused_with_a_hint(capsys, tmp_path):
 def test_recipe_refuses_fsdp_mistakes_before_the_engine(tmp_path):
     from test_check import _start_args
 
-    from hf_zero.tools.check_rules import check_at_start
+    from hf_zero.preflight.check_rules import check_at_start
 
     kwargs, parsed, stages = _start_args(tmp_path)
     launched = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}

@@ -145,7 +145,7 @@ def test_system_deps_script_is_idempotent():
 def test_nvme_preflight_names_the_path_and_the_fix(tmp_path, monkeypatch, async_io, where, nvme_bytes, says):
     from hf_zero.core.errors import UserError
     from hf_zero.plan.profiles import load_profile
-    from hf_zero.tools.check_rules import verify_offload
+    from hf_zero.preflight.check_rules import verify_offload
 
     (tmp_path / "file").write_text("")
     path = tmp_path / "file" / "nvme" if where == "under_a_file" else tmp_path / "nvme"

@@ -96,7 +96,7 @@ def test_stage_without_name_or_data_and_warmup_longer_than_the_stage():
 
 def test_max_seq_length_above_the_models_positions():
     from hf_zero.data.model_names import get_model_config
-    from hf_zero.tools.check_rules import verify_seq_length
+    from hf_zero.preflight.check_rules import verify_seq_length
 
     config = get_model_config("tiny-llama")  # 512 positions
     assert _refused(verify_seq_length, config, 10_000_000, []) == (
@@ -122,7 +122,7 @@ def test_classification_labels_checked_as_the_run_checks_them(tmp_path):
 
 def test_check_runs_the_same_functions(tmp_path, bad_files):
     """run_checks (`hf-zero check`, and `hf-zero train` before a launch) reports them, one problem per stage."""
-    from hf_zero.tools.check import run_checks
+    from hf_zero.preflight.checks import run_checks
 
     recipe = yaml.safe_load(TINY.read_text())
     recipe.update(max_seq_length=100_000, stages=[

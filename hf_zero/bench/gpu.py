@@ -147,7 +147,7 @@ def run_preset(args) -> int:
         # issue 15's table has no plain-Trainer column: pairs only when asked (--overhead-repeats N)
         sub.overhead_repeats = args.overhead_repeats or 0
         sub.overhead_strategy = args.overhead_strategy or "single_gpu"
-        from hf_zero.bench.command import execute
+        from hf_zero.bench.execute import execute
 
         report, rc = execute(sub, reference=True)
         code = max(code, rc)

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
+from hf_zero.estimate.flops import flops_per_token
 
-__all__ = ["BenchPlan", "build_plan", "write_plain_spec", "estimate_bytes", "device_peak_flops", "flops_per_token"]
+__all__ = ["BenchPlan", "build_plan", "write_plain_spec", "estimate_bytes"]
 
 
 @dataclass
@@ -142,20 +143,6 @@ def build_plan(config: str, model: str | None, steps: int | None, nproc: int, ex
         training_kwargs=kwargs, samples=trained)
 
 
-def flops_per_token(count, config, seq_len: int) -> float:
-    """Model FLOPs per trained token, 6N + 12·L·h·s as in PaLM's MFU (Chowdhery et al. 2022, appendix B): forward
-    2 x matmul params, backward 2 x for input gradients plus 2 x trainable for weight gradients (6N for full
-    fine-tuning, less for LoRA), and attention's score and value products over rows of s tokens (forward and backward
-    alike for LoRA: nothing in them is trainable). The input embedding is a lookup, not a matmul: left out unless it
-    is tied to the output layer."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    embed = 0 if getattr(text, "tie_word_embeddings", False) else \
-        int(getattr(text, "vocab_size", 0) or 0) * int(getattr(text, "hidden_size", 0) or 0)
-    matmul = count.total_params - embed
-    trainable = count.trainable_params - (embed if count.trainable_params == count.total_params else 0)
-    return float(4 * matmul + 2 * trainable + 12 * count.num_layers * count.hidden_size * seq_len)
-
-
 def write_plain_spec(plan: BenchPlan, profile_name: str, precision: str | None, folder: Path) -> Path:
     """spec.json, samples.jsonl and ds_config.json for benchmarks/plain_trainer.py: the training hf_zero runs for
     `profile_name`, spelled out for a script that imports no hf_zero code: TrainingArguments exactly as hf_zero
@@ -205,10 +192,9 @@ def write_plain_spec(plan: BenchPlan, profile_name: str, precision: str | None, 
 def estimate_bytes(plan: BenchPlan, profile_name: str, precision: str) -> dict:
     """`hf-zero estimate`'s model states per rank for this profile (params, grads, optimizer, gathered layer and the
     communication buffers, as bench measures them): {"device", "host" (offloaded, per rank), "source"}."""
-    from hf_zero.estimate.command import _strategy_of
-    from hf_zero.estimate.memory import estimate
+    from hf_zero.estimate.memory import estimate, strategies_for
 
-    (strategy,), _ = _strategy_of(profile_name)
+    (strategy,), _ = strategies_for(profile_name)
     e = estimate(plan.count, strategy, world_size=plan.nproc, gpus_per_node=plan.nproc, precision=precision,
                  micro_batch=plan.micro, seq_len=plan.seq_len, additional_buffer_factor=1.0)
     g = e["gpu_bytes_per_rank"]
@@ -220,18 +206,3 @@ def estimate_bytes(plan: BenchPlan, profile_name: str, precision: str) -> dict:
         # measures; host: its shards alone (the fp32 model each rank reads before sharding is gone by then).
         device, host = g["model_states"] - g["gathered"], e["offloaded_bytes_per_rank"]
     return {"device": int(device), "host": int(host), "source": e["source"]}
-
-
-# Dense peak FLOP/s per device (vendor data sheets), by precision; tf32 tensor cores for fp32 where they exist.
-_PEAKS = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12}, "A100": {"bf16": 312e12, "fp16": 312e12,
-          "fp32": 156e12}, "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
-          "L40": {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12}}
-
-
-def device_peak_flops(device_name: str | None, precision: str) -> float | None:
-    if not device_name:
-        return None
-    for key in sorted(_PEAKS, key=len, reverse=True):  # "L40S" before "L40"
-        if key in device_name.upper():
-            return _PEAKS[key].get(precision)
-    return None

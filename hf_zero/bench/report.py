@@ -58,7 +58,8 @@ def _ratio(a, b):
 
 
 def assemble(plan, args, machine, names, results, overhead_strategy, pairs, flipped) -> dict:
-    from hf_zero.bench.plan import device_peak_flops, estimate_bytes
+    from hf_zero.bench.plan import estimate_bytes
+    from hf_zero.estimate.flops import device_peak_flops
     from hf_zero.plan.profiles import load_profile
 
     precision = args.precision or load_profile(names[0]).precision

@@ -1,6 +1,6 @@
 """One launch of `hf-zero bench`, start to summary: run it (stopped at --timeout, launched once more after a crash),
-and turn the files its ranks wrote (hf_zero.bench.probe, hf_zero.estimate.measure) into step times, throughput, memory
-and losses, or a failure with its cause."""
+and turn the files its ranks wrote (hf_zero.train.bench_probe, hf_zero.estimate.measure) into step times,
+throughput, memory and losses, or a failure with its cause."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What a run trains, recorded with every checkpoint and summary, and the one comparison a resume or a re-run of a
 finished run makes against it, in the ranks (checkpoint/resume.py) and in `hf-zero train`'s preflight
-(tools/check_io.py), so that no resume trains something else in silence.
+(preflight/check_io.py), so that no resume trains something else in silence.
 
 `run_settings` takes the recipe's parsed values (model arguments, stages, TrainingArguments values): every field is
 compared except those in NOT_COMPARED. A difference is refused in one line unless `--allow_changes KEY...` names

@@ -21,33 +21,12 @@ from hf_zero.checkpoint.safe_load import check_checkpoint, safe_checkpoint_loadi
 from hf_zero.checkpoint.store import MANIFEST_NAME, find_resume_checkpoint, list_checkpoints, validate_checkpoint
 from hf_zero.core.errors import UserError
 
-__all__ = ["add_arguments", "run", "export_checkpoint", "DTYPES"]
+__all__ = ["export_checkpoint", "DTYPES"]
 
 DTYPES = ("fp32", "bf16")
 _SHARD_BYTES = 5 << 30
 _PROCESSOR_FILES = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.model", "added_tokens.json",
                     "chat_template*", "preprocessor_config.json", "processor_config.json", "generation_config.json")
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("checkpoint",
-                        help="a checkpoint-N or final/ folder, or a run's output_dir: its final/ when the run "
-                        "finished, else its newest complete checkpoint-N")
-    parser.add_argument("--out", required=True, help="folder to write (must not exist or be empty)")
-    parser.add_argument("--dtype", default="fp32", help="weights dtype: fp32 (default) or bf16")
-    parser.add_argument("--merge-lora", dest="merge_lora", action="store_true",
-                        help="LoRA checkpoints: merge the adapter into the base model and write the full model")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing --out folder (only once the new one is completely written)")
-    parser.add_argument("--base-model", dest="base_model", default=None,
-                        help="LoRA checkpoints: base model folder if not the one recorded in adapter_config.json")
-
-
-def run(args) -> int:
-    out = export_checkpoint(args.checkpoint, args.out, args.dtype, args.merge_lora, args.base_model, args.overwrite)
-    print(f"[hf_zero] exported {out['source']} -> {out['out']} "
-          f"({out['kind']}, {out['tensors']} tensors, {args.dtype})")
-    return 0
 
 
 def _resolve_checkpoint(path: str) -> Path:

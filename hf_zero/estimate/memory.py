@@ -39,8 +39,11 @@ import contextlib
 import sys
 from dataclasses import dataclass
 
-__all__ = ["STRATEGIES", "SPEED_ORDER", "ModelCount", "count_model", "estimate", "estimate_all", "recommend",
-           "largest_micro_batch"]
+from hf_zero.core.errors import UserError
+from hf_zero.plan.profiles import list_profiles, load_profile
+
+__all__ = ["strategies_for", "STRATEGIES", "SPEED_ORDER", "ModelCount", "count_model", "estimate", "estimate_all",
+           "recommend", "largest_micro_batch"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload_optimizer", "zero3_offload",
               "zero3_nvme", "fsdp2", "fsdp2_offload")
@@ -319,3 +322,26 @@ def largest_micro_batch(count: ModelCount, strategy: str, gpu_memory_bytes: int,
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo
+
+
+def strategies_for(name: str):
+    """(strategy names, profile or None) for --profile."""
+    if name == "all":
+        return list(STRATEGIES), None
+    if name in STRATEGIES and name not in list_profiles():
+        return [name], None
+    try:
+        prof = load_profile(name)
+    except UserError as err:
+        raise UserError("--profile", err.problem, f"{err.fix}, a strategy ({', '.join(STRATEGIES)}) or all") from None
+    if prof.uses_fsdp:
+        return ["fsdp2_offload" if prof.offload_param == "cpu" else "fsdp2"], prof
+    if not prof.uses_deepspeed or not prof.zero_stage:
+        return ["ddp"], prof
+    devices = (prof.offload_optimizer, prof.offload_param)
+    if prof.zero_stage == 3:
+        strategy = ("zero3_nvme" if "nvme" in devices else "zero3_offload" if prof.offload_param == "cpu"
+                    else "zero3_offload_optimizer" if prof.offload_optimizer == "cpu" else "zero3")
+    else:
+        strategy = f"zero{prof.zero_stage}" + ("_offload" if prof.zero_stage == 2 and "cpu" in devices else "")
+    return [strategy], prof

@@ -9,7 +9,8 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
-__all__ = ["shipped_dir", "recipe_script", "check_recipe_matches", "load_recipe", "recipe_argument_types"]
+__all__ = ["DEFAULT_RECIPE", "DEFAULT_CONFIG", "shipped_dir", "recipe_script", "check_recipe_matches", "load_recipe",
+           "recipe_argument_types"]
 
 _KINDS = ("accelerate_configs", "recipes", "benchmarks")
 
@@ -27,6 +28,8 @@ def shipped_dir(kind: str) -> Path:
     return Path(__file__).resolve().parents[2] / kind
 
 
+DEFAULT_RECIPE = shipped_dir("recipes") / "curriculum.py"
+DEFAULT_CONFIG = shipped_dir("recipes") / "configs" / "smollm2_shakespeare.yaml"
 RECIPE_KEY = "recipe"  # the YAML key naming the recipe a config is for (the curriculum recipe when absent)
 
 

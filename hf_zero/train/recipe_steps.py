@@ -52,8 +52,8 @@ def lay_out(ctx: RunContext, pool_sizes: list[int], source_sizes: list[list[int]
 def attach_probes(trainer, ctx: RunContext, measure_memory: bool = False) -> None:
     """The callbacks the tools switch on: bytes per rank at step 1 (`hf-zero estimate` checks) and step times,
     start-up and peak memory (`hf-zero bench`)."""
-    from hf_zero.bench.probe import BenchProbeCallback, bench_requested
     from hf_zero.estimate.measure import MemoryMeasureCallback, measure_requested
+    from hf_zero.train.bench_probe import BenchProbeCallback, bench_requested
 
     if measure_requested(measure_memory):
         trainer.add_callback(MemoryMeasureCallback(ctx.output_dir))

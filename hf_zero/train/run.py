@@ -49,7 +49,7 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     # torch 2.13 warns on every collective DeepSpeed issues through the old names; thousands of identical lines
     # would bury the banner and the stage logs.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    from hf_zero.launch.command import ensure_launched
+    from hf_zero.launch.launch_command import ensure_launched
 
     argv = ensure_launched(list(sys.argv[1:] if argv is None else argv), script or sys.argv[0])
     from hf_zero.plan.parse import pop_flag
@@ -66,7 +66,7 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     profile, world, config_path = plan.profile, plan.world, plan.config
     from hf_zero.plan.profiles import profile_from_env
     from hf_zero.plan.run_plan import PLAN_ENV
-    from hf_zero.tools.check_rules import check_launch_at_start, check_room_at_start
+    from hf_zero.preflight.check_rules import check_launch_at_start, check_room_at_start
 
     # `hf-zero check`'s cheap checks (launch, devices, profile keys) before any process group exists. The launch is
     # checked against the profile as declared (plain `python` on a 2-process profile is one line), which a plan

@@ -37,7 +37,7 @@ class SampleCallback(trainer_callback()):
         import torch.distributed as dist
         from transformers.integrations import is_deepspeed_zero3_enabled
 
-        from hf_zero.tools.generate import contains, exact_match, generate_answers
+        from hf_zero.train.generate import contains, exact_match, generate_answers
 
         prompts = self.prompts.get(span.index) or []
         if not prompts:

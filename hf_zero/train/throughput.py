@@ -17,7 +17,7 @@ def _flops_per_token(model) -> float:
     """The bench's model FLOPs per token without its attention term (12·L·h·s): rows change length from stage to
     stage, so the MFU logged during training is a slight lower bound; `hf-zero bench` reports it with the row
     length."""
-    from hf_zero.bench.plan import flops_per_token
+    from hf_zero.estimate.flops import flops_per_token
     from hf_zero.estimate.measure import count_parameters
 
     trainable, total = count_parameters(model)
@@ -63,7 +63,7 @@ def throughput_callback(model):
                 if dist.is_available() and dist.is_initialized():
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # every rank logs at the same steps
                 out["peak_memory_bytes"] = int(peak.item())
-                from hf_zero.bench.plan import device_peak_flops
+                from hf_zero.estimate.flops import device_peak_flops
                 from hf_zero.plan.run_plan import current_plan
 
                 device_peak = device_peak_flops(torch.cuda.get_device_name(args.device), current_plan().precision)

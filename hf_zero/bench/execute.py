@@ -2,7 +2,7 @@
 global batch.
 
 Every strategy runs the real recipe through the real launcher (`accelerate launch`, N ranks). Each rank reports its
-step times, start-up and peak memory (hf_zero.bench.probe) and the bytes it holds in parameters, gradients and
+step times, start-up and peak memory (hf_zero.train.bench_probe) and the bytes it holds in parameters, gradients and
 optimizer state after step 1 (hf_zero.estimate.measure); bench adds `hf-zero estimate`'s figure, FLOPs, and the
 largest loss difference against DDP. Then, interleaved A/B, B/A, ..., hf_zero against benchmarks/plain_trainer.py (the
 same training in a plain transformers.Trainer + DeepSpeed script, checked to be the same) for the layer's overhead, and
@@ -22,42 +22,13 @@ from hf_zero.core.errors import UserError
 from hf_zero.plan.shipped import shipped_dir
 
 # summarize_run, root_cause, model_state_bytes: hf_zero.bench.runs's, re-exported as bench's own.
-__all__ = ["add_arguments", "run", "execute", "DEFAULT_STRATEGIES", "DEFAULT_BENCH_CONFIG", "PLAIN_SCRIPT",
+__all__ = ["execute", "DEFAULT_STRATEGIES", "DEFAULT_BENCH_CONFIG", "PLAIN_SCRIPT",
            "summarize_run", "root_cause", "model_state_bytes", "plain_launch_command"]
 
 DEFAULT_BENCH_CONFIG = shipped_dir("recipes") / "configs" / "bench.yaml"
 PLAIN_SCRIPT = shipped_dir("benchmarks") / "plain_trainer.py"
 REFERENCE_SCRIPT = shipped_dir("benchmarks") / "torch_loop.py"
 DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3_offload,fsdp2,fsdp2_offload"
-ACCEPTS_EXTRA = True  # unknown flags go to the recipe (e.g. --per_device_train_batch_size 4)
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--config", help="recipe YAML (default: the shipped recipes/configs/bench.yaml)")
-    parser.add_argument("--model", help="model instead of the recipe's (offline name, folder or hub id)")
-    parser.add_argument("--strategies", default=DEFAULT_STRATEGIES,
-                        help="comma-separated profiles to compare (default: DDP, ZeRO-1/2/3, zero3_offload, fsdp2, "
-                        "fsdp2_offload; zero3_nvme too, with libaio and an NVMe path)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks per strategy (default 2)")
-    parser.add_argument("--steps", type=int, help="optimizer steps per run (default: the recipe's)")
-    parser.add_argument("--out", default="bench_out", help="output folder (default bench_out)")
-    parser.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="same for every strategy "
-                        "(default: the profiles', fp32); loss parity is a target in fp32, recorded in bf16/fp16")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of step-time statistics")
-    parser.add_argument("--overhead-repeats", type=int, default=None,
-                        help="hf_zero / plain Trainer pairs, interleaved A/B, B/A, ..., for the overhead ratio and "
-                        "its spread (default 3; 0: skip; --preset gpu: 0)")
-    parser.add_argument("--overhead-strategy", help="profile for the overhead and packing runs (default: zero2 "
-                        "if benchmarked, else the first strategy)")
-    parser.add_argument("--no-packing", action="store_true", help="skip the run with packing switched the other "
-                        "way from the recipe (packed if it does not pack, unpacked if it does)")
-    parser.add_argument("--keep-models", action="store_true", help="let every run write its final model to "
-                        "OUT/runs/*/final (default: none is written)")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds before a run is stopped (default 1800)")
-    parser.add_argument("--note", default="", help="what else ran on the machine meanwhile (recorded in the reports)")
-    from hf_zero.bench.gpu import add_preset_arguments
-
-    add_preset_arguments(parser)
 
 
 def _check_args(args) -> list[str]:
@@ -111,8 +82,9 @@ def _threads(nproc: int) -> int:
 
 def _run_hf_zero(profile: str, plan, args, run_dir: Path, measure: bool, flip_packing: bool = False) -> dict:
     """One hf_zero run of the bench's recipe; `flip_packing`: with packing switched the other way from the recipe."""
-    from hf_zero.bench.probe import BENCH_ENV
-    from hf_zero.launch.command import DEFAULT_RECIPE, build_launch_command
+    from hf_zero.launch.launch_command import build_launch_command
+    from hf_zero.plan.shipped import DEFAULT_RECIPE
+    from hf_zero.train.bench_probe import BENCH_ENV
 
     packing = plan.packing != flip_packing
     script_args = ["--config", str(plan.recipe_yaml), "--output_dir", str(run_dir), "--disable_tqdm", "true",
@@ -221,9 +193,3 @@ def execute(args, reference: bool = False) -> tuple[dict, int]:
     return report, 1 if failed or disagree else 0
 
 
-def run(args) -> int:
-    if args.preset:
-        from hf_zero.bench.gpu import run_preset
-
-        return run_preset(args)
-    return execute(args)[1]

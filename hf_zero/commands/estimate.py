@@ -15,8 +15,13 @@ import json
 import re
 import sys
 
+from hf_zero.core.console import quiet_environment
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
+from hf_zero.data.model_names import get_model_config
+from hf_zero.estimate import memory
+from hf_zero.estimate.memory import strategies_for
+from hf_zero.estimate.recipe import HEADROOM, plan
 
 __all__ = ["add_arguments", "run", "parse_bytes"]
 
@@ -67,32 +72,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--convention", choices=CONVENTIONS, default="deepspeed",
                         help="model states as DeepSpeed's estimators count them (default) or as the ZeRO paper")
     parser.add_argument("--json", action="store_true", help="machine-readable output, in bytes")
-
-
-def _strategy_of(name: str):
-    """(strategy names, profile or None) for --profile."""
-    from hf_zero.estimate.memory import STRATEGIES
-    from hf_zero.plan.profiles import list_profiles, load_profile
-
-    if name == "all":
-        return list(STRATEGIES), None
-    if name in STRATEGIES and name not in list_profiles():
-        return [name], None
-    try:
-        prof = load_profile(name)
-    except UserError as err:
-        raise UserError("--profile", err.problem, f"{err.fix}, a strategy ({', '.join(STRATEGIES)}) or all") from None
-    if prof.uses_fsdp:
-        return ["fsdp2_offload" if prof.offload_param == "cpu" else "fsdp2"], prof
-    if not prof.uses_deepspeed or not prof.zero_stage:
-        return ["ddp"], prof
-    devices = (prof.offload_optimizer, prof.offload_param)
-    if prof.zero_stage == 3:
-        strategy = ("zero3_nvme" if "nvme" in devices else "zero3_offload" if prof.offload_param == "cpu"
-                    else "zero3_offload_optimizer" if prof.offload_optimizer == "cpu" else "zero3")
-    else:
-        strategy = f"zero{prof.zero_stage}" + ("_offload" if prof.zero_stage == 2 and "cpu" in devices else "")
-    return [strategy], prof
 
 
 def _positive(value, flag):
@@ -149,14 +128,9 @@ def _recipe(args):
 
 
 def run(args) -> int:
-    from hf_zero.data.model_names import get_model_config
-    from hf_zero.estimate import memory
-    from hf_zero.estimate.recipe import HEADROOM, plan
-    from hf_zero.launch.launcher import quiet_environment
-
     quiet_environment()  # DeepSpeed's accelerator probe would print into stdout, which --json must keep clean
     recipe = _recipe(args)
-    strategies, prof = _strategy_of(args.profile)
+    strategies, prof = strategies_for(args.profile)
     gpn = _positive(args.gpus_per_node, "--gpus-per-node") or (
         max(prof.num_processes // max(prof.num_machines, 1), 1) if prof else 1)
     nodes = _positive(args.nodes, "--nodes") or (prof.num_machines if prof else 1)

@@ -1,13 +1,8 @@
-"""`hf-zero check`: every configuration mistake in one line each, before any process starts.
-
-    hf-zero check --profile zero3 --config recipes/configs/tiny_curriculum.yaml
-    hf-zero check --profile h100x8 --gpus 8 --config my.yaml --output-dir /scratch/run1 --per_device_train_batch_size 8
-
-Prints `ok <check>: ...`, `FAIL <check>: ...` or `skip <check>: not checked (...)` (when what it needs failed
-earlier) per check and exits 0 when none fails, 2 otherwise. Recipe flags after the known ones are checked as
-`hf-zero train` would pass them. The checks themselves live in hf_zero.tools.check_rules; `hf-zero train` runs them all
-(light: files read but not tokenized, no cpu_adam build) before it starts any process, and the cheapest run again
-inside the recipe before the engine is built.
+"""The checks of `hf-zero check`, in one table: every configuration mistake in one line each, before any process
+starts. Each check reports `ok`, `FAIL` or `skip` (when what it needs failed earlier). The rules themselves live in
+hf_zero.preflight.check_rules and check_io; `hf-zero train` runs them all (light: files read but not tokenized, no
+cpu_adam build) before it starts any process, and the cheapest run again inside the recipe before the engine is
+built.
 """
 
 from __future__ import annotations
@@ -18,14 +13,12 @@ import sys
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.core.errors import UserError
 
-__all__ = ["CHECKS", "CheckResult", "run_checks", "add_arguments", "run", "ACCEPTS_EXTRA"]
+__all__ = ["CHECKS", "CheckResult", "run_checks"]
 
 CHECKS = ("profile", "recipe", "batch", "devices", "precision", "launch", "hostfile", "model", "data", "offload",
           "fsdp", "output")
-ACCEPTS_EXTRA = True  # recipe flags (e.g. --learning_rate 1e-4) are checked with the YAML
-DASH_ONLY = ("--output-dir",)  # --output_dir is the recipe's own flag: checked with the recipe, as it will run
 
 
 @dataclass
@@ -95,7 +88,7 @@ class _State:
 def _profile(st):
     from hf_zero.estimate.recipe import pick_profile
     from hf_zero.plan.profiles import accelerate_precision, load_profile
-    from hf_zero.tools.check_rules import verify_profile_keys
+    from hf_zero.preflight.check_rules import verify_profile_keys
 
     prof = load_profile(st.args.profile or pick_profile()[0])
     message = verify_profile_keys(prof)
@@ -165,14 +158,14 @@ def _batch(st):
 
 def _devices(st):
     from hf_zero.plan.profiles import gpu_count
-    from hf_zero.tools.check_rules import verify_devices
+    from hf_zero.preflight.check_rules import verify_devices
 
     return verify_devices(st.profile, st.nproc, gpu_count() if st.args.gpus is None else st.args.gpus)
 
 
 def _precision(st):
     from hf_zero.plan.profiles import gpu_count
-    from hf_zero.tools.check_rules import verify_precision
+    from hf_zero.preflight.check_rules import verify_precision
 
     real = gpu_count()
     gpus = real if st.args.gpus is None else st.args.gpus
@@ -181,7 +174,7 @@ def _precision(st):
 
 
 def _launch(st):
-    from hf_zero.tools.check_rules import verify_launch
+    from hf_zero.preflight.check_rules import verify_launch
 
     flags = "".join(f" --{k} {v}" for k, v in (("nproc", st.args.nproc), ("hostfile", st.args.hostfile)) if v)
     return verify_launch(st.profile, dict(os.environ), st.args.config, in_recipe=False, hosts=st.hosts,
@@ -189,13 +182,13 @@ def _launch(st):
 
 
 def _hostfile(st):
-    from hf_zero.tools.check_rules import verify_hostfile
+    from hf_zero.preflight.check_rules import verify_hostfile
 
     return verify_hostfile(st.args.hostfile or (st.profile.raw.get("deepspeed_config") or {}).get(
         "deepspeed_hostfile"), st.nproc)
 
 
-from hf_zero.tools.check_io import _data, _model, _offload, _output  # noqa: E402  (after _State, which they use)
+from hf_zero.preflight.check_io import _data, _model, _offload, _output  # noqa: E402  (after _State, which they use)
 
 
 def _fsdp(st):
@@ -246,30 +239,3 @@ def run_checks(args, on_result=None, light: bool = False) -> list[CheckResult]:
         if on_result:
             on_result(result)
     return results
-
-
-def add_arguments(parser) -> None:
-    from hf_zero.launch.command import DEFAULT_CONFIG
-
-    parser.add_argument("--profile", help="profile name or accelerate YAML (default: picked from the hardware)")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML")
-    parser.add_argument("--nproc", type=int, help="processes per machine (default: the profile's)")
-    parser.add_argument("--hostfile", help="DeepSpeed hostfile (`host slots=N` per line) for a multi-node run")
-    parser.add_argument("--output-dir", help="where the run will write (default: the recipe's output_dir)")
-    parser.add_argument("--gpus", type=int, help="GPUs per machine to check against (default: this machine's)")
-    parser.add_argument("--precision", help="override the profile's precision, as `hf-zero train --precision`")
-    parser.add_argument("--recipe", help="recipe script whose arguments the YAML sets (default: the YAML's "
-                        "`recipe:`, else the curriculum recipe)")
-
-
-def run(args) -> int:
-    from hf_zero.plan.shipped import recipe_script
-
-    args.recipe = str(recipe_script(args.recipe, args.config))
-    if args.nproc is not None and args.nproc < 1:
-        raise UserError("--nproc", f"must be at least 1, got {args.nproc}")
-    if args.gpus is not None and args.gpus < 0:
-        raise UserError("--gpus", f"cannot be negative, got {args.gpus}")
-    args.extra = [a for a in args.extra if a != "--"]
-    results = run_checks(args, on_result=lambda r: print(r.line(), flush=True))
-    return EXIT_USAGE if any(r.ok is False for r in results) else 0

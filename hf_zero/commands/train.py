@@ -1,5 +1,5 @@
-"""Starting recipes under a profile: `hf-zero train`, `hf-zero profiles`, and the recipe's own relaunch when a
-profile is passed after the script (`accelerate launch recipe.py --config_file zero3.yaml`)."""
+"""`hf-zero train`: a recipe under a profile (picked from the hardware when none is given), checked before any
+process starts, its offline assets built once, then launched through hf_zero's launcher."""
 
 from __future__ import annotations
 
@@ -10,90 +10,14 @@ from pathlib import Path
 
 from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.estimate.recipe import pick_profile
+from hf_zero.launch.launch_command import build_launch_command, prepare_assets
 from hf_zero.plan.parse import HF_ZERO_TRAINING_DEFAULTS
-from hf_zero.plan.profiles import (
-    PROFILE_ENV,
-    accelerate_precision,
-    list_profiles,
-    load_profile,
-    resolve_profile_path,
-)
-from hf_zero.plan.shipped import shipped_dir
+from hf_zero.plan.shipped import DEFAULT_CONFIG
 
-__all__ = ["build_launch_command", "ensure_launched", "add_arguments", "run", "DEFAULT_RECIPE", "DEFAULT_CONFIG"]
-
-DEFAULT_RECIPE = shipped_dir("recipes") / "curriculum.py"
-DEFAULT_CONFIG = shipped_dir("recipes") / "configs" / "smollm2_shakespeare.yaml"
+__all__ = ["add_arguments", "run", "recipe_help", "validate_flags", "preflight", "ACCEPTS_EXTRA"]
 
 
-def build_launch_command(profile: str, script: str, script_args: list[str], nproc: int | None = None,
-                         precision: str | None = None, nodes: int | None = None, machine_rank: int | None = None,
-                         main_ip: str | None = None, main_port: int | None = None,
-                         launcher: str = "accelerate.commands.launch") -> tuple[list[str], dict]:
-    """The `accelerate launch` line (and extra environment) that runs `script` under `profile`; `launcher`
-    "hf_zero.launch.launcher" is the same launch with its failures and interruptions told in one line."""
-    prof = load_profile(profile)
-    cmd = [sys.executable, "-m", launcher, "--config_file", prof.path]
-    if nodes is not None:
-        cmd += ["--num_machines", str(nodes)]
-    if nproc is not None:
-        # accelerate counts processes over all machines; NPROC is per machine, as users think of GPUs.
-        cmd += ["--num_processes", str(nproc * (nodes or prof.num_machines))]
-    if machine_rank is not None:
-        cmd += ["--machine_rank", str(machine_rank)]
-    if main_ip:
-        cmd += ["--main_process_ip", main_ip]
-    if main_port:
-        cmd += ["--main_process_port", str(main_port)]
-    if precision:
-        cmd += ["--mixed_precision", accelerate_precision(precision)]
-    if prof.num_machines > 1 or (nodes or 1) > 1:
-        cmd += ["--deepspeed_multinode_launcher", "standard"] if prof.uses_deepspeed else []
-    env = {PROFILE_ENV: prof.path}
-    return cmd + [script, *script_args], env
-
-
-def ensure_launched(argv: list[str], script: str) -> list[str]:
-    """Handle `--config_file PROFILE` given to the recipe itself; return argv without it.
-
-    Under the right profile already: nothing to do. In a single process: re-exec under `accelerate launch` with
-    that profile. Inside a multi-process launch of another profile: a one-line error with the right command.
-    """
-    if "--config_file" not in argv and not any(a.startswith("--config_file=") for a in argv):
-        return argv
-    from hf_zero.plan.parse import pop_flag
-
-    profile, rest = pop_flag(argv, "--config_file")
-    path = str(resolve_profile_path(profile))
-    if os.environ.get(PROFILE_ENV) and str(resolve_profile_path(os.environ[PROFILE_ENV])) == path:
-        return rest
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        right = f"accelerate launch --config_file {shlex.quote(profile)} {shlex.quote(script)} {shlex.join(rest)}"
-        raise UserError("--config_file", "a profile given after the script cannot change a running launch",
-                        f"run: {right}")
-    cmd, env = build_launch_command(profile, script, rest, launcher="hf_zero.launch.launcher")
-    _prepare_assets(rest)
-    print(f"[hf_zero] relaunching under profile {Path(path).stem}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    from hf_zero.launch.interrupt import RESUME_ENV
-
-    if RESUME_ENV not in os.environ:  # "resume with: ..." repeats what the user ran
-        env[RESUME_ENV] = shlex.join(["python", script, *argv])
-    os.execvpe(cmd[0], cmd, {**os.environ, **env})
-    return rest  # not reached
-
-
-def _prepare_assets(recipe_argv: list[str]) -> None:
-    """The run's offline model and data, built here, once, before any rank starts (hf_zero/data/assets.py)."""
-    from hf_zero.data.assets import prepare_run_assets
-    from hf_zero.plan.parse import recipe_assets
-
-    prepare_run_assets(*recipe_assets(recipe_argv))
-
-
-def add_arguments(parser, name: str) -> None:
-    if name == "profiles":
-        parser.add_argument("--pick", action="store_true", help="print only the profile this machine would use")
-        return
+def add_arguments(parser) -> None:
     parser.add_argument("--profile", help="profile name or accelerate YAML (default: picked from the hardware)")
     parser.add_argument("--nproc", type=int, help="processes per machine (default: the profile's)")
     parser.add_argument("--precision", help="override the profile's precision: fp32, bf16 or fp16")
@@ -151,7 +75,7 @@ def recipe_help(types: tuple, everything: bool = False) -> list[str]:
     return lines
 
 
-ACCEPTS_EXTRA = {"train"}  # train passes unknown flags on to the recipe (e.g. --learning_rate 1e-4)
+ACCEPTS_EXTRA = True  # unknown flags go on to the recipe (e.g. --learning_rate 1e-4)
 
 
 def _recipe_memory(config: str, extra: list[str]):
@@ -185,7 +109,7 @@ def preflight(args, profile: str, extra: list[str]) -> bool | str:
     configuration mistake costs seconds, not a launch. Every failure is one `hf-zero: error:` line."""
     from argparse import Namespace
 
-    from hf_zero.tools.check import run_checks
+    from hf_zero.preflight.checks import run_checks
 
     check_args = Namespace(profile=profile, config=args.config, nproc=args.nproc, hostfile=args.hostfile,
                            output_dir=None, gpus=None, precision=args.precision, extra=extra, recipe=args.recipe)
@@ -195,32 +119,7 @@ def preflight(args, profile: str, extra: list[str]) -> bool | str:
     return not failed and (getattr(check_args, "finished_run", None) or True)
 
 
-def profiles_table(pick: str | None = None) -> list[str]:
-    """One row per profile: processes, strategy, offload, precision and what it is for (its YAML's `# For:`)."""
-    rows = [("profile", "processes", "strategy", "offload (optimizer / params)", "precision", "for")]
-    for name in list_profiles():
-        p = load_profile(name)
-        strategy = f"ZeRO-{p.zero_stage}" if p.uses_deepspeed else {"NO": "none", "MULTI_GPU": "DDP"}.get(
-            p.distributed_type, p.distributed_type)
-        procs = f"{p.num_processes}" + (f" on {p.num_machines} machines" if p.num_machines > 1 else "")
-        offload = " / ".join("-" if d == "none" else d.upper() if d == "cpu" else "NVMe"
-                             for d in (p.offload_optimizer, p.offload_param))
-        uses = next((ln[len("# For:"):].strip() for ln in Path(p.path).read_text().splitlines()
-                     if ln.startswith("# For:")), "")
-        rows.append((("* " if name == pick else "  ") + name, procs, strategy, offload, p.precision, uses))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
-
-
 def run(args) -> int:
-    if args.command == "profiles":
-        name, why = pick_profile()
-        if args.pick:
-            print(name)
-            return 0
-        print("\n".join(profiles_table(name)))
-        print(f"this machine: {name} ({why})")
-        return 0
     validate_flags(args)
     from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
 
@@ -267,7 +166,7 @@ def run(args) -> int:
 
         print(f"[hf_zero] {complete_message(Path(verdict))}", flush=True)
         return 0
-    _prepare_assets(["--config", args.config, *extra])
+    prepare_assets(["--config", args.config, *extra])
     from hf_zero.launch import launcher
     from hf_zero.launch.interrupt import RESUME_ENV
 

@@ -1,5 +1,5 @@
 """The checks behind `hf-zero check`, each a function that raises UserError (field + fix) or returns a one-line
-verdict. `hf_zero.tools.check` runs all of them before a launch; `check_at_start` runs the cheap ones inside the
+verdict. `hf_zero.preflight.checks` runs all of them before a launch; `check_at_start` runs the cheap ones inside the
 recipe, before the engine is built, and stops at the first failure."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ OPEN, CLOSE = "[[", "]]"
 
 
 def add_arguments(parser) -> None:
-    from hf_zero.launch.command import DEFAULT_CONFIG
+    from hf_zero.plan.shipped import DEFAULT_CONFIG
 
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML")
     parser.add_argument("--stage", help="only this stage (default: all)")

@@ -1,6 +1,6 @@
 """`hf-zero check`'s checks of what a run loads and writes: the model (and tokenizer), the stages' data, offload
-targets and the output folder. Each takes the check state (hf_zero.tools.check) and returns a one-line verdict, None
-for "not checked for this recipe", or raises UserError."""
+targets and the output folder. Each takes the check state (hf_zero.preflight.checks) and returns a one-line verdict,
+None for "not checked for this recipe", or raises UserError."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hf_zero.core.errors import UserError, flag_hint
 
 def _model(st):
     from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
-    from hf_zero.tools.check_rules import count_for, verify_seq_length
+    from hf_zero.preflight.check_rules import count_for, verify_seq_length
 
     if not st.curriculum:
         return None
@@ -88,7 +88,7 @@ def _recipe_data(st):
 
 def _offload(st):
     from hf_zero.estimate.memory import estimate
-    from hf_zero.tools.check_rules import strategy_of, verify_offload
+    from hf_zero.preflight.check_rules import strategy_of, verify_offload
 
     nvme = None
     if st.count is not None and "nvme" in (st.profile.offload_optimizer, st.profile.offload_param):
@@ -99,7 +99,7 @@ def _offload(st):
 
 def _output(st):
     from hf_zero.data.curriculum import build_schedule
-    from hf_zero.tools.check_rules import output_needs, verify_output
+    from hf_zero.preflight.check_rules import output_needs, verify_output
 
     *instances, stages, training = st.parsed
     where = st.args.output_dir or training["output_dir"]

@@ -1,1 +1,0 @@
-"""The other commands: check, preview, generate."""
