@@ -8,6 +8,7 @@ import importlib
 import sys
 
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.launch.worker import write_failure
 
 __all__ = ["main", "COMMANDS"]
 
@@ -106,8 +107,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-zero: error: {err.line()}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as err:  # a full disk under `hf-zero export` and the like: one line too
-        from hf_zero.launch.worker import write_failure
-
         failed = write_failure(err)
         if failed is None:
             raise

@@ -35,179 +35,26 @@ UPWARD = set()
 CYCLES = set()
 
 # hf_zero modules imported inside a function: "importer -> imported": why it cannot be at the top of the file.
+# Start-up time: the imported module loads transformers (core/config.py subclasses its TrainingArguments; the others
+# import core/config.py or a TrainerCallback), seconds that `hf-zero check`, `estimate`, `preview`, `bench` and the
+# launcher only pay once they read a recipe; each of those imports sits in the function that needs it.
+_TRANSFORMERS = "loads transformers: imported where a recipe is read, not when the command or launcher starts"
 LOCAL = {
-    'hf_zero.bench.execute -> hf_zero.bench.plan': 'not moved to the top yet',
-    'hf_zero.bench.execute -> hf_zero.bench.report': 'not moved to the top yet',
-    'hf_zero.bench.execute -> hf_zero.launch.launch_command': 'not moved to the top yet',
-    'hf_zero.bench.execute -> hf_zero.plan.profiles': 'not moved to the top yet',
-    'hf_zero.bench.execute -> hf_zero.plan.shipped': 'not moved to the top yet',
-    'hf_zero.bench.execute -> hf_zero.train.bench_probe': 'not moved to the top yet',
-    'hf_zero.bench.gpu -> hf_zero.bench.execute': 'not moved to the top yet',
-    'hf_zero.bench.gpu -> hf_zero.bench.report': 'not moved to the top yet',
-    'hf_zero.bench.gpu -> hf_zero.bench.views': 'not moved to the top yet',
-    'hf_zero.bench.gpu -> hf_zero.data.cache': 'not moved to the top yet',
-    'hf_zero.bench.gpu -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.bench.plan -> hf_zero.core.config': 'not moved to the top yet',
-    'hf_zero.bench.plan -> hf_zero.data.curriculum': 'not moved to the top yet',
-    'hf_zero.bench.plan -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.bench.plan -> hf_zero.data.packing': 'not moved to the top yet',
-    'hf_zero.bench.plan -> hf_zero.data.stages': 'not moved to the top yet',
-    'hf_zero.bench.plan -> hf_zero.estimate.memory': 'not moved to the top yet',
-    'hf_zero.bench.plan -> hf_zero.plan.parse': 'not moved to the top yet',
-    'hf_zero.bench.plan -> hf_zero.plan.profiles': 'not moved to the top yet',
-    'hf_zero.bench.plan -> hf_zero.plan.reconcile': 'not moved to the top yet',
-    'hf_zero.bench.plan -> hf_zero.train.model': 'not moved to the top yet',
-    'hf_zero.bench.report -> hf_zero': 'not moved to the top yet',
-    'hf_zero.bench.report -> hf_zero.bench.plan': 'not moved to the top yet',
-    'hf_zero.bench.report -> hf_zero.bench.plot': 'not moved to the top yet',
-    'hf_zero.bench.report -> hf_zero.bench.views': 'not moved to the top yet',
-    'hf_zero.bench.report -> hf_zero.estimate.flops': 'not moved to the top yet',
-    'hf_zero.bench.report -> hf_zero.plan.profiles': 'not moved to the top yet',
-    'hf_zero.bench.runs -> hf_zero.estimate.measure': 'not moved to the top yet',
-    'hf_zero.checkpoint.export -> hf_zero.checkpoint.final': 'not moved to the top yet',
-    'hf_zero.checkpoint.export -> hf_zero.checkpoint.fsdp': 'not moved to the top yet',
-    'hf_zero.checkpoint.export -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.checkpoint.final -> hf_zero.checkpoint.fsdp': 'not moved to the top yet',
-    'hf_zero.checkpoint.final -> hf_zero.core.distributed': 'not moved to the top yet',
-    'hf_zero.checkpoint.resume -> hf_zero.checkpoint.fsdp': 'not moved to the top yet',
-    'hf_zero.checkpoint.write -> hf_zero.checkpoint.final': 'not moved to the top yet',
-    'hf_zero.checkpoint.write -> hf_zero.checkpoint.fsdp': 'not moved to the top yet',
-    'hf_zero.checkpoint.write -> hf_zero.estimate.measure': 'not moved to the top yet',
-    'hf_zero.checkpoint.write -> hf_zero.plan.run_plan': 'not moved to the top yet',
-    'hf_zero.cli -> hf_zero.launch.worker': 'not moved to the top yet',
-    'hf_zero.commands.estimate -> hf_zero.core.config': 'not moved to the top yet',
-    'hf_zero.commands.estimate -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.commands.estimate -> hf_zero.estimate.activations': 'not moved to the top yet',
-    'hf_zero.commands.estimate -> hf_zero.estimate.memory': 'not moved to the top yet',
-    'hf_zero.commands.estimate -> hf_zero.estimate.recipe': 'not moved to the top yet',
-    'hf_zero.commands.estimate -> hf_zero.plan.reconcile': 'not moved to the top yet',
-    'hf_zero.commands.preview -> hf_zero.core.config': 'not moved to the top yet',
-    'hf_zero.commands.preview -> hf_zero.data.chat': 'not moved to the top yet',
-    'hf_zero.commands.preview -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.commands.preview -> hf_zero.data.packing': 'not moved to the top yet',
-    'hf_zero.commands.preview -> hf_zero.data.stages': 'not moved to the top yet',
-    'hf_zero.commands.preview -> hf_zero.plan.parse': 'not moved to the top yet',
-    'hf_zero.commands.preview -> hf_zero.plan.shipped': 'not moved to the top yet',
-    'hf_zero.commands.train -> hf_zero.checkpoint.resume': 'not moved to the top yet',
-    'hf_zero.commands.train -> hf_zero.core.errors': 'not moved to the top yet',
-    'hf_zero.commands.train -> hf_zero.estimate.recipe': 'not moved to the top yet',
-    'hf_zero.commands.train -> hf_zero.launch.interrupt': 'not moved to the top yet',
-    'hf_zero.commands.train -> hf_zero.launch.launcher': 'not moved to the top yet',
-    'hf_zero.commands.train -> hf_zero.plan.hostfile': 'not moved to the top yet',
-    'hf_zero.commands.train -> hf_zero.plan.profiles': 'not moved to the top yet',
-    'hf_zero.commands.train -> hf_zero.plan.shipped': 'not moved to the top yet',
-    'hf_zero.commands.train -> hf_zero.preflight.checks': 'not moved to the top yet',
-    'hf_zero.core.config -> hf_zero.core.validate': 'not moved to the top yet',
-    'hf_zero.data.assets -> hf_zero.core.distributed': 'not moved to the top yet',
-    'hf_zero.data.assets -> hf_zero.core.files': 'not moved to the top yet',
-    'hf_zero.data.cache -> hf_zero.core.distributed': 'not moved to the top yet',
-    'hf_zero.data.chat -> hf_zero.data.chat_template': 'not moved to the top yet',
-    'hf_zero.data.chat_template -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.data.classification -> hf_zero.data.stages': 'not moved to the top yet',
-    'hf_zero.data.stages -> hf_zero.core.console': 'not moved to the top yet',
-    'hf_zero.data.stages -> hf_zero.data.assets': 'not moved to the top yet',
-    'hf_zero.data.stages -> hf_zero.data.chat': 'not moved to the top yet',
-    'hf_zero.data.stages -> hf_zero.data.chat_template': 'not moved to the top yet',
-    'hf_zero.data.stages -> hf_zero.data.packing': 'not moved to the top yet',
-    'hf_zero.estimate.fsdp -> hf_zero.plan.fsdp': 'not moved to the top yet',
-    'hf_zero.estimate.memory -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.estimate.memory -> hf_zero.estimate.activations': 'not moved to the top yet',
-    'hf_zero.estimate.memory -> hf_zero.estimate.fsdp': 'not moved to the top yet',
-    'hf_zero.estimate.recipe -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.estimate.recipe -> hf_zero.estimate.memory': 'not moved to the top yet',
-    'hf_zero.estimate.recipe -> hf_zero.plan.parse': 'not moved to the top yet',
-    'hf_zero.estimate.recipe -> hf_zero.plan.profiles': 'not moved to the top yet',
-    'hf_zero.estimate.recipe -> hf_zero.plan.reconcile': 'not moved to the top yet',
-    'hf_zero.estimate.recipe -> hf_zero.plan.shipped': 'not moved to the top yet',
-    'hf_zero.launch.launcher -> hf_zero.launch.interrupt': 'not moved to the top yet',
-    'hf_zero.launch.launcher -> hf_zero.plan.profiles': 'not moved to the top yet',
-    'hf_zero.launch.launcher -> hf_zero.plan.run_plan': 'not moved to the top yet',
-    'hf_zero.launch.slurm -> hf_zero.launch.launch_command': 'not moved to the top yet',
-    'hf_zero.launch.slurm -> hf_zero.plan.parse': 'not moved to the top yet',
-    'hf_zero.launch.slurm -> hf_zero.plan.profiles': 'not moved to the top yet',
-    'hf_zero.launch.slurm -> hf_zero.plan.shipped': 'not moved to the top yet',
-    'hf_zero.metrics -> hf_zero.core.errors': 'not moved to the top yet',
-    'hf_zero.plan.parse -> hf_zero.core.config': 'not moved to the top yet',
-    'hf_zero.plan.parse -> hf_zero.core.distributed': 'not moved to the top yet',
-    'hf_zero.plan.parse -> hf_zero.core.validate': 'not moved to the top yet',
-    'hf_zero.plan.profiles -> hf_zero.core.validate': 'not moved to the top yet',
-    'hf_zero.plan.reconcile -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.plan.run_plan -> hf_zero.core.files': 'not moved to the top yet',
-    'hf_zero.plan.run_plan -> hf_zero.plan.parse': 'not moved to the top yet',
-    'hf_zero.plan.run_plan -> hf_zero.plan.profiles': 'not moved to the top yet',
-    'hf_zero.plan.run_plan -> hf_zero.plan.shipped': 'not moved to the top yet',
-    'hf_zero.plan.shipped -> hf_zero.core.config': 'not moved to the top yet',
-    'hf_zero.plan.shipped -> hf_zero.core.errors': 'not moved to the top yet',
-    'hf_zero.plan.shipped -> hf_zero.plan.parse': 'not moved to the top yet',
-    'hf_zero.preflight.check_io -> hf_zero.checkpoint.store': 'not moved to the top yet',
-    'hf_zero.preflight.check_io -> hf_zero.core.config': 'not moved to the top yet',
-    'hf_zero.preflight.check_io -> hf_zero.core.validate': 'not moved to the top yet',
-    'hf_zero.preflight.check_io -> hf_zero.data.chat': 'not moved to the top yet',
-    'hf_zero.preflight.check_io -> hf_zero.data.curriculum': 'not moved to the top yet',
-    'hf_zero.preflight.check_io -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.preflight.check_io -> hf_zero.data.stages': 'not moved to the top yet',
-    'hf_zero.preflight.check_io -> hf_zero.estimate.memory': 'not moved to the top yet',
-    'hf_zero.preflight.check_io -> hf_zero.plan.parse': 'not moved to the top yet',
-    'hf_zero.preflight.check_io -> hf_zero.preflight.check_rules': 'not moved to the top yet',
-    'hf_zero.preflight.check_rules -> hf_zero.core.ops': 'not moved to the top yet',
-    'hf_zero.preflight.check_rules -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.preflight.check_rules -> hf_zero.estimate.memory': 'not moved to the top yet',
-    'hf_zero.preflight.check_rules -> hf_zero.plan.fsdp': 'not moved to the top yet',
-    'hf_zero.preflight.check_rules -> hf_zero.plan.hostfile': 'not moved to the top yet',
-    'hf_zero.preflight.check_rules -> hf_zero.plan.profiles': 'not moved to the top yet',
-    'hf_zero.preflight.check_rules -> hf_zero.plan.reconcile': 'not moved to the top yet',
-    'hf_zero.preflight.checks -> hf_zero.core.config': 'not moved to the top yet',
-    'hf_zero.preflight.checks -> hf_zero.core.validate': 'not moved to the top yet',
-    'hf_zero.preflight.checks -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.preflight.checks -> hf_zero.estimate.recipe': 'not moved to the top yet',
-    'hf_zero.preflight.checks -> hf_zero.plan.fsdp': 'not moved to the top yet',
-    'hf_zero.preflight.checks -> hf_zero.plan.hostfile': 'not moved to the top yet',
-    'hf_zero.preflight.checks -> hf_zero.plan.parse': 'not moved to the top yet',
-    'hf_zero.preflight.checks -> hf_zero.plan.profiles': 'not moved to the top yet',
-    'hf_zero.preflight.checks -> hf_zero.plan.reconcile': 'not moved to the top yet',
-    'hf_zero.preflight.checks -> hf_zero.plan.shipped': 'not moved to the top yet',
-    'hf_zero.preflight.checks -> hf_zero.preflight.check_rules': 'not moved to the top yet',
-    'hf_zero.train.classifier -> hf_zero.core.distributed': 'not moved to the top yet',
-    'hf_zero.train.classifier -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.train.classifier -> hf_zero.train.model': 'not moved to the top yet',
-    'hf_zero.train.classifier -> hf_zero.train.trainer': 'not moved to the top yet',
-    'hf_zero.train.generate -> hf_zero.data.chat_template': 'not moved to the top yet',
-    'hf_zero.train.generate -> hf_zero.data.model_names': 'not moved to the top yet',
-    'hf_zero.train.model -> hf_zero.core.distributed': 'not moved to the top yet',
-    'hf_zero.train.model -> hf_zero.core.errors': 'not moved to the top yet',
-    'hf_zero.train.model -> hf_zero.data.chat_template': 'not moved to the top yet',
-    'hf_zero.train.recipe_steps -> hf_zero.checkpoint.resume': 'not moved to the top yet',
-    'hf_zero.train.recipe_steps -> hf_zero.core.config': 'not moved to the top yet',
-    'hf_zero.train.recipe_steps -> hf_zero.core.errors': 'not moved to the top yet',
-    'hf_zero.train.recipe_steps -> hf_zero.data.curriculum': 'not moved to the top yet',
-    'hf_zero.train.recipe_steps -> hf_zero.data.stages': 'not moved to the top yet',
-    'hf_zero.train.recipe_steps -> hf_zero.estimate.measure': 'not moved to the top yet',
-    'hf_zero.train.recipe_steps -> hf_zero.launch.interrupt': 'not moved to the top yet',
-    'hf_zero.train.recipe_steps -> hf_zero.train.bench_probe': 'not moved to the top yet',
-    'hf_zero.train.recipe_steps -> hf_zero.train.trainer': 'not moved to the top yet',
-    'hf_zero.train.run -> hf_zero.core.console': 'not moved to the top yet',
-    'hf_zero.train.run -> hf_zero.core.distributed': 'not moved to the top yet',
-    'hf_zero.train.run -> hf_zero.core.errors': 'not moved to the top yet',
-    'hf_zero.train.run -> hf_zero.core.files': 'not moved to the top yet',
-    'hf_zero.train.run -> hf_zero.data.assets': 'not moved to the top yet',
-    'hf_zero.train.run -> hf_zero.launch.interrupt': 'not moved to the top yet',
-    'hf_zero.train.run -> hf_zero.launch.launch_command': 'not moved to the top yet',
-    'hf_zero.train.run -> hf_zero.plan.parse': 'not moved to the top yet',
-    'hf_zero.train.run -> hf_zero.plan.profiles': 'not moved to the top yet',
-    'hf_zero.train.run -> hf_zero.plan.run_plan': 'not moved to the top yet',
-    'hf_zero.train.run -> hf_zero.plan.shipped': 'not moved to the top yet',
-    'hf_zero.train.run -> hf_zero.preflight.check_rules': 'not moved to the top yet',
-    'hf_zero.train.samples -> hf_zero.train.generate': 'not moved to the top yet',
-    'hf_zero.train.throughput -> hf_zero.estimate.flops': 'not moved to the top yet',
-    'hf_zero.train.throughput -> hf_zero.estimate.measure': 'not moved to the top yet',
-    'hf_zero.train.throughput -> hf_zero.plan.run_plan': 'not moved to the top yet',
-    'hf_zero.train.trainer -> hf_zero.checkpoint.resume': 'not moved to the top yet',
-    'hf_zero.train.trainer -> hf_zero.checkpoint.write': 'not moved to the top yet',
-    'hf_zero.train.trainer -> hf_zero.core.console': 'not moved to the top yet',
-    'hf_zero.train.trainer -> hf_zero.core.distributed': 'not moved to the top yet',
-    'hf_zero.train.trainer -> hf_zero.launch.interrupt': 'not moved to the top yet',
-    'hf_zero.train.trainer -> hf_zero.train.fsdp': 'not moved to the top yet',
-    'hf_zero.train.trainer -> hf_zero.train.throughput': 'not moved to the top yet',
+    'hf_zero.bench.execute -> hf_zero.train.bench_probe': _TRANSFORMERS,
+    'hf_zero.bench.plan -> hf_zero.core.config': _TRANSFORMERS,
+    'hf_zero.bench.plan -> hf_zero.data.curriculum': _TRANSFORMERS,
+    'hf_zero.bench.plan -> hf_zero.data.stages': _TRANSFORMERS,
+    'hf_zero.bench.plan -> hf_zero.train.model': _TRANSFORMERS,
+    'hf_zero.bench.runs -> hf_zero.estimate.measure': _TRANSFORMERS,
+    'hf_zero.commands.estimate -> hf_zero.core.config': _TRANSFORMERS,
+    'hf_zero.commands.preview -> hf_zero.core.config': _TRANSFORMERS,
+    'hf_zero.commands.preview -> hf_zero.data.stages': _TRANSFORMERS,
+    'hf_zero.plan.parse -> hf_zero.core.config': _TRANSFORMERS,
+    'hf_zero.plan.shipped -> hf_zero.core.config': _TRANSFORMERS,
+    'hf_zero.preflight.check_io -> hf_zero.core.config': _TRANSFORMERS,
+    'hf_zero.preflight.check_io -> hf_zero.data.curriculum': _TRANSFORMERS,
+    'hf_zero.preflight.check_io -> hf_zero.data.stages': _TRANSFORMERS,
+    'hf_zero.preflight.checks -> hf_zero.core.config': _TRANSFORMERS,
 }
 
 
@@ -248,21 +95,39 @@ def _targets(module: str, node) -> list[str]:
     return out
 
 
-def _imports() -> list[tuple[str, str, bool]]:
-    """(importer, imported, inside a function) for every import of an hf_zero module."""
-    edges = []
+def _imports() -> tuple[list[tuple[str, str, bool]], dict[str, set[str]]]:
+    """(importer, imported, inside a function) for every import of an hf_zero module; and per module the third-party
+    packages it imports when it is loaded (not inside functions, not under TYPE_CHECKING)."""
+    edges, third = [], {}
     for module, path in MODULES.items():
+        loaded = third.setdefault(module, set())
+
         def walk(node, local):
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.Import, ast.ImportFrom)):
                     edges.extend((module, target, local) for target in _targets(module, child))
+                    if not local and not getattr(child, "level", 0):
+                        names = [a.name for a in child.names] if isinstance(child, ast.Import) else [child.module]
+                        loaded.update(n.split(".")[0] for n in names)
+                if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                    continue
                 walk(child, local or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
 
         walk(ast.parse(path.read_text(), str(path)), False)
-    return edges
+    return edges, third
 
 
-EDGES = _imports()
+EDGES, THIRD_PARTY = _imports()
+
+
+def loads_transformers(module: str, seen=None) -> bool:
+    """Whether loading `module` imports transformers (itself or through the hf_zero modules it imports on load)."""
+    seen = set() if seen is None else seen
+    seen.add(module)
+    if "transformers" in THIRD_PARTY[module]:
+        return True
+    return any(loads_transformers(dst, seen) for src, dst, inside in EDGES
+               if src == module and not inside and dst not in seen)
 
 
 def layer(module: str) -> int:
@@ -330,6 +195,14 @@ def test_hf_zero_modules_are_imported_at_the_top_of_a_file():
     assert local - set(LOCAL) == set(), "hf_zero modules imported inside a function: import them at the top"
     assert set(LOCAL) - local == set(), "listed in LOCAL but gone: remove them from the list"
     assert all(reason.strip() for reason in LOCAL.values()), "every entry of LOCAL says why"
+
+
+def test_each_function_local_import_has_the_reason_it_gives():
+    for entry, reason in LOCAL.items():
+        importer, imported = entry.split(" -> ")
+        if reason is _TRANSFORMERS:
+            assert loads_transformers(imported), f"{entry}: {imported} does not load transformers: import at the top"
+            assert not loads_transformers(importer), f"{entry}: {importer} loads it anyway: import at the top"
 
 
 @pytest.mark.parametrize("src,dst,expected", [

@@ -17,9 +17,13 @@ import socket
 import sys
 from pathlib import Path
 
+from hf_zero.bench import report as bench_report
+from hf_zero.bench.plan import build_plan, write_plain_spec
 from hf_zero.bench.runs import measure_launch, model_state_bytes, root_cause, summarize_run
 from hf_zero.core.errors import UserError
-from hf_zero.plan.shipped import shipped_dir
+from hf_zero.launch.launch_command import build_launch_command
+from hf_zero.plan.profiles import list_profiles, load_profile
+from hf_zero.plan.shipped import DEFAULT_RECIPE, shipped_dir
 
 # summarize_run, root_cause, model_state_bytes: hf_zero.bench.runs's, re-exported as bench's own.
 __all__ = ["execute", "DEFAULT_STRATEGIES", "DEFAULT_BENCH_CONFIG", "PLAIN_SCRIPT",
@@ -32,8 +36,6 @@ DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3_offload,fsdp2,fsdp2_offload"
 
 
 def _check_args(args) -> list[str]:
-    from hf_zero.plan.profiles import list_profiles
-
     if args.overhead_repeats is None:
         args.overhead_repeats = 3
     names = [s.strip() for s in str(args.strategies).split(",") if s.strip()]
@@ -82,8 +84,6 @@ def _threads(nproc: int) -> int:
 
 def _run_hf_zero(profile: str, plan, args, run_dir: Path, measure: bool, flip_packing: bool = False) -> dict:
     """One hf_zero run of the bench's recipe; `flip_packing`: with packing switched the other way from the recipe."""
-    from hf_zero.launch.launch_command import build_launch_command
-    from hf_zero.plan.shipped import DEFAULT_RECIPE
     from hf_zero.train.bench_probe import BENCH_ENV
 
     packing = plan.packing != flip_packing
@@ -100,8 +100,6 @@ def plain_launch_command(profile: str, nproc: int, port: int, spec: Path, run_di
     """The launcher accelerate itself picks for `profile` (what hf_zero's run goes through): torchrun for DeepSpeed
     and DDP at any rank count, the plain interpreter for a one-process profile without either. The script takes its
     precision from the TrainingArguments in the spec, as hf_zero's recipe does."""
-    from hf_zero.plan.profiles import load_profile
-
     script = [str(PLAIN_SCRIPT), "--spec", str(spec), "--output_dir", str(run_dir)]
     if load_profile(profile).distributed_type == "NO" and nproc == 1:
         return [sys.executable, *script]
@@ -117,9 +115,6 @@ def _run_plain(spec: Path, profile: str, args, run_dir: Path, plan) -> dict:
 def _overhead_pairs(plan, args, overhead: str, out: Path, log) -> list[tuple[dict, dict]]:
     """hf_zero / plain Trainer pairs, fresh launches in the order A/B, B/A, A/B, ...: a load that drifts on a shared
     machine, or a first launch that finds cold caches, hits both sides alike."""
-    from hf_zero.bench import report as bench_report
-    from hf_zero.bench.plan import write_plain_spec
-
     spec = write_plain_spec(plan, overhead, args.precision, out / "plain")
     pairs = []
     for i in range(args.overhead_repeats):
@@ -136,8 +131,6 @@ def _overhead_pairs(plan, args, overhead: str, out: Path, log) -> list[tuple[dic
 
 def _run_reference(plan, args, out: Path) -> dict:
     """The bare PyTorch loop (benchmarks/torch_loop.py) on the same rows, learning rates and precision, one process."""
-    from hf_zero.bench.plan import write_plain_spec
-
     spec = write_plain_spec(plan, "single_gpu", args.precision, out / "reference")
     cmd = [sys.executable, str(REFERENCE_SCRIPT), "--spec", str(spec), "--output_dir", str(out / "runs" / "reference")]
     return measure_launch(cmd, _env(_threads(1)), out / "runs" / "reference", args, plan.text_tokens_per_step,
@@ -147,9 +140,6 @@ def _run_reference(plan, args, out: Path) -> dict:
 def execute(args, reference: bool = False) -> tuple[dict, int]:
     """Every run of one bench, its report written to --out; (report, exit code). `reference`: also the bare PyTorch
     loop (GPU preset)."""
-    from hf_zero.bench import report as bench_report
-    from hf_zero.bench.plan import build_plan
-
     names = _check_args(args)
     extra = [a for a in getattr(args, "extra", []) if a != "--"]
     args.extra = extra

@@ -13,7 +13,12 @@ import copy
 import json
 from pathlib import Path
 
+from hf_zero.bench.execute import execute
+from hf_zero.bench.report import machine_line
+from hf_zero.bench.views import mib
 from hf_zero.core.errors import UserError
+from hf_zero.data.cache import build_once, get_cache_dir
+from hf_zero.data.model_names import TINY_TOKENIZER_DIR
 from hf_zero.plan.shipped import shipped_dir
 
 __all__ = ["add_preset_arguments", "run_preset", "PRESET_STRATEGIES", "DEFAULT_MODEL_CONFIG"]
@@ -56,8 +61,6 @@ def _build_model(folder: Path, config_dir: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from hf_zero.data.model_names import TINY_TOKENIZER_DIR
-
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
     config = AutoConfig.from_pretrained(config_dir)
     if len(tokenizer) > config.vocab_size:
@@ -71,8 +74,6 @@ def _build_model(folder: Path, config_dir: Path) -> None:
 def model_folder(config_dir: Path) -> Path:
     """Random-init weights of the config's shape with hf_zero's tiny tokenizer, built once per config."""
     import hashlib
-
-    from hf_zero.data.cache import build_once, get_cache_dir
 
     digest = hashlib.sha256((config_dir / "config.json").read_bytes()).hexdigest()[:12]
     return build_once(get_cache_dir() / "bench_models" / f"{config_dir.name}-{digest}", _build_model, config_dir)
@@ -106,8 +107,6 @@ def table_rows(seq_len: int, report: dict) -> list[dict]:
 
 
 def _markdown(summary: dict) -> str:
-    from hf_zero.bench.views import mib
-
     m = summary["machine"]
     lines = [f"# hf-zero bench --preset gpu: {summary['model']} ({summary['params']:,} params), bf16, 1 rank", "",
              f"Machine: {summary['machine_line']}. {m['date']}." + (" No GPU: this is the CPU fallback, MFU not "
@@ -132,8 +131,6 @@ def _markdown(summary: dict) -> str:
 def run_preset(args) -> int:
     import csv
 
-    from hf_zero.bench.report import machine_line
-
     config_dir, lengths = _check(args)
     model = model_folder(config_dir)
     out, code, blocks = Path(args.out), 0, []
@@ -147,8 +144,6 @@ def run_preset(args) -> int:
         # issue 15's table has no plain-Trainer column: pairs only when asked (--overhead-repeats N)
         sub.overhead_repeats = args.overhead_repeats or 0
         sub.overhead_strategy = args.overhead_strategy or "single_gpu"
-        from hf_zero.bench.execute import execute
-
         report, rc = execute(sub, reference=True)
         code = max(code, rc)
         blocks.append((seq_len, report))

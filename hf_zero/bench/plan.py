@@ -9,7 +9,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
+from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
+from hf_zero.data.packing import padding_stats, real_tokens
 from hf_zero.estimate.flops import flops_per_token
+from hf_zero.estimate.memory import count_model, estimate, strategies_for
+from hf_zero.plan.parse import load_yaml_config, parse_recipe_args, parse_stages, recipe_fields
+from hf_zero.plan.profiles import accelerate_precision, gpu_count, load_profile
+from hf_zero.plan.reconcile import plan_batch, reconcile_training_kwargs
 
 __all__ = ["BenchPlan", "build_plan", "write_plain_spec", "estimate_bytes"]
 
@@ -72,12 +78,7 @@ def build_plan(config: str, model: str | None, steps: int | None, nproc: int, ex
     import yaml
 
     from hf_zero.data.curriculum import build_sample_order, build_schedule
-    from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
-    from hf_zero.data.packing import padding_stats, real_tokens
     from hf_zero.data.stages import load_stage_data
-    from hf_zero.estimate.memory import count_model
-    from hf_zero.plan.parse import load_yaml_config, parse_recipe_args, parse_stages, recipe_fields
-    from hf_zero.plan.reconcile import plan_batch
     from hf_zero.train.model import lora_kwargs
 
     raw = load_yaml_config(config)
@@ -153,8 +154,6 @@ def write_plain_spec(plan: BenchPlan, profile_name: str, precision: str | None, 
 
     from transformers import TrainingArguments
 
-    from hf_zero.plan.profiles import accelerate_precision, gpu_count, load_profile
-    from hf_zero.plan.reconcile import reconcile_training_kwargs
     from hf_zero.train.model import base_precision, causal_lm_load_kwargs, lora_kwargs
 
     prof = load_profile(profile_name)
@@ -192,8 +191,6 @@ def write_plain_spec(plan: BenchPlan, profile_name: str, precision: str | None, 
 def estimate_bytes(plan: BenchPlan, profile_name: str, precision: str) -> dict:
     """`hf-zero estimate`'s model states per rank for this profile (params, grads, optimizer, gathered layer and the
     communication buffers, as bench measures them): {"device", "host" (offloaded, per rank), "source"}."""
-    from hf_zero.estimate.memory import estimate, strategies_for
-
     (strategy,), _ = strategies_for(profile_name)
     e = estimate(plan.count, strategy, world_size=plan.nproc, gpus_per_node=plan.nproc, precision=precision,
                  micro_batch=plan.micro, seq_len=plan.seq_len, additional_buffer_factor=1.0)

@@ -10,8 +10,13 @@ import statistics
 import time
 from pathlib import Path
 
+from hf_zero import __version__
 from hf_zero.bench.compare import TARGETS, loss_agreement, max_abs_diff, offload_split, overhead
-from hf_zero.bench.views import mib, table
+from hf_zero.bench.plan import estimate_bytes
+from hf_zero.bench.plot import plot
+from hf_zero.bench.views import markdown, mib, table, write_csv
+from hf_zero.estimate.flops import device_peak_flops
+from hf_zero.plan.profiles import load_profile
 
 __all__ = ["machine_info", "assemble", "write_all", "progress_line", "console_summary", "TARGETS"]
 
@@ -27,7 +32,6 @@ def machine_info(nproc: int, loadavg_start, note: str = "") -> dict:
     import torch
     import transformers
 
-    from hf_zero import __version__
     info = Path("/proc/cpuinfo")
     cpu = next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")),
                platform.processor()) if info.exists() else platform.processor()
@@ -58,10 +62,6 @@ def _ratio(a, b):
 
 
 def assemble(plan, args, machine, names, results, overhead_strategy, pairs, flipped) -> dict:
-    from hf_zero.bench.plan import estimate_bytes
-    from hf_zero.estimate.flops import device_peak_flops
-    from hf_zero.plan.profiles import load_profile
-
     precision = args.precision or load_profile(names[0]).precision
     peak = device_peak_flops(machine["gpus"][0] if machine["gpus"] else None, precision)
     ok = {n: results[n] for n in names if results[n]["status"] == "ok"}
@@ -189,9 +189,6 @@ def progress_line(name: str, r: dict) -> str:
 
 
 def write_all(report: dict, out: Path) -> list[Path]:
-    from hf_zero.bench.plot import plot
-    from hf_zero.bench.views import markdown, write_csv
-
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"bench.{ext}" for ext in ("json", "csv", "md", "png")]
     paths[0].write_text(json.dumps(report, indent=2, default=str))

@@ -17,9 +17,12 @@ import os
 import shutil
 from pathlib import Path
 
+from hf_zero.checkpoint.final import make_shareable
+from hf_zero.checkpoint.fsdp import is_fsdp_checkpoint, lazy_dcp_state
 from hf_zero.checkpoint.safe_load import check_checkpoint, safe_checkpoint_loading
 from hf_zero.checkpoint.store import MANIFEST_NAME, find_resume_checkpoint, list_checkpoints, validate_checkpoint
 from hf_zero.core.errors import UserError
+from hf_zero.data.model_names import resolve_model_path
 
 __all__ = ["export_checkpoint", "DTYPES"]
 
@@ -129,8 +132,6 @@ def _export_full(folder: Path, out: Path, dtype) -> int:
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
-    from hf_zero.checkpoint.fsdp import is_fsdp_checkpoint, lazy_dcp_state
-
     if _is_deepspeed(folder):
         count = _write_sharded(_lazy_zero_state(folder, trainable_only=False), out, dtype)
     elif is_fsdp_checkpoint(folder):
@@ -169,8 +170,6 @@ def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | 
     config = json.loads((folder / "adapter_config.json").read_text())
     name = base_path = base_model or config.get("base_model_name_or_path")
     try:
-        from hf_zero.data.model_names import resolve_model_path
-
         base_path = resolve_model_path(name)  # hf_zero's offline names, as adapters record them
         base = _auto_class(config.get("task_type")).from_pretrained(base_path, dtype=torch.float32)
     except (OSError, ValueError) as err:
@@ -222,8 +221,6 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "fp32", merge_lora
         else:
             count = _export_full(folder, tmp, torch_dtype)
     _copy_processor_files(folder, tmp)
-    from hf_zero.checkpoint.final import make_shareable
-
     make_shareable(tmp)
     if target.exists():
         shutil.rmtree(target) if target.is_dir() else target.unlink()

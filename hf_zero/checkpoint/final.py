@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hf_zero.checkpoint.fsdp import full_tensor, save_pretrained_gathered
+from hf_zero.core.distributed import waiting_for
+
 __all__ = ["save_final_model", "verify_saved_weights", "SavedModelMismatch", "make_shareable", "write_training_args"]
 
 
@@ -36,8 +39,6 @@ def verify_saved_weights(model, folder: Path, atol: float = 0.0) -> int:
     ZeRO-3 and FSDP2, so every rank must call it. Returns the number of tensors checked (on rank 0)."""
     import torch
     import torch.distributed as dist
-
-    from hf_zero.checkpoint.fsdp import full_tensor
 
     is_peft = hasattr(model, "peft_config")
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -95,13 +96,9 @@ def make_shareable(folder: Path) -> None:
 
 def save_final_model(trainer, folder: Path) -> Path:
     """`Trainer.save_model` (gathering ZeRO-3 or FSDP2 shards; only the adapter for LoRA), then verify the result."""
-    from hf_zero.core.distributed import waiting_for
-
     folder = Path(folder)
     with waiting_for("the other ranks while saving and verifying the final model"):
         if getattr(trainer, "is_fsdp_enabled", False):
-            from hf_zero.checkpoint.fsdp import save_pretrained_gathered
-
             save_pretrained_gathered(trainer, folder)
         else:
             trainer.save_model(str(folder))

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, differences
-from hf_zero.checkpoint.safe_load import check_checkpoint, safe_load
+from hf_zero.checkpoint.fsdp import is_fsdp_checkpoint
+from hf_zero.checkpoint.safe_load import check_checkpoint
 from hf_zero.checkpoint.store import (
     _TRASH_DIR,
     STAGING_DIR,
@@ -30,15 +31,15 @@ from hf_zero.checkpoint.store import (
 )
 from hf_zero.core.console import rank
 from hf_zero.core.errors import RunComplete, UserError, flag_hint
-from hf_zero.core.lazy import trainer_callback
 
-__all__ = ["prepare_resume", "complete_message", "convert_to_universal", "Zero3UniversalFix", "UNIVERSAL_SUFFIX"]
+__all__ = ["prepare_resume", "complete_message", "convert_to_universal", "resume_note", "UNIVERSAL_SUFFIX"]
 
 UNIVERSAL_SUFFIX = "_universal"
 _REFUSED = "hf-zero: error: checkpoint: "
 
 
-def _say(message: str) -> None:
+def resume_note(message: str) -> None:
+    """A line every rank prints: what a resume did or could not do."""
     print(f"[hf_zero] {message}", flush=True)
 
 
@@ -62,7 +63,7 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
     prof, plan = ctx.profile, ctx.plan
     name = checkpoint.name
     if not meta:
-        _say(f"warning: {name} has no hf_zero metadata; resuming without compatibility checks")
+        resume_note(f"warning: {name} has no hf_zero metadata; resuming without compatibility checks")
         return False
     written = _format_of(meta.get("engine")
                          or ("deepspeed" if meta.get("zero_stage") else _engine_on_disk(checkpoint)))
@@ -94,8 +95,6 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
 
 
 def _engine_on_disk(checkpoint: Path) -> str:
-    from hf_zero.checkpoint.fsdp import is_fsdp_checkpoint
-
     if is_fsdp_checkpoint(checkpoint):
         return "fsdp2"
     return "deepspeed" if (checkpoint / "latest").is_file() else "ddp"
@@ -147,7 +146,7 @@ def _choose(ctx, fresh_start: bool) -> dict:
     if fresh_start:
         archive = archive_checkpoints(out)
         if archive is not None:
-            _say(f"fresh start: what the previous run wrote moved to {archive}")
+            resume_note(f"fresh start: what the previous run wrote moved to {archive}")
         return {"resume": None, "universal": False}
     settings = getattr(ctx, "settings", None)  # what this run trains (checkpoint/compare.py)
     finished = (out / "summary.json").is_file()
@@ -158,7 +157,7 @@ def _choose(ctx, fresh_start: bool) -> dict:
     for leftover in (out / STAGING_DIR, out / _TRASH_DIR):
         if leftover.is_dir():
             if any(leftover.iterdir()):
-                _say(f"removing {leftover.name}/ left by an interrupted save")
+                resume_note(f"removing {leftover.name}/ left by an interrupted save")
             shutil.rmtree(leftover, ignore_errors=True)
     asked = ctx.training_args.resume_from_checkpoint
     if asked:
@@ -188,17 +187,18 @@ def _choose(ctx, fresh_start: bool) -> dict:
         archive = archive_checkpoints(out)
         if archive is not None and checkpoint.parent.resolve() == out.resolve():
             checkpoint = archive / checkpoint.name
-        _say(f"{out} held a finished run: what it wrote moved to {archive}; continuing from its {checkpoint.name}")
+        resume_note(f"{out} held a finished run: what it wrote moved to {archive}; continuing from its "
+                    f"{checkpoint.name}")
     stage = meta.get("stage") or {}
     where = f" (stage '{stage['name']}', {stage['steps_done']}/{stage['steps']} steps done)" if stage else ""
     ranks = (f"; written by {_ranks(meta.get('world_size'))}, converting for {_ranks(ctx.plan.world)}"
              if universal else "")
     if ctx.profile.uses_fsdp and meta.get("world_size") not in (None, ctx.plan.world):
         ranks = f"; written by {_ranks(meta.get('world_size'))}, resharded on load for {_ranks(ctx.plan.world)}"
-    _say(f"resuming from {checkpoint} at step {meta.get('global_step', '?')}{where}{ranks}")
+    resume_note(f"resuming from {checkpoint} at step {meta.get('global_step', '?')}{where}{ranks}")
     if changed:
         diff = differences(meta["settings"], settings)
-        _say(f"applying from step {meta.get('global_step', '?')}: " + "; ".join(diff[k] for k in changed))
+        resume_note(f"applying from step {meta.get('global_step', '?')}: " + "; ".join(diff[k] for k in changed))
     return {"resume": str(checkpoint), "universal": universal}
 
 
@@ -244,40 +244,3 @@ def prepare_resume(ctx, fresh_start: bool = False) -> str | None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return decision["resume"]
-
-
-class Zero3UniversalFix(trainer_callback()):
-    """Repairs what DeepSpeed 0.19's ZeRO-3 universal loading gets wrong, before the first step: it shares one
-    Adam `step` tensor between all sub-groups (so the step advances once per group per step) and gives every
-    param group group 0's hyper-parameters (weight decay on the no-decay group). Measured here: ~2e-4 loss drift
-    without this, < 1e-8 with it."""
-
-    def __init__(self, checkpoint: str):
-        self.checkpoint = Path(checkpoint)
-
-    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
-        # The Trainer has loaded the checkpoint by now; no optimizer step has run yet.
-        if optimizer is not None and self.apply(optimizer):
-            _say("restored per-group Adam steps and hyper-parameters after ZeRO-3 universal loading")
-
-    def apply(self, optimizer) -> bool:
-        import torch
-
-        zero = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> DeepSpeed's ZeRO-3 optimizer
-        if not hasattr(zero, "fp32_partitioned_groups_flat"):
-            return False
-        inner = zero.optimizer
-        for flat in zero.fp32_partitioned_groups_flat:
-            state = inner.state.get(flat)
-            if state is not None and torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-        tag = (self.checkpoint / "latest_universal").read_text().strip()
-        saved = safe_load(self.checkpoint / tag / "zero" / "optimizer_state.pt")
-        groups = saved["optimizer_state_dict"]["param_groups"]
-        if len(groups) != len(inner.param_groups):
-            _say(f"warning: {len(groups)} saved param groups vs {len(inner.param_groups)}; "
-                 "hyper-parameters not restored")
-            return True
-        for group, saved_group in zip(inner.param_groups, groups):
-            group.update({k: v for k, v in saved_group.items() if k != "params"})
-        return True

@@ -14,6 +14,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from hf_zero.checkpoint.compare import current_settings
+from hf_zero.checkpoint.final import SavedModelMismatch, make_shareable, verify_saved_weights
+from hf_zero.checkpoint.fsdp import save_pretrained_gathered
 from hf_zero.checkpoint.store import (
     LATEST_NAME,
     METADATA_NAME,
@@ -29,6 +31,8 @@ from hf_zero.core.console import say
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.core.report import report_user_error
+from hf_zero.estimate.measure import count_parameters
+from hf_zero.plan.run_plan import current_plan
 
 __all__ = ["CheckpointCallback", "build_checkpoint_metadata", "complete_checkpoint", "verify_saved_model",
            "is_disk_full", "stop_on_full_disk"]
@@ -68,9 +72,6 @@ def _versions() -> dict:
 def build_checkpoint_metadata(trainer) -> dict:
     """What a resume (or a person) needs to know about the checkpoint being written at trainer.state.global_step.
     How the run is laid out (profile, precision, ranks, batch) is copied from its run plan."""
-    from hf_zero.estimate.measure import count_parameters
-    from hf_zero.plan.run_plan import current_plan
-
     state, args = trainer.state, trainer.args
     step = state.global_step
     metrics = {}
@@ -138,8 +139,6 @@ def complete_checkpoint(trainer, staged: Path, run_dir: Path, started: float) ->
     """After the Trainer wrote `staged` (checkpoint/staging.py): what FSDP2 leaves out, the saved weights read back,
     then metadata, manifest, the rename into place and rotation."""
     if trainer.is_fsdp_enabled:
-        from hf_zero.checkpoint.fsdp import save_pretrained_gathered
-
         # The Trainer writes only the distributed checkpoint; config and tokenizer make it exportable, and
         # a LoRA adapter (small) is gathered so the checkpoint loads with peft as under ZeRO.
         save_pretrained_gathered(trainer, staged, weights=False)
@@ -151,8 +150,6 @@ def complete_checkpoint(trainer, staged: Path, run_dir: Path, started: float) ->
 def verify_saved_model(trainer, staged: Path) -> None:
     """A LoRA adapter is read back and compared with the gathered weights (collective under ZeRO-3/FSDP2); any
     saved safetensors file must hold no empty placeholder tensor (pain-points #1, #2)."""
-    from hf_zero.checkpoint.final import SavedModelMismatch, verify_saved_weights
-
     wrapped = trainer.model_wrapped
     model = trainer.accelerator.unwrap_model(wrapped) if wrapped is not None else trainer.model
     if hasattr(model, "peft_config"):
@@ -175,8 +172,6 @@ def _publish(trainer, staged: Path, run_dir: Path, started: float) -> None:
             # The Trainer recorded the staging path as best: point it where the folder is about to live.
             trainer.state.best_model_checkpoint = str(run_dir / staged.name)
             trainer.state.save_to_json(str(staged / "trainer_state.json"))
-        from hf_zero.checkpoint.final import make_shareable
-
         make_shareable(staged)  # before the manifest: permissions change no size or checksum anyway
         meta = build_checkpoint_metadata(trainer)
         meta["bytes"] = size_breakdown(file_sizes(staged))

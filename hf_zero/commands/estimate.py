@@ -20,8 +20,10 @@ from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate import memory
-from hf_zero.estimate.memory import strategies_for
-from hf_zero.estimate.recipe import HEADROOM, plan
+from hf_zero.estimate.activations import ATTENTION
+from hf_zero.estimate.memory import CONVENTIONS, PRECISIONS, strategies_for
+from hf_zero.estimate.recipe import HEADROOM, RecipeMemory, lora_fields, plan, read_recipe
+from hf_zero.plan.reconcile import plan_batch
 
 __all__ = ["add_arguments", "run", "parse_bytes"]
 
@@ -38,9 +40,6 @@ def parse_bytes(text: str, flag: str) -> int:
 
 
 def add_arguments(parser) -> None:
-    from hf_zero.estimate.activations import ATTENTION
-    from hf_zero.estimate.memory import CONVENTIONS, PRECISIONS
-
     parser.add_argument("--model", help="tiny-llama, smollm2-135m-instruct, a local folder or config.json, a hub id")
     parser.add_argument("--config", help="recipe YAML, estimated as it will run: the longest stage's max_seq_length, "
                         "its micro-batch, accumulation, LoRA, checkpointing and attention (hf_zero's defaults where "
@@ -88,8 +87,6 @@ def _recipe(args):
     """The run to estimate: the recipe as it will run (with these flags as its overrides), or a bare model."""
     from dataclasses import replace
 
-    from hf_zero.estimate.recipe import RecipeMemory, lora_fields, read_recipe
-
     if args.flash_attention and args.attn_implementation not in (None, "flash_attention_2"):
         raise UserError("--flash-attention", f"contradicts --attn-implementation {args.attn_implementation}",
                         "give one of them")
@@ -108,8 +105,6 @@ def _recipe(args):
         if not args.model:
             raise UserError("--model", "no model given", "pass --model NAME or a --config recipe")
         from hf_zero.core.config import ModelArguments
-        from hf_zero.data.model_names import get_model_config
-
         context = getattr(get_model_config(str(args.model)).get_text_config(), "max_position_embeddings", 0) or 2048
         margs = ModelArguments(model_name_or_path=str(args.model), use_peft=bool(use_peft),
                                **({"lora_r": args.lora_r} if args.lora_r else {}))
@@ -137,8 +132,6 @@ def run(args) -> int:
     precision = args.precision or (prof.precision if prof else "bf16")
     gpu_mem = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
     cpu_mem = parse_bytes(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
-    from hf_zero.plan.reconcile import plan_batch
-
     batch = plan_batch(recipe.micro, recipe.accumulation, gpn * nodes, recipe.global_batch)
     try:
         count = memory.count_model(get_model_config(recipe.model), lora=recipe.lora)

@@ -11,6 +11,11 @@ decoded with the tokens that carry loss between [[ and ]]. Recipe flags after th
 from __future__ import annotations
 
 from hf_zero.core.errors import UserError
+from hf_zero.data.chat import FormatOptions
+from hf_zero.data.model_names import get_tokenizer
+from hf_zero.data.packing import pack_documents, padding_stats
+from hf_zero.plan.parse import parse_recipe_args, recipe_fields
+from hf_zero.plan.shipped import DEFAULT_CONFIG
 
 __all__ = ["add_arguments", "run", "marked_text", "source_lines", "ACCEPTS_EXTRA"]
 
@@ -19,8 +24,6 @@ OPEN, CLOSE = "[[", "]]"
 
 
 def add_arguments(parser) -> None:
-    from hf_zero.plan.shipped import DEFAULT_CONFIG
-
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML")
     parser.add_argument("--stage", help="only this stage (default: all)")
     parser.add_argument("-n", "--samples", type=int, default=3, help="samples shown per source (default 3)")
@@ -58,11 +61,7 @@ def source_lines(report) -> list[str]:
 
 def run(args) -> int:
     from hf_zero.core.config import CurriculumArguments, ModelArguments
-    from hf_zero.data.chat import FormatOptions
-    from hf_zero.data.model_names import get_tokenizer
     from hf_zero.data.stages import load_stage_data
-    from hf_zero.plan.parse import parse_recipe_args, recipe_fields
-
     if args.samples < 0:
         raise UserError("-n", f"must be 0 or more, got {args.samples}")
     model_args, stages, training, _ = parse_recipe_args(
@@ -82,8 +81,6 @@ def run(args) -> int:
         print(f"stage {stage.name!r}: {len(stage.data)} source(s), max_seq_length {length}, "
               f"{data.pool_size:,} training samples, {len(data.eval_samples):,} held out")
         if data_args.packing:
-            from hf_zero.data.packing import pack_documents, padding_stats
-
             rows = pack_documents([s for src in data.sources for s in src], length, tokenizer.pad_token_id)
             print(f"  packing: {len(rows):,} rows of {length} tokens, "
                   f"{100 * padding_stats(rows, 1)['non_padding_fraction']:.1f}% text")

@@ -8,11 +8,18 @@ import shlex
 import sys
 from pathlib import Path
 
+from hf_zero.checkpoint.resume import complete_message
 from hf_zero.core.errors import EXIT_USAGE, UserError
-from hf_zero.estimate.recipe import pick_profile
+from hf_zero.estimate.recipe import pick_profile, read_recipe
+from hf_zero.launch import launcher
+from hf_zero.launch.interrupt import RESUME_ENV
 from hf_zero.launch.launch_command import build_launch_command, prepare_assets
+from hf_zero.launch.launcher import VERBOSE_ENV, quiet_environment
+from hf_zero.plan import profiles
+from hf_zero.plan.hostfile import apply_hostfile
 from hf_zero.plan.parse import HF_ZERO_TRAINING_DEFAULTS
-from hf_zero.plan.shipped import DEFAULT_CONFIG
+from hf_zero.plan.shipped import DEFAULT_CONFIG, load_recipe, recipe_argument_types, recipe_script
+from hf_zero.preflight.checks import run_checks
 
 __all__ = ["add_arguments", "run", "recipe_help", "validate_flags", "preflight", "ACCEPTS_EXTRA"]
 
@@ -81,9 +88,6 @@ ACCEPTS_EXTRA = True  # unknown flags go on to the recipe (e.g. --learning_rate 
 def _recipe_memory(config: str, extra: list[str]):
     """The recipe as it will run (flags after it included), for sizing the profile; None when unreadable: the recipe
     itself then reports what is wrong."""
-    from hf_zero.core.errors import UserError
-    from hf_zero.estimate.recipe import read_recipe
-
     try:
         return read_recipe(config, extra)
     except (UserError, OSError):
@@ -109,8 +113,6 @@ def preflight(args, profile: str, extra: list[str]) -> bool | str:
     configuration mistake costs seconds, not a launch. Every failure is one `hf-zero: error:` line."""
     from argparse import Namespace
 
-    from hf_zero.preflight.checks import run_checks
-
     check_args = Namespace(profile=profile, config=args.config, nproc=args.nproc, hostfile=args.hostfile,
                            output_dir=None, gpus=None, precision=args.precision, extra=extra, recipe=args.recipe)
     failed = [r for r in run_checks(check_args, light=True) if r.ok is False]
@@ -121,23 +123,17 @@ def preflight(args, profile: str, extra: list[str]) -> bool | str:
 
 def run(args) -> int:
     validate_flags(args)
-    from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
-
     args.recipe = str(recipe_script(args.recipe, args.config))
     if args.help_recipe:
         print(f"Flags of {args.recipe} (each also a key of the --config YAML; a flag overrides the YAML):")
         print("\n".join(recipe_help(recipe_argument_types(load_recipe(args.recipe)), args.help_recipe == "all")))
         return 0
-    from hf_zero.launch.launcher import VERBOSE_ENV, quiet_environment
-
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"
     quiet_environment()  # before the preflight loads data and models: no progress bars there either
     profile = args.profile
     if not profile:
-        from hf_zero.plan.profiles import gpu_count
-
-        gpus = gpu_count()
+        gpus = profiles.gpu_count()  # through the module: a test stands in a GPU count there
         recipe = _recipe_memory(args.config, args.extra) if gpus else None
         profile, why = pick_profile(gpus, recipe=recipe, precision=args.precision)
         if gpus > 1 and args.nproc is None:
@@ -147,8 +143,6 @@ def run(args) -> int:
         print(f"[hf_zero] profile {profile}: {why}", flush=True)
     extra = [a for a in args.extra if a != "--"]
     if args.hostfile:
-        from hf_zero.plan.hostfile import apply_hostfile
-
         apply_hostfile(args)
     cmd, env = build_launch_command(
         profile, args.recipe, ["--config", args.config, *extra], nproc=args.nproc, precision=args.precision,
@@ -162,14 +156,9 @@ def run(args) -> int:
     if not verdict:
         return EXIT_USAGE
     if isinstance(verdict, str):  # a finished run: the recipe would say the same after a launch
-        from hf_zero.checkpoint.resume import complete_message
-
         print(f"[hf_zero] {complete_message(Path(verdict))}", flush=True)
         return 0
     prepare_assets(["--config", args.config, *extra])
-    from hf_zero.launch import launcher
-    from hf_zero.launch.interrupt import RESUME_ENV
-
     env[RESUME_ENV] = shlex.join(["hf-zero", *getattr(args, "argv", ["train"])])
     os.environ.update(env)
     return launcher.main(cmd[3:])

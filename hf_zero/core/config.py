@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from hf_zero.core.errors import UserError
+from hf_zero.core.validate import positive
 
 __all__ = ["ModelArguments", "CurriculumArguments", "Stage"]
 
@@ -187,8 +188,6 @@ class Stage:
         if self.lr_schedule not in ("cosine", "linear", "constant"):
             raise UserError(f"{where}.lr_schedule", f"unknown schedule {self.lr_schedule!r}",
                             "use cosine, linear or constant")
-        from hf_zero.core.validate import positive
-
         rules = (("learning_rate", self.learning_rate is None or positive(self.learning_rate), "must be a positive "
                   "number", "e.g. learning_rate: 1.0e-4"),
                  ("warmup_steps", self.warmup_steps >= 0, "cannot be negative", "e.g. warmup_steps: 0"),

@@ -13,7 +13,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from hf_zero.core.distributed import stall_if_asked, waiting_for
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.core.files import write_text_atomic
 from hf_zero.data.cache import build_once, get_cache_dir, model_folder_problem, usable
 from hf_zero.data.model_names import get_tiny_llama_path, is_tiny
 from hf_zero.data.smollm2 import get_smollm2_path
@@ -119,8 +121,6 @@ def _pick(texts, limit: int = _MAX_RECORDS) -> list[str]:
 
 
 def _write_jsonl(path: Path, texts: list[str]) -> None:
-    from hf_zero.core.files import write_text_atomic
-
     write_text_atomic(path, "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts))
 
 
@@ -245,8 +245,6 @@ def prepare_run_assets(model: str | None, data=()) -> None:
 def prepare_assets_in_worker(training_args, model: str | None, data) -> None:
     """Inside a launched rank: what `hf-zero train` has not built already, local rank 0 builds in a clean child
     process (outside this process group and zero.Init) while the other ranks wait at a barrier, then only check."""
-    from hf_zero.core.distributed import stall_if_asked, waiting_for
-
     builder = training_args.local_process_index == 0
     stall_if_asked()
     what = "the other ranks at the offline-asset barrier" if builder else "local rank 0 to build the offline assets"

@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hf_zero.core.distributed import DIST_TIMEOUT_ENV, dist_timeout
 from hf_zero.core.errors import UserError
 
 __all__ = ["get_cache_dir", "build_once", "usable", "model_folder_problem", "MARKER"]
@@ -60,8 +61,6 @@ def _cache_lock(path: Path, what: str):
     import socket
 
     from filelock import FileLock, Timeout
-
-    from hf_zero.core.distributed import DIST_TIMEOUT_ENV, dist_timeout
 
     lock, side = FileLock(str(path)), path.with_name(path.name + ".pid")
     try:

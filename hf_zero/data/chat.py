@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from hf_zero.core.errors import UserError
+from hf_zero.data.chat_template import has_generation_markers
 
 __all__ = ["FORMATS", "FormatOptions", "SourceReport", "Encoded", "detect_format", "encode_rows", "ROLES"]
 
@@ -168,8 +169,6 @@ def _last_user(messages: list[dict]) -> str:
 
 
 def _encode_conversation(tokenizer, msgs: list[dict], opts: FormatOptions, row: _Row) -> Encoded:
-    from hf_zero.data.chat_template import has_generation_markers
-
     replies = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if not replies:
         row.fail("has no assistant message: nothing to learn", "add the assistant's reply")

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
+from hf_zero.data.model_names import get_tokenizer
 
 __all__ = ["CHATML_TEMPLATE", "prepare_chat_template", "added_template_tokens", "grow_embeddings",
            "train_embeddings", "has_generation_markers", "end_of_turn_ids"]
@@ -42,8 +43,6 @@ def _load_template(value: str) -> str:
     path = Path(value)
     if path.is_file():
         return path.read_text(encoding="utf-8")
-    from hf_zero.data.model_names import get_tokenizer
-
     try:  # a tokenizer folder or model name: borrow its template
         source = get_tokenizer(value)
     except (OSError, ValueError, UserError):

@@ -17,6 +17,7 @@ from transformers import TrainingArguments
 
 from hf_zero.core.console import rank
 from hf_zero.core.errors import UserError
+from hf_zero.data.stages import load_source
 
 __all__ = ["ClassificationArguments", "ClassificationData", "BUILTIN_CLASSIFICATION", "get_data_kind",
            "check_classification_data", "label_ids", "load_classification_data", "split_indices", "ImageSource",
@@ -193,8 +194,6 @@ def _builtin(name: str, split: str, args: ClassificationArguments):
 
 
 def _load_local(spec: str, args: ClassificationArguments, where: str):
-    from hf_zero.data.stages import load_source
-
     ds = load_source(spec, where)
     for col, flag in ((args.text_field, "text_field"), (args.label_field, "label_field")):
         if col not in ds.column_names:

@@ -16,10 +16,8 @@ import numpy as np
 
 from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
-from hf_zero.core.lazy import trainer_callback
 
-__all__ = ["StageSpan", "CurriculumSchedule", "build_schedule", "build_sample_order", "CurriculumDataset",
-           "CurriculumCallback"]
+__all__ = ["StageSpan", "CurriculumSchedule", "build_schedule", "build_sample_order", "CurriculumDataset"]
 
 
 @dataclass(frozen=True)
@@ -126,21 +124,3 @@ class CurriculumDataset:
     def __getitem__(self, i: int) -> dict:
         stage, src, idx = self.order[i]
         return self.sources[stage][src][int(idx)]
-
-
-class CurriculumCallback(trainer_callback()):
-    """Logs stage switches at their exact step and asks for evaluation at each stage end."""
-
-    def __init__(self, schedule: CurriculumSchedule, has_eval: bool, log=print):
-        self.schedule, self.has_eval, self.log = schedule, has_eval, log
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        span = self.schedule.stage_at(state.global_step)
-        if state.global_step == span.start_step and state.is_world_process_zero:
-            self.log(f"[hf_zero] stage {span.index + 1}/{len(self.schedule.spans)} '{span.name}' starts at step "
-                     f"{span.start_step + 1} ({span.steps} steps, peak lr {span.peak_lr:g})")
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.has_eval and any(state.global_step == s.end_step for s in self.schedule.spans):
-            control.should_evaluate = True
-        return control

@@ -8,7 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_zero.core.config import Stage
+from hf_zero.core.console import verbose
 from hf_zero.core.errors import UserError
+from hf_zero.data.assets import resolve_data_path
+from hf_zero.data.chat import FormatOptions, SourceReport, detect_format, encode_rows
+from hf_zero.data.chat_template import prepare_chat_template
+from hf_zero.data.packing import PackedCollator, pack_documents
 
 __all__ = ["StageData", "load_source", "verify_data_file", "held_out_sizes", "check_held_out", "check_stage_files",
            "load_stage_data", "build_collator"]
@@ -79,13 +84,9 @@ def load_source(spec: str, where: str):
     """One data source as a `datasets.Dataset`."""
     import datasets
 
-    from hf_zero.core.console import verbose
-
     if not verbose():  # "Generating train split" bars, once per file and rank, bury the run's own lines
         datasets.disable_progress_bars()
     if spec.startswith("builtin:"):
-        from hf_zero.data.assets import resolve_data_path
-
         spec = resolve_data_path(spec)
     path = spec
     local = Path(path)
@@ -124,8 +125,6 @@ class StageData:
 
 
 def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str, spec: str = ""):
-    from hf_zero.data.chat import SourceReport
-
     if text_field not in ds.column_names:
         raise UserError(where, f"has no column {text_field!r} (columns: {', '.join(ds.column_names)})",
                         "set text_field in the recipe")
@@ -150,13 +149,9 @@ def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str, spec: st
 
 def _load_tokenized(spec: str, where: str, tokenizer, max_len: int, opts):
     """One source as training samples, whatever its format (hf_zero.data.chat), and its report."""
-    from hf_zero.data.chat import detect_format, encode_rows
-
     ds = load_source(spec, where)
     fmt = detect_format(ds.column_names, ds[0] if len(ds) else None, opts, where, spec)
     if fmt != "text" or opts.chat_template:
-        from hf_zero.data.chat_template import prepare_chat_template
-
         prepare_chat_template(tokenizer, opts.chat_template)
     if fmt == "text":
         samples, report = _tokenize(ds, tokenizer, max_len, opts.text_field, where, spec)
@@ -217,8 +212,6 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
     of the stage's length. `formats` (hf_zero.data.chat.FormatOptions) says how to read chat and prompt data."""
     import numpy as np
 
-    from hf_zero.data.chat import FormatOptions
-
     opts = formats or FormatOptions(text_field=text_field)
     max_len = stage.max_seq_length or default_max_len
     sources, reports = [], []
@@ -243,8 +236,6 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
     for samples in sources:
         _split_gen(samples)
     if packing:  # held-out eval samples stay one per row
-        from hf_zero.data.packing import pack_documents
-
         # Without weights, samples are drawn in proportion to source sizes: the same as one pooled source, which packs
         # far tighter (short documents fill the rows of long ones). With weights, per source, so they still apply.
         pools = [[s for src in sources for s in src]] if stage.weights is None else sources
@@ -261,8 +252,6 @@ def build_collator(tokenizer, packing: bool = False, model=None):
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True, return_tensors="pt")
     if packing:
         from transformers.utils.generic import is_flash_attention_requested
-
-        from hf_zero.data.packing import PackedCollator
 
         varlen = model is not None and is_flash_attention_requested(config=model.config)
         return PackedCollator(collator, tokenizer.pad_token_id, varlen=varlen)

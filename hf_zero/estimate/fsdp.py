@@ -30,6 +30,8 @@ Checked against the bytes each rank holds after step 1 on 2 CPU ranks (tests/tes
 
 from __future__ import annotations
 
+from hf_zero.plan.fsdp import layer_classes
+
 __all__ = ["FSDP_STRATEGIES", "describe_shards", "shard_states", "states", "resident", "buffers"]
 
 FSDP_STRATEGIES = ("fsdp2", "fsdp2_offload")
@@ -39,8 +41,6 @@ def describe_shards(model) -> tuple[tuple, tuple]:
     """(param_shapes, shard_groups) of a model (meta is fine) as accelerate 1.15 would wrap it for FSDP2.
     param_shapes: (dim0, numel, trainable) per parameter, tied ones once; shard_groups: (largest group elements, its
     trainable elements, tail group elements, tail trainable elements)."""
-    from hf_zero.plan.fsdp import layer_classes
-
     shapes = tuple((int(p.shape[0]) if p.dim() else 1, p.numel(), bool(p.requires_grad)) for p in model.parameters())
     classes = set(layer_classes(model))
 

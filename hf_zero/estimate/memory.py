@@ -40,6 +40,10 @@ import sys
 from dataclasses import dataclass
 
 from hf_zero.core.errors import UserError
+from hf_zero.data.model_names import get_model_config
+from hf_zero.estimate import fsdp as fsdp_memory
+from hf_zero.estimate.activations import ATTENTION, describe_layers, step_bytes
+from hf_zero.estimate.fsdp import describe_shards
 from hf_zero.plan.profiles import list_profiles, load_profile
 
 __all__ = ["strategies_for", "STRATEGIES", "SPEED_ORDER", "ModelCount", "count_model", "estimate", "estimate_all",
@@ -89,15 +93,11 @@ def count_model(config_or_name, lora=None) -> ModelCount:
     on meta."""
     import torch
 
-    from hf_zero.estimate.activations import describe_layers
-
     if isinstance(config_or_name, torch.nn.Module):
         model, config, name = config_or_name, getattr(config_or_name, "config", None), type(config_or_name).__name__
     else:
         config, name = config_or_name, getattr(config_or_name, "name_or_path", "") or ""
         if isinstance(config, str) or hasattr(config, "__fspath__"):
-            from hf_zero.data.model_names import get_model_config
-
             name, config = str(config), get_model_config(str(config))
         from transformers import AutoModel, AutoModelForCausalLM
 
@@ -117,8 +117,6 @@ def count_model(config_or_name, lora=None) -> ModelCount:
     layer, tlayer = (max((sum(p.numel() for p in ps if keep(p)) for ps in own), default=0)
                      for keep in (lambda p: True, lambda p: p.requires_grad))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    from hf_zero.estimate.fsdp import describe_shards
-
     shapes, groups = describe_shards(model)
     return ModelCount(
         total_params=sum(p.numel() for p in params), largest_layer_params=layer,
@@ -141,7 +139,6 @@ def _states(s, c: ModelCount, n, mixed, convention, f=4):
     """(params, grads, optimizer, gathered) per GPU, (cpu, nvme) bytes offloaded per rank: the accounting above;
     `f`: bytes per frozen parameter under the Trainer and FSDP2."""
     if s.startswith("fsdp"):  # both conventions: the paper has no FSDP2 row, and FSDP2 keeps no separate master
-        from hf_zero.estimate import fsdp as fsdp_memory
         return fsdp_memory.states(s, c, n, mixed, f)
     psi, t, L = c.total_params, c.trainable_params, c.largest_layer_params
     Lt = c.largest_trainable_layer_params or (L if t == psi else min(L, t))
@@ -177,7 +174,6 @@ def _resident(s, c: ModelCount, n, mixed, max_reuse_distance, f=4):
     """(states alive through forward and backward, gradients alive during backward) per GPU rank, deepspeed
     convention: what the forward/backward peak adds activations to."""
     if s.startswith("fsdp"):
-        from hf_zero.estimate import fsdp as fsdp_memory
         return fsdp_memory.resident(s, c, n, mixed, f)
     psi, t, p = c.total_params, c.trainable_params, (2 if mixed else 4)
     offload_params = s in ("zero3_offload", "zero3_nvme")
@@ -192,7 +188,6 @@ def _resident(s, c: ModelCount, n, mixed, max_reuse_distance, f=4):
 def _buffers(s, c: ModelCount, n, mixed, reduce_bucket, prefetch, persistence):
     h, p, rb = c.hidden_size, (2 if mixed else 4), reduce_bucket or (c.hidden_size ** 2 or 5e8)
     if s.startswith("fsdp"):
-        from hf_zero.estimate import fsdp as fsdp_memory
         return fsdp_memory.buffers(s, c, n, mixed)
     if not s.startswith("zero3"):
         return (4 * c.trainable_params if n > 1 else 0) if s == "ddp" else p * rb  # one GPU: no DDP wrapper
@@ -213,8 +208,6 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     `flash_attention=True` is the same as flash_attention_2. `frozen_base`: the precision frozen (LoRA base)
     weights are held in under ddp and FSDP2: default `precision`, as hf_zero loads them; "fp32" for a run that
     loads its base in fp32 (DeepSpeed casts the model itself: its rows do not depend on it)."""
-    from hf_zero.estimate.activations import ATTENTION, step_bytes
-
     attn = "flash_attention_2" if flash_attention else attn_implementation
     frozen_base = frozen_base or precision
     if strategy not in STRATEGIES or precision not in PRECISIONS or frozen_base not in PRECISIONS or \

@@ -15,7 +15,12 @@ from dataclasses import dataclass, field, replace
 
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
-from hf_zero.plan.profiles import gpu_count
+from hf_zero.data.model_names import get_model_config
+from hf_zero.estimate.memory import count_model, estimate
+from hf_zero.plan.parse import parse_recipe_args
+from hf_zero.plan.profiles import gpu_count, load_profile
+from hf_zero.plan.reconcile import plan_batch
+from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
 
 __all__ = ["HEADROOM", "RecipeMemory", "read_recipe", "lora_fields", "plan", "candidates", "pick_profile"]
 
@@ -53,10 +58,6 @@ def lora_fields(model_args) -> dict | None:
 def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
     """The recipe YAML as it will run, parsed as its recipe parses it (`parse_recipe_args`, its own argument
     classes); `overrides`: `--key value` flags given to `hf-zero train` after the recipe."""
-    from hf_zero.plan.parse import parse_recipe_args
-    from hf_zero.plan.reconcile import plan_batch
-    from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
-
     types = recipe_argument_types(load_recipe(str(recipe_script(None, path))))
     model_args, *_, stages, training, _ = parse_recipe_args(types, ["--config", path, *overrides])
     seq = training["max_seq_length"]
@@ -92,8 +93,6 @@ def candidates(world: int) -> list[tuple[str, str]]:
 
 def _command(recipe: RecipeMemory, profile: str, gpn: int, nodes: int, precision: str, micro: int, accum: int):
     """The `hf-zero train` line that runs this plan (None without a recipe file to run)."""
-    from hf_zero.plan.profiles import load_profile
-
     if not recipe.path:
         return None
     cmd = ["hf-zero", "train", "--profile", profile, "--nproc", str(gpn)]
@@ -112,8 +111,6 @@ def _command(recipe: RecipeMemory, profile: str, gpn: int, nodes: int, precision
 def _first_fit(count, recipe, world, estimate_kw, usable, cpu_memory, choices, only_own=False):
     """(profile, strategy, micro, accumulation, estimate) of the fastest launch that fits, else None; `only_own`:
     at the recipe's own micro-batch only."""
-    from hf_zero.estimate.memory import estimate
-
     per_rank = (recipe.global_batch or recipe.micro * recipe.accumulation * world) // world
     micros = [recipe.micro] if only_own else [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
     for profile, strategy in choices:
@@ -130,10 +127,6 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
     """The fastest profile (and micro-batch x accumulation keeping the global batch) that fits, its command, the
     headroom it leaves and why; "profile": None and what would fit when nothing does. `choices`: (profile,
     strategy) pairs to try in order (default: candidates(world)); `only_own`: keep the recipe's micro-batch."""
-    from hf_zero.data.model_names import get_model_config
-    from hf_zero.estimate.memory import count_model
-    from hf_zero.plan.reconcile import plan_batch
-
     world = gpus_per_node * nodes
     batch = plan_batch(recipe.micro, recipe.accumulation, world, recipe.global_batch)
     recipe = replace(recipe, accumulation=batch.accumulation)
@@ -165,8 +158,6 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
 
 def _what_would_fit(count, recipe, world, kw, usable, gpu_memory, cpu_memory, choices, only_own) -> dict:
     """The smallest estimate tried (the last choice at the smallest micro-batch) and what would fit instead."""
-    from hf_zero.estimate.memory import estimate
-
     last, strategy = choices[-1]
     micro = recipe.micro if only_own else 1
     need = estimate(count, strategy, micro_batch=micro, **kw)["gpu_bytes_per_rank"]["total"]

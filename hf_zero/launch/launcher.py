@@ -26,8 +26,10 @@ from hf_zero.core.console import VERBOSE_ENV, quiet_environment
 from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.core.report import STATUS_ENV, read_status
 from hf_zero.core.run_lock import LOCK_ENV, RunLock
-from hf_zero.launch.interrupt import RESUME_ENV
+from hf_zero.launch.interrupt import RESUME_ENV, status_line, where_it_stands
 from hf_zero.launch.parent_watch import LAUNCHER_PID_ENV
+from hf_zero.plan.profiles import load_profile
+from hf_zero.plan.run_plan import PLAN_ENV, RunPlan, plan_for_launch
 
 __all__ = ["main"]
 
@@ -77,8 +79,6 @@ def _user_errors(status: Path) -> list[str]:
 def _killed(status: Path, rank: int, signum: int, others: bool) -> int:
     """A rank ended by a signal nobody in the run sent (the kernel's OOM killer, a person's kill -9): it could not
     say anything itself."""
-    from hf_zero.launch.interrupt import where_it_stands
-
     name = signal.Signals(signum).name
     why = " (out of memory? `dmesg` lists what the kernel's OOM killer ended)" if signum == signal.SIGKILL else ""
     after = "; the other ranks' errors above follow from it" if others else ""
@@ -115,8 +115,6 @@ def _failed(status: Path, exitcodes: dict[int, int], first: int) -> int:
 
 
 def _interrupted(status: Path, signum: int) -> int:
-    from hf_zero.launch.interrupt import status_line
-
     _say(status_line(status, signum, os.environ.get(RESUME_ENV) or "the same command"))
     return 128 + signum
 
@@ -138,9 +136,6 @@ def _resolve_plan(args, folder: Path) -> Path | None:
     to every rank in the environment (hf_zero.plan.run_plan)."""
     from dataclasses import replace
 
-    from hf_zero.plan.profiles import load_profile
-    from hf_zero.plan.run_plan import PLAN_ENV, plan_for_launch
-
     if not args.config_file or not args.training_script.endswith(".py"):
         return None  # not a recipe under a profile: the ranks resolve it themselves, as under `accelerate launch`
     profile = load_profile(args.config_file)
@@ -159,8 +154,6 @@ def _lock_output(args, plan: Path | None) -> RunLock | None:
     would be refused by machine 0's."""
     if plan is None or (args.machine_rank or 0) != 0:
         return None
-    from hf_zero.plan.run_plan import RunPlan
-
     lock = RunLock(RunPlan.from_json(plan.read_text()).output_dir)
     line = lock.acquire()
     if line:
@@ -204,8 +197,6 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"hf-zero: error: {err.line()}")
         return EXIT_USAGE
     finally:
-        from hf_zero.plan.run_plan import PLAN_ENV
-
         for name in (PLAN_ENV, LOCK_ENV, LAUNCHER_PID_ENV):  # an in-process caller (hf-zero train, tests) must
             os.environ.pop(name, None)  # not pass them to a later launch
         if lock is not None:

@@ -16,6 +16,10 @@ import shlex
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
+from hf_zero.launch.launch_command import build_launch_command
+from hf_zero.plan.parse import load_yaml_config, pop_flag
+from hf_zero.plan.profiles import load_profile
+from hf_zero.plan.shipped import recipe_script
 
 __all__ = ["build_sbatch_script"]
 
@@ -44,8 +48,6 @@ def _check_positive(flag: str, value, minimum: int = 1) -> None:
 
 def _output_dir(args, extra: list[str], yaml_values: dict) -> tuple[Path, list[str]]:
     """One output folder for every attempt of the job: a requeue resumes only if it looks in the same place."""
-    from hf_zero.plan.parse import pop_flag
-
     from_extra, extra = pop_flag(extra, "--output_dir")
     if from_extra and args.output_dir and Path(from_extra).resolve() != Path(args.output_dir).resolve():
         raise UserError("--output_dir", f"given twice ({args.output_dir} and {from_extra})", "keep --output-dir only")
@@ -75,10 +77,6 @@ def _requeue_checkpointing(yaml_values: dict, extra: list[str], save_steps: int)
 
 def build_sbatch_script(args, extra: list[str], command_line: str = "") -> str:
     """The sbatch script text for parsed `hf-zero slurm` args; raises UserError on anything unsafe or inconsistent."""
-    from hf_zero.launch.launch_command import build_launch_command
-    from hf_zero.plan.parse import load_yaml_config
-    from hf_zero.plan.profiles import load_profile
-
     _check_positive("--nodes", args.nodes)
     _check_positive("--gpus-per-node", args.gpus_per_node, 0)
     _check_positive("--nproc-per-node", args.nproc_per_node)
@@ -92,8 +90,6 @@ def build_sbatch_script(args, extra: list[str], command_line: str = "") -> str:
     profile = load_profile(args.profile)
     config = Path(args.config).expanduser().resolve()
     yaml_values = load_yaml_config(str(config))
-    from hf_zero.plan.shipped import recipe_script
-
     recipe = recipe_script(args.recipe, args.config).expanduser().resolve()
     if not recipe.is_file():
         raise UserError("--recipe", f"{recipe} does not exist", "pass a recipe script, e.g. recipes/curriculum.py")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from hf_zero.core.errors import UserError
+
 __all__ = ["METRICS_DIR", "CLASSIFICATION_METRICS", "load_metric", "build_compute_metrics"]
 
 METRICS_DIR = Path(__file__).resolve().parent
@@ -21,8 +23,6 @@ def load_metric(name: str):
 
     folder = METRICS_DIR / name
     if not (folder / f"{name}.py").is_file():
-        from hf_zero.core.errors import UserError
-
         known = sorted(p.name for p in METRICS_DIR.iterdir() if (p / f"{p.name}.py").is_file())
         raise UserError("metric", f"hf_zero ships no metric {name!r}", f"use one of {', '.join(known)}")
     # keep_in_memory: every rank computes on the full, already gathered predictions; no shared cache files.

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from hf_zero.core.distributed import dist_timeout
 from hf_zero.core.errors import UserError
+from hf_zero.core.validate import at_line, check_values, check_yaml_types, resolve_recipe_paths, yaml_lines
 
 if TYPE_CHECKING:  # core/config.py imports transformers: only when a stage is built
     from hf_zero.core.config import Stage
@@ -67,8 +69,6 @@ def load_yaml_config(path: str) -> dict:
 def build_stage(item: dict, i: int, where: str | None, lines: dict | None = None) -> Stage:
     """Stage(**item), its mistakes located: `(in recipe.yaml line 7)`."""
     from hf_zero.core.config import Stage
-    from hf_zero.core.validate import at_line
-
     for key, fix in (("name", "give each stage a name"), ("data", "give each stage its data files")):
         if item.get(key) in (None, "", []):  # else Stage() says "__init__() missing 1 required positional argument"
             raise UserError(f"stages[{i}].{key}", f"missing {at_line(where, lines, f'stages[{i}]')}", fix)
@@ -123,8 +123,6 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yam
     config_path, argv = pop_flag(argv, "--config")
     if yaml_values is None:
         yaml_values = load_yaml_config(config_path) if config_path else {}
-    from hf_zero.core.validate import check_values, check_yaml_types, resolve_recipe_paths, yaml_lines
-
     yaml_values = resolve_recipe_paths(yaml_values, config_path)
     lines = yaml_lines(config_path)
     stages = parse_stages(yaml_values.pop("stages", None), config_path or "the command line", lines)
@@ -150,8 +148,6 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yam
     defaults["output_dir"] = f"runs/{Path(config_path).stem}" if config_path else "runs/default"
     # minutes, not torch's 30: a stuck rank fails the run soon (hf_zero/core/distributed.py)
     if "ddp_timeout" in known:
-        from hf_zero.core.distributed import dist_timeout
-
         defaults["ddp_timeout"] = dist_timeout()
     parser.set_defaults(**{**defaults, **yaml_values})
     namespace, remaining = parser.parse_known_args(argv)

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from hf_zero.core.errors import UserError
+from hf_zero.core.validate import at_line, yaml_lines
 from hf_zero.plan.shipped import shipped_dir
 
 __all__ = [
@@ -191,8 +192,6 @@ def _validate_with_accelerate(path: Path) -> None:
 def _validate_values(raw: dict, path: Path) -> None:
     """accelerate's loader checks the keys, not their values: `zero_stage: 7` or `num_processes: 0` would only
     fail inside DeepSpeed or torchrun, after the launch."""
-    from hf_zero.core.validate import at_line, yaml_lines
-
     lines = yaml_lines(str(path))
     ds = raw.get("deepspeed_config") or {}
     rules = [

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from hf_zero.core.console import say
 from hf_zero.core.errors import UserError
+from hf_zero.data.model_names import get_model_config
 from hf_zero.plan.deepspeed_config import build_deepspeed_config
 from hf_zero.plan.profiles import Profile
 
@@ -114,8 +115,6 @@ def _model_shape(model_args) -> dict:
     unknown: any linear), for `zero3_speed_settings`."""
     if model_args is None or not getattr(model_args, "model_name_or_path", None):
         return {}
-    from hf_zero.data.model_names import get_model_config
-
     config = get_model_config(model_args.model_name_or_path)
     targets = None
     if getattr(model_args, "use_peft", False):

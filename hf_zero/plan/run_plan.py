@@ -21,8 +21,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
-from hf_zero.plan.profiles import Profile
+from hf_zero.core.files import write_text_atomic
+from hf_zero.plan.parse import parse_recipe_args
+from hf_zero.plan.profiles import Profile, gpu_count, profile_from_env
 from hf_zero.plan.reconcile import BatchPlan, reconcile_training_kwargs
+from hf_zero.plan.shipped import load_recipe, recipe_argument_types
 
 __all__ = ["PLAN_ENV", "PLAN_NAME", "RunPlan", "resolve_run", "plan_for_launch", "plan_in_worker", "current_plan"]
 
@@ -81,8 +84,6 @@ class RunPlan:
                       "argv": tuple(data["argv"])})
 
     def write(self, path: Path | None = None) -> Path:
-        from hf_zero.core.files import write_text_atomic
-
         path = Path(path or self.path)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, self.to_json())
@@ -118,9 +119,6 @@ def resolve_run(profile: Profile, parsed: tuple, training_kwargs: dict, *, world
 
 
 def _parse(script: str, argv: list[str], types: tuple | None = None):
-    from hf_zero.plan.parse import parse_recipe_args
-    from hf_zero.plan.shipped import load_recipe, recipe_argument_types
-
     types = types or recipe_argument_types(load_recipe(script))
     *parsed, stages, training_kwargs, config = parse_recipe_args(types, list(argv))
     return tuple(parsed), stages, training_kwargs, config
@@ -130,8 +128,6 @@ def plan_for_launch(profile: Profile, script: str, argv: list[str], world: int, 
     """The launcher's side: resolve before any rank starts and write the plan into the launch's own `folder`; the
     ranks get that path, and rank 0 copies the plan beside the outputs once the run really starts (a finished run
     asked to train again is left as it was)."""
-    from hf_zero.plan.profiles import gpu_count
-
     parsed, _, training_kwargs, config = _parse(script, argv)
     plan, _ = resolve_run(profile, parsed, training_kwargs, world=world, nodes=nodes, gpus=gpu_count(),
                           recipe=script, config=config, argv=argv)
@@ -141,8 +137,6 @@ def plan_for_launch(profile: Profile, script: str, argv: list[str], world: int, 
 def plan_in_worker(types: tuple, argv: list[str], script: str, env=os.environ):
     """A rank's side: (parsed recipe dataclasses, stages, TrainingArguments kwargs, plan). The plan comes from the
     launcher's file when there is one, else it is resolved here, as the launcher would."""
-    from hf_zero.plan.profiles import gpu_count, profile_from_env
-
     parsed, stages, training_kwargs, config = _parse(script, argv, types)
     world = int(env.get("WORLD_SIZE", "1"))
     if env.get(PLAN_ENV):

@@ -9,6 +9,9 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+from hf_zero.core.errors import UserError
+from hf_zero.plan.parse import load_yaml_config
+
 __all__ = ["DEFAULT_RECIPE", "DEFAULT_CONFIG", "shipped_dir", "recipe_script", "check_recipe_matches", "load_recipe",
            "recipe_argument_types"]
 
@@ -36,8 +39,6 @@ RECIPE_KEY = "recipe"  # the YAML key naming the recipe a config is for (the cur
 def recipe_script(flag: str | None, config: str | None) -> Path:
     """The recipe script a run uses: `--recipe` if given, else the YAML's `recipe:` (a shipped recipe's name such as
     `classify`, or a path relative to the YAML), else the shipped curriculum recipe."""
-    from hf_zero.core.errors import UserError
-
     if flag:
         return Path(flag)
     named = _named_recipe(config)
@@ -59,8 +60,6 @@ def recipe_script(flag: str | None, config: str | None) -> Path:
 
 def check_recipe_matches(config: str | None, script: str) -> None:
     """A YAML written for one recipe, launched with another, stops in one line instead of failing on its keys."""
-    from hf_zero.core.errors import UserError
-
     named = _named_recipe(config)
     if named is None:
         return
@@ -73,9 +72,6 @@ def check_recipe_matches(config: str | None, script: str) -> None:
 def _named_recipe(config: str | None) -> str | None:
     if not config or not Path(config).is_file():
         return None
-    from hf_zero.core.errors import UserError
-    from hf_zero.plan.parse import load_yaml_config
-
     try:
         value = load_yaml_config(config).get(RECIPE_KEY)
     except UserError:  # unreadable YAML: the recipe itself (or check's recipe check) says where, in one line

@@ -8,13 +8,24 @@ from dataclasses import fields
 from pathlib import Path
 
 from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, run_settings
+from hf_zero.checkpoint.store import list_checkpoints, read_metadata, validate_checkpoint
 from hf_zero.core.errors import UserError, flag_hint
+from hf_zero.core.validate import yaml_lines
+from hf_zero.data.chat import FormatOptions
+from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
+from hf_zero.estimate.memory import estimate
+from hf_zero.plan.parse import build_stage
+from hf_zero.preflight.check_rules import (
+    count_for,
+    output_needs,
+    strategy_of,
+    verify_offload,
+    verify_output,
+    verify_seq_length,
+)
 
 
 def _model(st):
-    from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
-    from hf_zero.preflight.check_rules import count_for, verify_seq_length
-
     if not st.curriculum:
         return None
     model_args = st.parsed[0]
@@ -38,11 +49,7 @@ def _model(st):
 
 def _data(st):
     from hf_zero.core.config import Stage
-    from hf_zero.core.validate import yaml_lines
-    from hf_zero.data.chat import FormatOptions
     from hf_zero.data.stages import check_stage_files, load_stage_data
-    from hf_zero.plan.parse import build_stage
-
     if not st.curriculum:
         return _recipe_data(st)
     stages = st.raw.get("stages")
@@ -87,9 +94,6 @@ def _recipe_data(st):
 
 
 def _offload(st):
-    from hf_zero.estimate.memory import estimate
-    from hf_zero.preflight.check_rules import strategy_of, verify_offload
-
     nvme = None
     if st.count is not None and "nvme" in (st.profile.offload_optimizer, st.profile.offload_param):
         nvme = estimate(st.count, strategy_of(st.profile), gpus_per_node=st.nproc, nodes=st.machines,
@@ -99,8 +103,6 @@ def _offload(st):
 
 def _output(st):
     from hf_zero.data.curriculum import build_schedule
-    from hf_zero.preflight.check_rules import output_needs, verify_output
-
     *instances, stages, training = st.parsed
     where = st.args.output_dir or training["output_dir"]
     if not st.value("fresh_start"):
@@ -125,8 +127,6 @@ def _compare_with_output(where, settings: dict, training: dict) -> None:
     """The ranks' comparison (checkpoint/compare.py), before any launch: a finished run asked with other settings,
     or the checkpoint a resume would take trained with other settings, is one line here."""
     import json
-
-    from hf_zero.checkpoint.store import list_checkpoints, read_metadata, validate_checkpoint
 
     out = Path(where)
     asked = training.get("resume_from_checkpoint")

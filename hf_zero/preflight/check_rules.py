@@ -9,8 +9,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from hf_zero.core import ops
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
+from hf_zero.core.ops import build_ops
+from hf_zero.data.model_names import get_model_config
+from hf_zero.estimate.memory import count_model, estimate
+from hf_zero.plan.fsdp import verify_fsdp
+from hf_zero.plan.hostfile import find_machine_rank, read_hostfile
+from hf_zero.plan.profiles import gpu_count, precision_name
+from hf_zero.plan.reconcile import _profile_precision
 
 __all__ = ["verify_profile_keys", "verify_devices", "verify_precision", "verify_launch", "verify_hostfile",
            "verify_offload", "verify_output", "strategy_of", "count_for", "checkpoint_plan", "output_needs",
@@ -71,12 +79,8 @@ def verify_devices(profile, nproc: int, gpus: int) -> str:
 
 def verify_precision(profile, precision: str, recipe_kwargs: dict, gpus: int, real_gpus: bool) -> str:
     """The profile owns precision; the recipe may not contradict it; the hardware must support it."""
-    from hf_zero.plan.reconcile import _profile_precision
-
     if recipe_kwargs:
         _profile_precision(profile, recipe_kwargs)  # a recipe saying bf16/fp16 against the profile: both named
-    from hf_zero.plan.profiles import precision_name
-
     name = precision_name(precision)
     if gpus == 0:
         if name == "fp16":
@@ -118,8 +122,6 @@ def verify_hostfile(path: str | None, nproc: int) -> str:
     is given, the processes per machine (its slots)."""
     if not path:
         return "none given (each machine is launched with the profile's machine_rank)"
-    from hf_zero.plan.hostfile import find_machine_rank, read_hostfile
-
     hosts = read_hostfile(path)
     slots = hosts[0][1]
     if nproc > slots:
@@ -159,22 +161,18 @@ def verify_offload(profile, nvme_bytes: int | None, build_cpu_adam: bool = True)
         return f"none in profile {profile.name}"
     done = []
     if "nvme" in devices:  # the cheap checks first (the path, then a compile for libaio): cpu_adam takes minutes
-        from hf_zero.core.ops import libaio_available
-
         path = Path(profile.nvme_path or "/local_nvme")
         fix = "export HF_ZERO_NVME_PATH=<a writable local NVMe folder>"
         free = _writable_room(path, "HF_ZERO_NVME_PATH", fix)
         if nvme_bytes is not None and free < nvme_bytes:
             raise UserError("HF_ZERO_NVME_PATH", f"{path} has {human_bytes(free)} free, the swap files need "
                             f"{human_bytes(nvme_bytes)}", fix)
-        if not libaio_available():
+        if not ops.libaio_available():  # through the module: a test stands in the answer there
             raise UserError("offload", "NVMe offload needs libaio, and no program links against it here",
                             "apt-get install libaio-dev (and a C compiler)")
         need = f", needs {human_bytes(nvme_bytes)}" if nvme_bytes is not None else ""
         done.append(f"libaio ok, {path} writable ({human_bytes(free)} free{need})")
     if build_cpu_adam:  # the optimizer steps on the CPU for both cpu and nvme offload
-        from hf_zero.core.ops import build_ops
-
         res = build_ops(("CPUAdamBuilder",))["CPUAdamBuilder"]
         if res != "ok":
             raise UserError("offload", f"DeepSpeed's cpu_adam cannot be built ({res[:160]})",
@@ -200,9 +198,6 @@ def strategy_of(profile) -> str:
 
 def count_for(model_args):
     """Parameter counts of the recipe's model (LoRA included), from its config on the meta device."""
-    from hf_zero.data.model_names import get_model_config
-    from hf_zero.estimate.memory import count_model
-
     lora = None
     if model_args.use_peft:
         lora = {"r": model_args.lora_r, "target_modules": model_args.lora_target_modules}
@@ -243,8 +238,6 @@ def checkpoint_plan(training_kwargs: dict, total_steps: int) -> int:
 
 def output_needs(count, profile, nproc: int, training_kwargs: dict, total_steps: int) -> tuple[int, str, dict]:
     """(bytes, what they are, the memory estimate) the run writes into output_dir: checkpoints + final model."""
-    from hf_zero.estimate.memory import estimate
-
     est = estimate(count, strategy_of(profile), gpus_per_node=nproc, nodes=profile.num_machines,
                    precision=profile.precision)
     ckpts = checkpoint_plan(training_kwargs, total_steps)
@@ -278,8 +271,6 @@ def _nproc(profile, world: int, env: dict) -> int:
 
 def check_launch_at_start(profile, parsed: tuple, world: int, config: str | None = None, env: dict | None = None):
     """Launch, profile keys and devices: before any process group exists."""
-    from hf_zero.plan.profiles import gpu_count
-
     env = dict(os.environ if env is None else env)
     verify_launch(profile, env, config)
     ds_fields = env.get("ACCELERATE_CONFIG_DS_FIELDS")  # the profile's deepspeed_config keys, as accelerate read them
@@ -296,19 +287,12 @@ def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: l
                         env: dict | None = None) -> None:
     """NVMe and output room for the model's size: after its offline assets are in the cache (it reads its config)."""
     model = next((a for a in parsed if hasattr(a, "model_name_or_path")), None)
-    from hf_zero.plan.fsdp import verify_fsdp
-    from hf_zero.plan.profiles import gpu_count
-
     config = None
     if profile.uses_fsdp and model is not None:
-        from hf_zero.data.model_names import get_model_config
-
         config = get_model_config(model.model_name_or_path)
     verify_fsdp(profile, training_kwargs, gpu_count(), config)
     if model is None:
         return
-    from hf_zero.data.model_names import get_model_config
-
     verify_seq_length(get_model_config(model.model_name_or_path), training_kwargs.get("max_seq_length"), stages)
     nproc = _nproc(profile, world, dict(os.environ if env is None else env))
     steps = sum(s.steps or 0 for s in stages)  # epoch-based stages are sized after tokenization: not counted here

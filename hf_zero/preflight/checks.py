@@ -14,6 +14,22 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
+from hf_zero.core.validate import resolve_recipe_paths
+from hf_zero.data.model_names import get_model_config
+from hf_zero.estimate.recipe import pick_profile
+from hf_zero.plan.fsdp import verify_fsdp
+from hf_zero.plan.hostfile import read_hostfile
+from hf_zero.plan.parse import load_yaml_config, parse_recipe_args, recipe_fields
+from hf_zero.plan.profiles import accelerate_precision, gpu_count, load_profile
+from hf_zero.plan.reconcile import check_profile_accumulation, plan_batch
+from hf_zero.plan.shipped import load_recipe, recipe_argument_types
+from hf_zero.preflight.check_rules import (
+    verify_devices,
+    verify_hostfile,
+    verify_launch,
+    verify_precision,
+    verify_profile_keys,
+)
 
 __all__ = ["CHECKS", "CheckResult", "run_checks"]
 
@@ -38,16 +54,12 @@ class _State:
     def __init__(self, args, light: bool = False):
         self.args, self.profile, self.raw, self.parsed = args, None, None, None
         self.light = light
-        from hf_zero.plan.shipped import load_recipe, recipe_argument_types
-
         recipe = load_recipe(getattr(args, "recipe", None))
         self.types = recipe_argument_types(recipe)
         self.check_data = getattr(recipe, "CHECK_DATA", None)  # a recipe's own data checker (curriculum: built in)
         self.tokenizer = self.count = self.pool_sizes = self.batch = None
         self.hosts = None
         if args.hostfile:  # as `hf-zero train --hostfile` does; a bad file is the hostfile check's to report
-            from hf_zero.plan.hostfile import read_hostfile
-
             with contextlib.suppress(UserError), contextlib.redirect_stdout(sys.stderr):
                 self.hosts = read_hostfile(args.hostfile)
 
@@ -73,8 +85,6 @@ class _State:
     @property
     def recipe_values(self):
         """The recipe's own values (data, formats) as attributes, as its TrainingArguments subclass would hold them."""
-        from hf_zero.plan.parse import recipe_fields
-
         return recipe_fields(self.types[-1], self.parsed[-1])
 
     @property
@@ -86,10 +96,6 @@ class _State:
 
 
 def _profile(st):
-    from hf_zero.estimate.recipe import pick_profile
-    from hf_zero.plan.profiles import accelerate_precision, load_profile
-    from hf_zero.preflight.check_rules import verify_profile_keys
-
     prof = load_profile(st.args.profile or pick_profile()[0])
     message = verify_profile_keys(prof)
     if st.args.precision:
@@ -101,8 +107,6 @@ def _profile(st):
 def _parse(st, yaml_values: dict, extra: list):
     """parse_recipe_args on the YAML's known keys only, so that one misspelled key does not hide every other
     mistake (paths and line numbers still come from the file)."""
-    from hf_zero.plan.parse import parse_recipe_args
-
     return parse_recipe_args(st.types, ["--config", st.args.config, *extra],
                              yaml_values=yaml_values)[:len(st.types) + 1]
 
@@ -111,9 +115,6 @@ def _recipe(st):
     import difflib
 
     from hf_zero.core.config import Stage
-    from hf_zero.core.validate import resolve_recipe_paths
-    from hf_zero.plan.parse import load_yaml_config
-
     config = st.args.config
     raw = load_yaml_config(config)
     st.raw = resolve_recipe_paths(raw, config)
@@ -145,8 +146,6 @@ def _recipe(st):
 
 
 def _batch(st):
-    from hf_zero.plan.reconcile import check_profile_accumulation, plan_batch
-
     accum = st.value("gradient_accumulation_steps")
     accum = int(1 if accum is None else accum)
     check_profile_accumulation(st.profile, accum, env={})
@@ -157,16 +156,10 @@ def _batch(st):
 
 
 def _devices(st):
-    from hf_zero.plan.profiles import gpu_count
-    from hf_zero.preflight.check_rules import verify_devices
-
     return verify_devices(st.profile, st.nproc, gpu_count() if st.args.gpus is None else st.args.gpus)
 
 
 def _precision(st):
-    from hf_zero.plan.profiles import gpu_count
-    from hf_zero.preflight.check_rules import verify_precision
-
     real = gpu_count()
     gpus = real if st.args.gpus is None else st.args.gpus
     return verify_precision(st.profile, st.profile.mixed_precision, st.parsed[-1] if st.parsed else {}, gpus,
@@ -174,16 +167,12 @@ def _precision(st):
 
 
 def _launch(st):
-    from hf_zero.preflight.check_rules import verify_launch
-
     flags = "".join(f" --{k} {v}" for k, v in (("nproc", st.args.nproc), ("hostfile", st.args.hostfile)) if v)
     return verify_launch(st.profile, dict(os.environ), st.args.config, in_recipe=False, hosts=st.hosts,
                          world=st.nproc * st.machines, flags=flags)
 
 
 def _hostfile(st):
-    from hf_zero.preflight.check_rules import verify_hostfile
-
     return verify_hostfile(st.args.hostfile or (st.profile.raw.get("deepspeed_config") or {}).get(
         "deepspeed_hostfile"), st.nproc)
 
@@ -192,10 +181,6 @@ from hf_zero.preflight.check_io import _data, _model, _offload, _output  # noqa:
 
 
 def _fsdp(st):
-    from hf_zero.data.model_names import get_model_config
-    from hf_zero.plan.fsdp import verify_fsdp
-    from hf_zero.plan.profiles import gpu_count
-
     config = None
     if st.profile.uses_fsdp:
         with contextlib.suppress(UserError):  # an unloadable model is the model check's to report

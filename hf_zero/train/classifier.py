@@ -11,9 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import TrainerCallback
+
 from hf_zero.core.config import ModelArguments
+from hf_zero.core.distributed import waiting_for
 from hf_zero.core.errors import UserError
-from hf_zero.core.lazy import trainer_callback
+from hf_zero.data.model_names import get_tokenizer, resolve_model_path
+from hf_zero.train.model import apply_lora, base_dtype, trainable_in_fp32
+from hf_zero.train.trainer import stage_table
 
 __all__ = ["build_processor", "build_classifier", "has_weights", "classification_stage_table", "sync_norm_stats",
            "SyncNormStatsCallback"]
@@ -29,8 +34,6 @@ def has_weights(path: str) -> bool:
 
 def build_processor(model_args: ModelArguments, kind: str):
     """The tokenizer (text) or image processor (images) that belongs to the model."""
-    from hf_zero.data.model_names import get_tokenizer, resolve_model_path
-
     if kind == "text":
         try:
             return get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)
@@ -59,9 +62,6 @@ def build_classifier(model_args: ModelArguments, kind: str, label_names: list[st
     import torch
     from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification
 
-    from hf_zero.data.model_names import resolve_model_path
-    from hf_zero.train.model import base_dtype
-
     path = resolve_model_path(model_args.model_name_or_path)
     dtype = base_dtype(model_args.use_peft, profile) if profile is not None and kind == "text" else torch.float32
     auto = AutoModelForImageClassification if kind == "image" else AutoModelForSequenceClassification
@@ -73,8 +73,6 @@ def build_classifier(model_args: ModelArguments, kind: str, label_names: list[st
                         "use e.g. minilm for text or recipes/models/digits_resnet for images")
     if model_args.attn_implementation:
         config._attn_implementation = model_args.attn_implementation
-    from hf_zero.core.distributed import waiting_for
-
     with waiting_for("the other ranks to build the model (zero.Init under ZeRO-3)"):
         if has_weights(path):
             # The head is new (its size is the number of labels), hence ignore_mismatched_sizes for pretrained heads.
@@ -87,8 +85,6 @@ def build_classifier(model_args: ModelArguments, kind: str, label_names: list[st
     # gradients on 2 ranks. Saying so makes it keep the plain per-rank mean, which DeepSpeed averages over ranks.
     model.accepts_loss_kwargs = False
     if model_args.use_peft:
-        from hf_zero.train.model import apply_lora, trainable_in_fp32
-
         head = [n for n in ("classifier", "score") if hasattr(model, n)]
         if kind == "image" and not model_args.lora_target_modules:
             raise UserError("lora_target_modules", f"peft has no default LoRA targets for {config.model_type}",
@@ -101,8 +97,6 @@ def build_classifier(model_args: ModelArguments, kind: str, label_names: list[st
 
 def classification_stage_table(schedule, log_history: list[dict]) -> list[dict]:
     """The curriculum's per-stage table plus the evaluation run at each stage's end (loss, accuracy, macro-F1)."""
-    from hf_zero.train.trainer import stage_table
-
     rows = stage_table(schedule, log_history)
     for row in rows:
         ev = next((h for h in log_history if h.get("step") == row["last_step"] and "eval_accuracy" in h), {})
@@ -137,7 +131,7 @@ def sync_norm_stats(model) -> int:
     return len(buffers)
 
 
-class SyncNormStatsCallback(trainer_callback()):
+class SyncNormStatsCallback(TrainerCallback):
     """Runs `sync_norm_stats` before every evaluation, checkpoint and the final save. Add it after the callbacks
     that request evaluations (the curriculum's), so that it sees their request at the same step."""
 

@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
+from hf_zero.data.chat_template import end_of_turn_ids
+from hf_zero.data.model_names import get_tokenizer, resolve_model_path
 
 __all__ = ["load_for_generation", "generate_answers", "exact_match", "contains"]
 
@@ -17,8 +19,6 @@ def load_for_generation(model: str | None, adapter: str | None = None):
     any tokens the template added), the base model's embeddings grown to match, then the adapter on top."""
     import torch
     from transformers import AutoModelForCausalLM
-
-    from hf_zero.data.model_names import get_tokenizer, resolve_model_path
 
     if adapter is not None:
         config = Path(adapter) / "adapter_config.json"
@@ -44,8 +44,6 @@ def generate_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, 
     """Greedy answers to already formatted prompts, stopping at EOS or the template's end of turn. Prompts are
     left-padded in batches; the model's train/eval mode and the tokenizer's padding side are restored after."""
     import torch
-
-    from hf_zero.data.chat_template import end_of_turn_ids
 
     was_training, side = model.training, tokenizer.padding_side
     model.eval()

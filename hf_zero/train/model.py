@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from hf_zero.core.config import ModelArguments
 from hf_zero.core.console import say
+from hf_zero.core.distributed import waiting_for
+from hf_zero.core.errors import UserError
+from hf_zero.data.chat_template import added_template_tokens, grow_embeddings, train_embeddings
 from hf_zero.data.model_names import get_model_config, resolve_model_path
 from hf_zero.estimate.measure import count_parameters
 
@@ -71,17 +74,11 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
                                    base_precision(model_args.use_peft, profile))
     path = resolve_model_path(model_args.model_name_or_path)
     vocab = getattr(get_model_config(path), "vocab_size", None)
-    from hf_zero.data.chat_template import added_template_tokens, grow_embeddings, train_embeddings
-
     # Tokens a chat template added (hf_zero.data.chat_template) get new embedding rows; any other surplus is a
     # mismatch.
     if vocab is not None and len(tokenizer) - len(added_template_tokens(tokenizer)) > vocab:
-        from hf_zero.core.errors import UserError
-
         raise UserError("tokenizer_name_or_path", f"the tokenizer has {len(tokenizer)} tokens but the model only "
                         f"{vocab} embeddings", "use the model's own tokenizer")
-    from hf_zero.core.distributed import waiting_for
-
     with waiting_for("the other ranks to build the model (zero.Init under ZeRO-3)"):
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     grown = grow_embeddings(model, tokenizer, vocab)

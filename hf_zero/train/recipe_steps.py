@@ -7,9 +7,18 @@ from __future__ import annotations
 
 import math
 
+from hf_zero.checkpoint.resume import prepare_resume
 from hf_zero.checkpoint.safe_load import safe_checkpoint_loading
+from hf_zero.core.config import CurriculumArguments
 from hf_zero.core.console import say
+from hf_zero.core.errors import UserError
+from hf_zero.data.curriculum import build_sample_order, build_schedule
+from hf_zero.data.stages import check_stage_files
+from hf_zero.estimate.measure import MemoryMeasureCallback, measure_requested
+from hf_zero.launch.interrupt import raise_if_interrupted
+from hf_zero.train.bench_probe import BenchProbeCallback, bench_requested
 from hf_zero.train.run import RunContext, print_banner
+from hf_zero.train.trainer import step_losses
 
 __all__ = ["start", "lay_out", "attach_probes", "announce", "train", "summary_fields", "loss_words"]
 
@@ -19,17 +28,10 @@ def start(ctx: RunContext, fresh_start: bool, example: str) -> str | None:
     exists) and write run_plan.json. `example` is the YAML line the error suggests when the recipe has no stages."""
     from transformers import set_seed
 
-    from hf_zero.checkpoint.resume import prepare_resume
-    from hf_zero.core.errors import UserError
-
     set_seed(ctx.training_args.seed)
     if not ctx.stages:
         raise UserError("stages", "the recipe has no stages", f"add a `stages:` list to the YAML, e.g. {example}")
-    from hf_zero.core.config import CurriculumArguments
-
     if isinstance(ctx.training_args, CurriculumArguments):  # its data as the preflight read it, before any write
-        from hf_zero.data.stages import check_stage_files
-
         for stage in ctx.stages:
             check_stage_files(stage, ctx.training_args.eval_samples)
     resume = prepare_resume(ctx, fresh_start=fresh_start)
@@ -40,8 +42,6 @@ def start(ctx: RunContext, fresh_start: bool, example: str) -> str | None:
 
 def lay_out(ctx: RunContext, pool_sizes: list[int], source_sizes: list[list[int]]):
     """The curriculum's schedule and its step-ordered sample indices; the Trainer runs exactly its steps."""
-    from hf_zero.data.curriculum import build_sample_order, build_schedule
-
     args = ctx.training_args
     schedule = build_schedule(ctx.stages, pool_sizes, ctx.plan.batch.global_batch, args.learning_rate)
     order = build_sample_order(schedule, source_sizes, [s.weights for s in ctx.stages], args.seed)
@@ -52,9 +52,6 @@ def lay_out(ctx: RunContext, pool_sizes: list[int], source_sizes: list[list[int]
 def attach_probes(trainer, ctx: RunContext, measure_memory: bool = False) -> None:
     """The callbacks the tools switch on: bytes per rank at step 1 (`hf-zero estimate` checks) and step times,
     start-up and peak memory (`hf-zero bench`)."""
-    from hf_zero.estimate.measure import MemoryMeasureCallback, measure_requested
-    from hf_zero.train.bench_probe import BenchProbeCallback, bench_requested
-
     if measure_requested(measure_memory):
         trainer.add_callback(MemoryMeasureCallback(ctx.output_dir))
     if bench_requested():
@@ -74,8 +71,6 @@ def train(trainer, resume: str | None):
     """One train() for every stage, from `resume` when there is one; after Ctrl-C / SIGTERM every rank stops here
     with the one line that says where the run stands. Every checkpoint the Trainer or DeepSpeed loads meanwhile
     goes through the safe loader (hf_zero.checkpoint.safe_load)."""
-    from hf_zero.launch.interrupt import raise_if_interrupted
-
     with safe_checkpoint_loading():
         result = trainer.train(resume_from_checkpoint=resume)
     raise_if_interrupted(trainer)
@@ -86,8 +81,6 @@ def summary_fields(model_args, trainable: int, total: int, schedule, result, his
                    final_dir, before: float | None, after: float | None, stages: list) -> dict:
     """What every recipe's summary.json records beside its own results (write_summary puts the run's plan first;
     the recipe's own keys come after these, so every summary opens the same way)."""
-    from hf_zero.train.trainer import step_losses
-
     return {
         "model": model_args.model_name_or_path,
         "use_peft": model_args.use_peft,

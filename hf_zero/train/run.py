@@ -10,10 +10,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_zero.checkpoint.compare import note_settings, run_settings
-from hf_zero.core.console import rank, say
+from hf_zero.core.console import rank, say, verbose
+from hf_zero.core.distributed import set_dist_timeout, waiting_for
+from hf_zero.core.errors import UserError
+from hf_zero.core.files import write_json_atomic
 from hf_zero.core.run_lock import hold_in_worker
-from hf_zero.plan.profiles import Profile, one_rank_note
-from hf_zero.plan.run_plan import RunPlan
+from hf_zero.data.assets import prepare_assets_in_worker
+from hf_zero.launch.interrupt import note_run
+from hf_zero.launch.launch_command import ensure_launched
+from hf_zero.plan.parse import pop_flag
+from hf_zero.plan.profiles import Profile, one_rank_note, profile_from_env
+from hf_zero.plan.run_plan import PLAN_ENV, RunPlan, plan_in_worker
+from hf_zero.plan.shipped import check_recipe_matches
+from hf_zero.preflight.check_rules import check_launch_at_start, check_room_at_start
 
 __all__ = ["RunContext", "setup_run", "print_banner", "write_summary"]
 
@@ -49,32 +58,19 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     # torch 2.13 warns on every collective DeepSpeed issues through the old names; thousands of identical lines
     # would bury the banner and the stage logs.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
-    from hf_zero.launch.launch_command import ensure_launched
-
     argv = ensure_launched(list(sys.argv[1:] if argv is None else argv), script or sys.argv[0])
-    from hf_zero.plan.parse import pop_flag
-    from hf_zero.plan.shipped import check_recipe_matches
-
     check_recipe_matches(pop_flag(list(argv), "--config")[0], script or sys.argv[0])
-    from hf_zero.plan.run_plan import plan_in_worker
-
     # The run plan (the launcher's run_plan.json, or resolved here under a plain `accelerate launch`): profile,
     # precision, ranks, batch and DeepSpeed dict come from it, never from re-reading the environment.
     parsed, stages, kwargs, plan = plan_in_worker(tuple(dataclass_types), argv, script or sys.argv[0])
     # One run per output folder, before anything is written or moved in it (a refused run changes nothing).
     hold_in_worker(kwargs["output_dir"])
     profile, world, config_path = plan.profile, plan.world, plan.config
-    from hf_zero.plan.profiles import profile_from_env
-    from hf_zero.plan.run_plan import PLAN_ENV
-    from hf_zero.preflight.check_rules import check_launch_at_start, check_room_at_start
-
     # `hf-zero check`'s cheap checks (launch, devices, profile keys) before any process group exists. The launch is
     # checked against the profile as declared (plain `python` on a 2-process profile is one line), which a plan
     # resolved here no longer shows: it holds the launch that happened.
     declared = profile if os.environ.get(PLAN_ENV) else profile_from_env()
     check_launch_at_start(declared, tuple(parsed), world, config_path)
-    from hf_zero.launch.interrupt import note_run
-
     note_run(kwargs["output_dir"])  # for the line an interruption prints
     if kwargs.get("disable_tqdm") is None:  # a progress bar only where it can redraw itself: not in a log file
         kwargs["disable_tqdm"] = not sys.stdout.isatty()
@@ -84,15 +80,11 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     try:
         training_args = dataclass_types[-1](**kwargs)  # the recipe's TrainingArguments subclass
     except ValueError as err:  # TrainingArguments' own checks of combinations: still a mistake in the recipe
-        from hf_zero.core.errors import UserError
-
         raise UserError("TrainingArguments", str(err).strip().splitlines()[0],
                         "change the recipe YAML or flags it names") from None
     # Touching .device sets up the process group now; zero.Init (model construction under ZeRO-3) reads the
     # world size from it, and would otherwise assume 1 and fail DeepSpeed's batch assertion.
     _ = training_args.device
-    from hf_zero.core.distributed import set_dist_timeout
-
     set_dist_timeout(training_args.ddp_timeout)  # a stuck rank fails the run in minutes (HF_ZERO_DIST_TIMEOUT)
     if profile.uses_deepspeed:
         import contextlib
@@ -100,15 +92,11 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
 
         import deepspeed
 
-        from hf_zero.core.console import verbose
-
         # With use_cpu the process group comes from accelerate's MULTI_CPU path; DeepSpeed's comm layer must be
         # attached to it too, or zero.Init sees a world of 1. (It prints "... built successfully" per rank.)
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sys.stdout if verbose() else sink):
             deepspeed.init_distributed(dist_backend="gloo" if plan.gpus == 0 else None,
                                        timeout=timedelta(seconds=training_args.ddp_timeout))
-    from hf_zero.data.assets import prepare_assets_in_worker
-
     model = next((a.model_name_or_path for a in parsed if hasattr(a, "model_name_or_path")), None)
     prepare_assets_in_worker(training_args, model, [d for s in stages for d in s.data])
     # NVMe and output room for the model's size, now that its config is in the cache; still before any engine.
@@ -125,8 +113,6 @@ def print_banner(ctx: RunContext, trainable: int, total: int, weights: str = "")
     device = str(ctx.training_args.device)
     devices = [device]
     if dist.is_available() and dist.is_initialized():
-        from hf_zero.core.distributed import waiting_for
-
         devices = [None] * dist.get_world_size()
         with waiting_for("the other ranks' devices for the banner (they are still building the model or data)"):
             dist.all_gather_object(devices, device)
@@ -150,8 +136,6 @@ def _write_json(path: Path, data) -> None:
     """Atomically, on rank 0 only: a reader never sees half a file."""
     if rank() != 0:
         return
-    from hf_zero.core.files import write_json_atomic
-
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, data)
 

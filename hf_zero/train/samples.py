@@ -14,12 +14,14 @@ import json
 import math
 from pathlib import Path
 
-from hf_zero.core.lazy import trainer_callback
+from transformers import TrainerCallback
+
+from hf_zero.train.generate import contains, exact_match, generate_answers
 
 __all__ = ["SampleCallback", "exact_match_summary"]
 
 
-class SampleCallback(trainer_callback()):
+class SampleCallback(TrainerCallback):
     def __init__(self, trainer, schedule, prompts: dict[int, list[dict]], out_dir, max_new_tokens: int):
         self.trainer, self.schedule, self.prompts = trainer, schedule, prompts
         self.path, self.max_new_tokens = Path(out_dir) / "samples.jsonl", max_new_tokens
@@ -36,8 +38,6 @@ class SampleCallback(trainer_callback()):
     def _sample(self, state, span, when: str) -> None:
         import torch.distributed as dist
         from transformers.integrations import is_deepspeed_zero3_enabled
-
-        from hf_zero.train.generate import contains, exact_match, generate_answers
 
         prompts = self.prompts.get(span.index) or []
         if not prompts:

@@ -10,6 +10,10 @@ from __future__ import annotations
 import time
 from types import SimpleNamespace
 
+from hf_zero.estimate.flops import device_peak_flops, flops_per_token
+from hf_zero.estimate.measure import count_parameters
+from hf_zero.plan.run_plan import current_plan
+
 __all__ = ["throughput_callback"]
 
 
@@ -17,9 +21,6 @@ def _flops_per_token(model) -> float:
     """The bench's model FLOPs per token without its attention term (12·L·h·s): rows change length from stage to
     stage, so the MFU logged during training is a slight lower bound; `hf-zero bench` reports it with the row
     length."""
-    from hf_zero.estimate.flops import flops_per_token
-    from hf_zero.estimate.measure import count_parameters
-
     trainable, total = count_parameters(model)
     count = SimpleNamespace(total_params=total, trainable_params=trainable, num_layers=0, hidden_size=0)
     return flops_per_token(count, model.config, seq_len=0)
@@ -63,9 +64,6 @@ def throughput_callback(model):
                 if dist.is_available() and dist.is_initialized():
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # every rank logs at the same steps
                 out["peak_memory_bytes"] = int(peak.item())
-                from hf_zero.estimate.flops import device_peak_flops
-                from hf_zero.plan.run_plan import current_plan
-
                 device_peak = device_peak_flops(torch.cuda.get_device_name(args.device), current_plan().precision)
                 if device_peak and "tokens_per_second" in out:
                     out["mfu"] = out["tokens_per_second"] * self.per_token / (device_peak * args.world_size)

@@ -10,8 +10,15 @@ import math
 from transformers import Trainer, TrainerCallback
 
 from hf_zero.checkpoint.staging import StagedCheckpointMixin
-from hf_zero.data.curriculum import CurriculumCallback, CurriculumSchedule
+from hf_zero.checkpoint.write import CheckpointCallback
+from hf_zero.core.console import console_callback, say
+from hf_zero.core.distributed import waiting_for
+from hf_zero.data.curriculum import CurriculumSchedule
+from hf_zero.launch.interrupt import stop_on_signal
+from hf_zero.train.callbacks import CurriculumCallback, Zero3UniversalFix
+from hf_zero.train.fsdp import announce_layers, enable_fsdp_on_cpu
 from hf_zero.train.fused_ce import FusedCrossEntropyMixin
+from hf_zero.train.throughput import throughput_callback
 
 __all__ = ["CurriculumTrainer", "stage_table", "step_losses", "eval_rounds", "eval_means"]
 
@@ -21,11 +28,6 @@ class CurriculumTrainer(FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
     # StagedCheckpointMixin: staged, verified checkpoints with a manifest, rotation keeping the best (staging.py).
     def __init__(self, *args, schedule: CurriculumSchedule, **kwargs):
         from transformers import PrinterCallback, ProgressCallback
-
-        from hf_zero.checkpoint.write import CheckpointCallback
-        from hf_zero.core.console import console_callback, say
-        from hf_zero.launch.interrupt import stop_on_signal
-        from hf_zero.train.throughput import throughput_callback
 
         self.schedule = schedule
         super().__init__(*args, **kwargs)
@@ -41,8 +43,6 @@ class CurriculumTrainer(FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
-        from hf_zero.train.fsdp import announce_layers, enable_fsdp_on_cpu
-
         enable_fsdp_on_cpu(self)  # an FSDP profile on a machine without GPUs: FSDP2, not a silent DDP
         if self.is_fsdp_enabled:
             announce_layers(self)
@@ -99,12 +99,8 @@ class CurriculumTrainer(FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
         return self.lr_scheduler
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        from hf_zero.core.distributed import waiting_for
-
         ds = getattr(self.args, "hf_deepspeed_config", None)
         if resume_from_checkpoint and ds is not None and ds.config.get("checkpoint", {}).get("load_universal"):
-            from hf_zero.checkpoint.resume import Zero3UniversalFix
-
             self.add_callback(Zero3UniversalFix(resume_from_checkpoint))
         if resume_from_checkpoint:
             self.add_callback(_ThisRunsSettings(self))  # after the fix above, which restores the saved groups
