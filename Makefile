@@ -47,7 +47,7 @@ test: install
 bench: install
 	$(BIN)/hf-zero bench --out bench_out $(ARGS)
 
-# Issue 15's one-GPU table: bare PyTorch loop, single_gpu, zero2, zero3, zero3_offload; llama-1.1B shape, bf16,
+# The one-GPU speed table: bare PyTorch loop, single_gpu, zero2, zero3, zero3_offload; llama-1.1B shape, bf16,
 # 8 x 1024 and 8 x 2048 packed tokens; tokens/s and MFU (on a machine without a GPU: the CPU fallback, MFU null).
 bench-gpu: install
 	$(BIN)/hf-zero bench --preset gpu --out bench_gpu_out $(ARGS)

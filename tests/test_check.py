@@ -342,7 +342,7 @@ def test_readme_commands(capsys, monkeypatch, command, code):
     assert ("recommended: " in out) if "estimate" in command else (out.count("\n") == len(CHECKS))
 
 
-# ---------------------------------------------------------------- values, types, where they came from (issue 11)
+# ---------------------------------------------------------------- values, types, where they came from
 
 @pytest.mark.parametrize("changes,args,words", [
     ({"learning_rate": -1.0}, [], "learning_rate: must be a positive number, got -1.0 (in {config} line"),

@@ -1,4 +1,4 @@
-"""Checkpoints that survive (issue 3): complete-or-invisible checkpoints, manifests, rotation keeping the best,
+"""Checkpoints that survive: complete-or-invisible checkpoints, manifests, rotation keeping the best,
 SIGKILL-and-resume with equal final weights, resume on another rank count, LoRA under ZeRO-3, export, full disk.
 
 Runs go through the real `accelerate launch` with 2 CPU ranks on a 24-step tiny curriculum (3 stages x 8 steps,
@@ -378,7 +378,7 @@ def test_lora_zero3_checkpoints_hold_the_gathered_adapter_only(tmp_path):
         meta = read_metadata(ck)
         assert meta["peft"] and meta["trainable_params"] == s["trainable_params"] < s["total_params"]
         adapter = load_file(str(ck / "adapter_model.safetensors"))
-        assert len(adapter) == 2 * 7 * 2 and all(t.numel() > 0 for t in adapter.values())  # pain-points #1
+        assert len(adapter) == 2 * 7 * 2 and all(t.numel() > 0 for t in adapter.values())  # no empty LoRA tensors
         assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)  # trained, not the zero init
         # Only trainable state: adapter weights (4 B/param) + fp32 master and two Adam moments (12 B/param).
         total = json.loads((ck / MANIFEST_NAME).read_text())["total_bytes"]

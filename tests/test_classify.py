@@ -342,7 +342,7 @@ def test_recipe_imports_without_side_effects():
     assert module.ARGUMENT_TYPES == (ModelArguments, ClassificationArguments) and callable(module.main)
 
 
-# --- the targets of issue 7, full size (minutes): pytest -m slow tests/test_classify.py ---------------------------
+# --- the classification targets, full size (minutes): pytest -m slow tests/test_classify.py --------------------------
 
 
 @pytest.mark.slow

@@ -31,7 +31,7 @@ def test_ddp_baseline_is_two_ranks(runs):
 
 @pytest.mark.parametrize("name", ["ddp", *STRATEGIES])
 def test_zero3_builds_the_model_partitioned(runs, name):
-    """pain-points #8: under ZeRO-3 the model is built under zero.Init; no rank ever holds all of it."""
+    """Under ZeRO-3 the model is built under zero.Init; no rank ever holds all of it."""
     assert read_summary(runs[name][0])["zero3_partitioned_at_build"] is name.startswith("zero3")
 
 
@@ -70,7 +70,7 @@ def test_zero3_saves_full_model(runs, name):
 
 def test_lora_under_zero3_saves_trained_adapter(tmp_path):
     out = tmp_path / "lora"
-    # With gradient checkpointing too: LoRA + ZeRO-3 + reentrant checkpointing fails (pain-points #9).
+    # With gradient checkpointing too: LoRA + ZeRO-3 + reentrant checkpointing fails.
     launch_recipe("zero3", out, "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
                   "--lora_target_modules", "q_proj", "v_proj", "--gradient_checkpointing", "true")
     s = read_summary(out)
@@ -78,7 +78,7 @@ def test_lora_under_zero3_saves_trained_adapter(tmp_path):
     adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
     assert len(adapter) == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
     for k, t in adapter.items():
-        assert t.numel() > 0, k  # pain-points #1: no empty [0]-shaped tensors
+        assert t.numel() > 0, k  # no empty [0]-shaped tensors
     # lora_B starts at zero; trained, it is not. (Equality with the engine's gathered weights is verified by the
     # recipe itself after saving; a mismatch would have failed the run.)
     assert all(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k)

@@ -1,4 +1,4 @@
-"""One line or nothing (issue 11): mistakes found before or inside a launch, Ctrl-C, re-runs of finished runs, the
+"""One line or nothing: mistakes found before or inside a launch, Ctrl-C, re-runs of finished runs, the
 eval means in the summary, and the console of a 2-rank run as a log file sees it.
 
 Runs go through the real launchers: `hf-zero train` (hf_zero's launcher around accelerate's) and plain

@@ -1,5 +1,5 @@
 """A fresh machine: an empty offline cache, first runs under every ZeRO stage, a cache entry that lies about being
-complete, a lock whose holder is stuck or gone, and a rank that never joins (issue 16)."""
+complete, a lock whose holder is stuck or gone, and a rank that never joins."""
 
 import os
 import signal
@@ -32,7 +32,7 @@ def test_complete_entry_that_is_unusable_is_rebuilt_with_one_line(tmp_path, monk
     folder = get_tiny_llama_path()
     weights = (folder / "model.safetensors").read_bytes()
     capfd.readouterr()
-    if damage == "no weights":  # what a non-main rank's save_pretrained left behind (issue 16)
+    if damage == "no weights":  # what a non-main rank's save_pretrained left behind
         (folder / "model.safetensors").unlink()
     elif damage == "cut weights":
         (folder / "model.safetensors").write_bytes(weights[: len(weights) // 2])

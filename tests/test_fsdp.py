@@ -1,4 +1,4 @@
-"""FSDP2 beside ZeRO (issue 14): the fsdp2 and fsdp2_offload profiles through the whole stack on 2 CPU ranks.
+"""FSDP2 beside ZeRO: the fsdp2 and fsdp2_offload profiles through the whole stack on 2 CPU ranks.
 
 Fast: profile fields, `hf-zero check`'s FSDP2 constraints, resume across engines, and one 2-rank run each of DDP and
 fsdp2 (losses, per-rank bytes, checkpoints, final/ and export). Slow: offload, LoRA with checkpointing and packing,

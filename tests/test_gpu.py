@@ -27,7 +27,7 @@ STEPS = [2, 2, 2]  # per stage: every stage (and its sequence length) runs
 SMOL_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                   num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
                   max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=1)
-ESTIMATE_RTOL = 0.10  # issue 10: the estimate within 10% of the measured peak
+ESTIMATE_RTOL = 0.10  # the estimate within 10% of the measured peak
 
 
 def profile_plan(name: str) -> tuple[int | None, str]:

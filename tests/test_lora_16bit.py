@@ -1,4 +1,4 @@
-"""LoRA that fits (issue 24): in bf16/fp16 the frozen base is held in 16 bits under single_gpu, ddp and FSDP2 (as
+"""LoRA that fits: in bf16/fp16 the frozen base is held in 16 bits under single_gpu, ddp and FSDP2 (as
 DeepSpeed's engine already holds it), the adapters and their Adam state in fp32; the estimate counts it so, and
 picks single_gpu for Llama-3.1-8B LoRA on one 24 GiB GPU.
 

@@ -1,4 +1,4 @@
-"""The preflight reads what the run reads, and a failed write is one line (issue 21 items 6-8).
+"""The preflight reads what the run reads, and a failed write is one line.
 
 Each bad input is refused by the function that both `hf-zero check` (run_checks) and the ranks call, tested here
 in-process; one `hf-zero train` and one plain `accelerate launch` with a bad file prove the end-to-end path. Write

@@ -120,7 +120,7 @@ def _check_estimate_recipe(proc, where):
 
 
 def _check_estimate_lora_8b(proc, where):
-    """Issue 24: Llama-3.1-8B LoRA on one 24 GiB GPU fits single_gpu once its frozen base is held in bf16."""
+    """Llama-3.1-8B LoRA on one 24 GiB GPU fits single_gpu once its frozen base is held in bf16."""
     ddp = next(line for line in proc.stdout.splitlines() if line.startswith("ddp "))
     assert ddp.split()[-7:-4] == ["18.50", "GiB", "backward"], ddp  # peak/GPU, as the README's table says
     assert "recommended: profile single_gpu" in proc.stdout

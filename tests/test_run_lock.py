@@ -1,4 +1,4 @@
-"""One run per output folder, ranks that die with their launcher, and a killed rank told as such (issue 21).
+"""One run per output folder, ranks that die with their launcher, and a killed rank told as such.
 
 Unit tests of the lock and of a rank's parent-death signal run in a few processes; three 2-rank launches through
 `hf-zero train` prove them end to end: a second run refused while the first finishes untouched, a SIGKILLed

@@ -1,4 +1,4 @@
-"""No code runs from a checkpoint (issue 21): every pickle of a checkpoint loads under torch's weights-only unpickler
+"""No code runs from a checkpoint: every pickle of a checkpoint loads under torch's weights-only unpickler
 with hf_zero's allowlist; a crafted one is refused in one line naming the file and the type, by resume (on every
 rank, printed once) and export, before anything runs it. One real 2-rank zero2 run provides the checkpoint."""
 

@@ -1,4 +1,4 @@
-"""`hf-zero bench --preset gpu` (`make bench-gpu`): issue 15's table on one GPU. A bare PyTorch loop for reference
+"""`hf-zero bench --preset gpu` (`make bench-gpu`): the one-GPU speed table. A bare PyTorch loop for reference
 (benchmarks/torch_loop.py: fp32 weights + bf16 autocast, fused AdamW), then hf_zero's single_gpu, zero2, zero3 and
 zero3_offload at one rank, in bf16, on a model built with random weights from a config folder (default: the
 TinyLlama-1.1B shape), over packed rows of 8 x 1024 and 8 x 2048 tokens. Each shape gets the full reports in
@@ -141,7 +141,7 @@ def run_preset(args) -> int:
         sub.config = str(_recipe(out / "recipes" / f"seq{seq_len}.yaml", model, seq_len, args.micro_batch, steps))
         sub.strategies, sub.nproc, sub.precision, sub.steps = ",".join(PRESET_STRATEGIES), 1, "bf16", steps
         sub.no_packing, sub.extra, sub.model = True, list(getattr(args, "extra", [])), None
-        # issue 15's table has no plain-Trainer column: pairs only when asked (--overhead-repeats N)
+        # the one-GPU table has no plain-Trainer column: pairs only when asked (--overhead-repeats N)
         sub.overhead_repeats = args.overhead_repeats or 0
         sub.overhead_strategy = args.overhead_strategy or "single_gpu"
         report, rc = execute(sub, reference=True)

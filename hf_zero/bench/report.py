@@ -15,6 +15,7 @@ from hf_zero.bench.compare import TARGETS, loss_agreement, max_abs_diff, offload
 from hf_zero.bench.plan import estimate_bytes
 from hf_zero.bench.plot import plot
 from hf_zero.bench.views import markdown, mib, table, write_csv
+from hf_zero.core.files import human_bytes
 from hf_zero.estimate.flops import device_peak_flops
 from hf_zero.plan.profiles import load_profile
 
@@ -53,8 +54,9 @@ def machine_info(nproc: int, loadavg_start, note: str = "") -> dict:
 def machine_line(m: dict) -> str:
     where = f"{len(m['gpus'])}x {m['gpus'][0]}" if m["gpus"] else f"CPU only, {m['cpu']}, {m['logical_cpus']} cores"
     ranks = f"{m['ranks']} rank{'s' if m['ranks'] != 1 else ''}"
-    return (f"{where}, {m['memory_bytes'] / 2**30:.0f} GiB RAM; {ranks}; torch {m['torch']}, transformers "
-            f"{m['transformers']}, accelerate {m['accelerate']}, deepspeed {m['deepspeed']}, peft {m['peft']}")
+    return (f"{where}, {human_bytes(m['memory_bytes'], digits=0, unit='GiB')} RAM; {ranks}; torch {m['torch']}, "
+            f"transformers {m['transformers']}, accelerate {m['accelerate']}, deepspeed {m['deepspeed']}, "
+            f"peft {m['peft']}")
 
 
 def _ratio(a, b):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from hf_zero.core.files import human_bytes
+
 __all__ = ["table", "markdown", "write_csv", "mib"]
 
 # Measured on one H100 (llama-1.1B shape, bf16, 12 steps): what the bf16 note quotes.
@@ -12,7 +14,7 @@ BF16_FAMILIES_H100 = "0.23 after 12 steps on llama-1.1B, while ZeRO-2/3/offload 
 
 
 def mib(b) -> str:
-    return "-" if b is None else f"{b / 2**20:,.1f} MiB"
+    return "-" if b is None else human_bytes(b, unit="MiB", grouped=True)
 
 
 def _columns(report) -> tuple:

@@ -1,5 +1,5 @@
 """The final model: written in Hugging Face format by the Trainer, then read back and compared with the engine's
-gathered weights, so an empty LoRA adapter or placeholder weights under ZeRO-3 (pain-points #1, #2) fail loudly
+gathered weights, so an empty LoRA adapter or placeholder weights under ZeRO-3 fail loudly
 instead of shipping. Under FSDP2 the Trainer writes no weights for a sharded state dict: they are gathered here."""
 
 from __future__ import annotations

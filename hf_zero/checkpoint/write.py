@@ -149,7 +149,7 @@ def complete_checkpoint(trainer, staged: Path, run_dir: Path, started: float) ->
 
 def verify_saved_model(trainer, staged: Path) -> None:
     """A LoRA adapter is read back and compared with the gathered weights (collective under ZeRO-3/FSDP2); any
-    saved safetensors file must hold no empty placeholder tensor (pain-points #1, #2)."""
+    saved safetensors file must hold no empty placeholder tensor (what ZeRO-3 leaves when weights are not gathered)."""
     wrapped = trainer.model_wrapped
     model = trainer.accelerator.unwrap_model(wrapped) if wrapped is not None else trainer.model
     if hasattr(model, "peft_config"):

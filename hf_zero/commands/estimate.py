@@ -18,6 +18,7 @@ import sys
 from hf_zero.core.console import quiet_environment
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
+from hf_zero.core.validate import at_least
 from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate import memory
 from hf_zero.estimate.activations import ATTENTION
@@ -73,12 +74,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output, in bytes")
 
 
-def _positive(value, flag):
-    if value is not None and int(value) < 1:
-        raise UserError(flag, f"must be at least 1, got {value}")
-    return value
-
-
 def _human(b) -> str:
     return human_bytes(b, digits=2)
 
@@ -92,12 +87,12 @@ def _recipe(args):
                         "give one of them")
     use_peft = args.use_peft
     flags = {"model_name_or_path": args.model, "use_peft": "true" if use_peft else None,
-             "lora_r": _positive(args.lora_r, "--lora-r"),
-             "per_device_train_batch_size": _positive(args.micro_batch, "--micro-batch"),
-             "gradient_accumulation_steps": _positive(args.gradient_accumulation, "--gradient-accumulation"),
+             "lora_r": at_least("--lora-r", args.lora_r),
+             "per_device_train_batch_size": at_least("--micro-batch", args.micro_batch),
+             "gradient_accumulation_steps": at_least("--gradient-accumulation", args.gradient_accumulation),
              "gradient_checkpointing": "true" if args.gradient_checkpointing else None,
              "attn_implementation": "flash_attention_2" if args.flash_attention else args.attn_implementation}
-    flags["max_seq_length"] = _positive(args.seq_len, "--seq-len")
+    flags["max_seq_length"] = at_least("--seq-len", args.seq_len)
     overrides = [str(x) for k, v in flags.items() if v is not None for x in (f"--{k}", v)]
     if args.config:
         recipe = read_recipe(args.config, overrides)
@@ -126,9 +121,9 @@ def run(args) -> int:
     quiet_environment()  # DeepSpeed's accelerator probe would print into stdout, which --json must keep clean
     recipe = _recipe(args)
     strategies, prof = strategies_for(args.profile)
-    gpn = _positive(args.gpus_per_node, "--gpus-per-node") or (
+    gpn = at_least("--gpus-per-node", args.gpus_per_node) or (
         max(prof.num_processes // max(prof.num_machines, 1), 1) if prof else 1)
-    nodes = _positive(args.nodes, "--nodes") or (prof.num_machines if prof else 1)
+    nodes = at_least("--nodes", args.nodes) or (prof.num_machines if prof else 1)
     precision = args.precision or (prof.precision if prof else "bf16")
     gpu_mem = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
     cpu_mem = parse_bytes(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None

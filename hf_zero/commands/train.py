@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 from hf_zero.checkpoint.resume import complete_message
+from hf_zero.core.console import VERBOSE_ENV, quiet_environment
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.core.validate import at_least
 from hf_zero.estimate.recipe import pick_profile, read_recipe
 from hf_zero.launch import launcher
 from hf_zero.launch.interrupt import RESUME_ENV
 from hf_zero.launch.launch_command import build_launch_command, prepare_assets
-from hf_zero.launch.launcher import VERBOSE_ENV, quiet_environment
 from hf_zero.plan import profiles
 from hf_zero.plan.hostfile import apply_hostfile
 from hf_zero.plan.parse import HF_ZERO_TRAINING_DEFAULTS
@@ -98,9 +99,7 @@ def validate_flags(args) -> None:
     """`hf-zero train`'s own numbers, before they reach accelerate (which asserts, or launches 0 processes)."""
     for flag, value, low in (("--nproc", args.nproc, 1), ("--nodes", args.nodes, 1), ("--machine-rank",
                              args.machine_rank, 0), ("--main-port", args.main_port, 1)):
-        if value is not None and value < low:
-            raise UserError(flag, f"must be at least {low}, got {value}",
-                            "e.g. --nproc 2" if flag == "--nproc" else f"pass {flag} {low} or more")
+        at_least(flag, value, low, "e.g. --nproc 2" if flag == "--nproc" else f"pass {flag} {low} or more")
     if args.main_port is not None and args.main_port > 65535:
         raise UserError("--main-port", f"{args.main_port} is not a TCP port", "use a port from 1024 to 65535")
     if args.nodes is not None and args.machine_rank is not None and args.machine_rank >= args.nodes:

@@ -202,7 +202,3 @@ class Stage:
         for key, ok, problem, fix in rules:
             if not ok:
                 raise UserError(f"{where}.{key}", f"{problem}, got {getattr(self, key)!r}", fix)
-
-
-# What hf_zero changes in TrainingArguments' defaults (the YAML and flags still override them): per-step loss
-# logs for exact stage tables, TensorBoard, and no surprise hub pushes or wandb.

@@ -34,8 +34,16 @@ def write_json_atomic(path, data, durable: bool = False) -> None:
     write_text_atomic(path, json.dumps(data, indent=2, default=str), durable)
 
 
-def human_bytes(b: float, digits: int = 1) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+_UNITS = {"TiB": 2**40, "GiB": 2**30, "MiB": 2**20, "KiB": 2**10}
+
+
+def human_bytes(b: float, digits: int = 1, unit: str | None = None, grouped: bool = False) -> str:
+    """Bytes for a person: in the largest unit that keeps the figure >= 1, or in `unit` (KiB to TiB) for columns that
+    compare; `grouped`: thousands separated by commas."""
+    sep = "," if grouped else ""
+    if unit is not None:
+        return f"{b / _UNITS[unit]:{sep}.{digits}f} {unit}"
+    for name, size in _UNITS.items():
         if b >= size:
-            return f"{b / size:.{digits}f} {unit}"
+            return f"{b / size:{sep}.{digits}f} {name}"
     return f"{int(b)} B"

@@ -13,7 +13,7 @@ import yaml
 
 from hf_zero.core.errors import UserError
 
-__all__ = ["yaml_lines", "resolve_recipe_paths", "at_line", "positive", "check_yaml_types", "check_values"]
+__all__ = ["yaml_lines", "resolve_recipe_paths", "at_line", "positive", "at_least", "check_yaml_types", "check_values"]
 
 _KINDS = {"int": "an integer", "float": "a number", "string_to_bool": "true or false", "str": "text"}
 
@@ -90,6 +90,13 @@ def _source(key: str, argv: list[str], path: str | None, lines: dict) -> str:
 
 def positive(v) -> bool:
     return v > 0 and math.isfinite(v)
+
+
+def at_least(flag: str, value, minimum: int = 1, fix: str | None = None):
+    """A command-line number checked before it is used: `value` (None: not given) or one line naming `flag`."""
+    if value is not None and value < minimum:
+        raise UserError(flag, f"must be at least {minimum}, got {value}", fix)
+    return value
 
 
 # Numeric fields checked before anything runs: (ok(value), problem, example). A wrong sign or range otherwise

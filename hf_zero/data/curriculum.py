@@ -1,6 +1,6 @@
 """A curriculum of stages inside ONE `Trainer.train()` call with one DeepSpeed engine.
 
-Rebuilding the engine per stage leaks memory and breaks resume (pain-points #12), so the stages are laid out in
+Rebuilding the engine per stage leaks memory and breaks resume, so the stages are laid out in
 advance as one flat, deterministic sample order: optimizer step k uses samples [k*G, (k+1)*G) (G = global batch),
 all from the stage that owns step k. With a sequential sampler, accelerate's per-rank batch sharding hands every rank
 its part of exactly those samples, and a resumed run skips to the same place. The LR follows each stage's own

@@ -40,11 +40,12 @@ import sys
 from dataclasses import dataclass
 
 from hf_zero.core.errors import UserError
+from hf_zero.core.files import human_bytes
 from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate import fsdp as fsdp_memory
 from hf_zero.estimate.activations import ATTENTION, describe_layers, step_bytes
 from hf_zero.estimate.fsdp import describe_shards
-from hf_zero.plan.profiles import list_profiles, load_profile
+from hf_zero.plan.profiles import PRECISIONS, list_profiles, load_profile
 
 __all__ = ["strategies_for", "STRATEGIES", "SPEED_ORDER", "ModelCount", "count_model", "estimate", "estimate_all",
            "recommend", "largest_micro_batch"]
@@ -55,7 +56,7 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload_
 # the ZeRO strategy just ahead of it does not.
 SPEED_ORDER = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "zero2_offload", "zero3_offload_optimizer", "zero3_offload",
                "fsdp2_offload", "zero3_nvme")
-PRECISIONS = ("fp32", "bf16", "fp16")
+
 CONVENTIONS = ("deepspeed", "paper")
 _DS = {"zero2": ("zero2", dict(cpu_offload=False)), "zero2_offload": ("zero2", dict(cpu_offload=True)),
        "zero3": ("zero3", dict(cpu_offload=False, cpu_offload_params=False)),
@@ -277,12 +278,12 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
             "fits": fits}
 
 
+def _gib(b) -> str:
+    return human_bytes(b, unit="GiB")
+
+
 def estimate_all(count: ModelCount, strategies=STRATEGIES, **kwargs) -> list[dict]:
     return [estimate(count, s, **kwargs) for s in strategies]
-
-
-def _gib(b) -> str:
-    return f"{b / 2**30:.1f} GiB"
 
 
 def recommend(estimates, gpu_memory_bytes: int, cpu_memory_bytes: int | None = None):

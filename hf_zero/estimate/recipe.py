@@ -203,11 +203,11 @@ def pick_profile(gpus: int | None = None, model=None, gpu_memory_bytes: int | No
         return found["profile"], f"{gpus} GPU{'s' if gpus > 1 else ''} found: {found['profile']} on {gpus} " \
             f"rank{'s' if gpus > 1 else ''} is {found['reason']}"
     smaller = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16", choices=choices)
-    need = (f"micro-batch {recipe.micro} x {recipe.seq_len} tokens needs {found['need_bytes'] / 2**30:.1f} GiB per "
-            f"GPU even with {found['need_profile']}, over {gpus} x {gpu_memory_bytes / 2**30:.1f} GiB less 10% "
-            "headroom")
+    need = (f"micro-batch {recipe.micro} x {recipe.seq_len} tokens needs "
+            f"{human_bytes(found['need_bytes'], unit='GiB')} per GPU even with {found['need_profile']}, over {gpus} x "
+            f"{human_bytes(gpu_memory_bytes, unit='GiB')} less 10% headroom")
     if smaller["profile"]:
         raise UserError("profile", f"{need}; micro-batch {smaller['micro_batch']} x accumulation "
                         f"{smaller['accumulation']} (same global batch) fits {smaller['profile']} "
-                        f"({smaller['peak_bytes'] / 2**30:.1f} GiB)", f"run: {smaller['command']}")
+                        f"({human_bytes(smaller['peak_bytes'], unit='GiB')})", f"run: {smaller['command']}")
     raise UserError("profile", need, smaller["hint"])

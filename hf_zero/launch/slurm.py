@@ -16,6 +16,7 @@ import shlex
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
+from hf_zero.core.validate import at_least
 from hf_zero.launch.launch_command import build_launch_command
 from hf_zero.plan.parse import load_yaml_config, pop_flag
 from hf_zero.plan.profiles import load_profile
@@ -39,11 +40,6 @@ def _check_word(flag: str, value, pattern=_SLURM_WORD, example="gpu") -> None:
 def _comment(text) -> str:
     """Text safe inside a `#` comment: a newline in a user string would end the comment and start a command."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
-
-
-def _check_positive(flag: str, value, minimum: int = 1) -> None:
-    if value is not None and value < minimum:
-        raise UserError(flag, f"must be >= {minimum}, got {value}", f"e.g. {flag} {max(minimum, 1)}")
 
 
 def _output_dir(args, extra: list[str], yaml_values: dict) -> tuple[Path, list[str]]:
@@ -77,11 +73,11 @@ def _requeue_checkpointing(yaml_values: dict, extra: list[str], save_steps: int)
 
 def build_sbatch_script(args, extra: list[str], command_line: str = "") -> str:
     """The sbatch script text for parsed `hf-zero slurm` args; raises UserError on anything unsafe or inconsistent."""
-    _check_positive("--nodes", args.nodes)
-    _check_positive("--gpus-per-node", args.gpus_per_node, 0)
-    _check_positive("--nproc-per-node", args.nproc_per_node)
-    _check_positive("--cpus-per-task", args.cpus_per_task)
-    _check_positive("--save-steps", args.save_steps)
+    at_least("--nodes", args.nodes, 1, "e.g. --nodes 1")
+    at_least("--gpus-per-node", args.gpus_per_node, 0, "e.g. --gpus-per-node 1")
+    at_least("--nproc-per-node", args.nproc_per_node, 1, "e.g. --nproc-per-node 1")
+    at_least("--cpus-per-task", args.cpus_per_task, 1, "e.g. --cpus-per-task 1")
+    at_least("--save-steps", args.save_steps, 1, "e.g. --save-steps 1")
     if not 1 <= args.main_port <= 65535:
         raise UserError("--main-port", f"{args.main_port} is not a TCP port", "e.g. --main-port 29500")
     for flag, value in (("--partition", args.partition), ("--account", args.account), ("--job-name", args.job_name)):

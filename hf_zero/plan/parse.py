@@ -26,6 +26,8 @@ __all__ = ["HF_ZERO_TRAINING_DEFAULTS", "load_yaml_config", "build_stage", "pars
            "recipe_fields", "pop_flag", "recipe_assets"]
 
 
+# What hf_zero changes in TrainingArguments' defaults (the YAML and flags still override them): per-step loss
+# logs for exact stage tables, TensorBoard, and no surprise hub pushes or wandb.
 HF_ZERO_TRAINING_DEFAULTS = {
     "logging_steps": 1,
     "report_to": ["tensorboard"],

@@ -58,7 +58,8 @@ def build_classifier(model_args: ModelArguments, kind: str, label_names: list[st
     buffers, and a 16-bit frozen BatchNorm weight beside them fails under autocast ("expected scalar type BFloat16
     but found Float").
 
-    TrainingArguments must already exist so that ZeRO-3 construction runs under zero.Init (pain-points #8)."""
+    TrainingArguments must already exist so that ZeRO-3 construction runs under zero.Init (no rank holds the
+    whole model)."""
     import torch
     from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification
 

@@ -66,7 +66,7 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
     (base_precision). DeepSpeed casts to the profile's precision itself, the Trainer autocasts to 16 bits.
 
     TrainingArguments must already exist: its DeepSpeed config is what makes transformers wrap construction in
-    `deepspeed.zero.Init` under ZeRO-3 (pain-points #8).
+    `deepspeed.zero.Init` under ZeRO-3 (so that no rank ever holds the whole model).
     """
     from transformers import AutoModelForCausalLM
 
