@@ -59,7 +59,7 @@ def main(argv=None):
     # Trainer: the curriculum's schedule, accuracy and macro-F1 at each stage end.
     trainer = CurriculumTrainer(
         model=model, args=args, train_dataset=CurriculumDataset(data.sources, order),
-        eval_dataset=data.eval_samples, processing_class=processor, schedule=schedule,
+        eval_dataset=data.eval_samples, processing_class=processor, schedule=schedule, plan=ctx.plan,
         data_collator=DataCollatorWithPadding(processor) if kind == "text" else default_data_collator,
         compute_metrics=build_compute_metrics(args),
     )

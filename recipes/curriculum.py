@@ -53,7 +53,7 @@ def main(argv=None):
     # Trainer: the curriculum's schedule, the fused loss, held-out prompts answered at the start and each stage end.
     trainer = CurriculumTrainer(
         model=model, args=args, train_dataset=CurriculumDataset([d.sources for d in stage_data], order),
-        eval_dataset=eval_sets or None, processing_class=tokenizer, schedule=schedule,
+        eval_dataset=eval_sets or None, processing_class=tokenizer, schedule=schedule, plan=ctx.plan,
         data_collator=build_collator(tokenizer, packing=args.packing, model=model),
         fused_cross_entropy=args.fused_cross_entropy,
     )

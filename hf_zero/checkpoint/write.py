@@ -32,7 +32,6 @@ from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.core.report import report_user_error
 from hf_zero.estimate.measure import count_parameters
-from hf_zero.plan.run_plan import current_plan
 
 __all__ = ["CheckpointCallback", "build_checkpoint_metadata", "complete_checkpoint", "verify_saved_model",
            "is_disk_full", "stop_on_full_disk"]
@@ -82,7 +81,7 @@ def build_checkpoint_metadata(trainer) -> dict:
                     if k.startswith("eval_") and k.endswith("_loss") and k != "eval_loss"]
     if stage_losses and "eval_loss" not in metrics:
         metrics["eval_loss"] = sum(stage_losses) / len(stage_losses)  # same mean as CurriculumTrainer.evaluate
-    plan = current_plan()  # set by setup_run, which every recipe calls before it builds a Trainer
+    plan = trainer.plan  # the run plan the Trainer was built with
     meta = {
         "format": 1,
         "global_step": step,

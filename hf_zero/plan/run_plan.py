@@ -27,7 +27,7 @@ from hf_zero.plan.profiles import Profile, gpu_count, profile_from_env
 from hf_zero.plan.reconcile import BatchPlan, reconcile_training_kwargs
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types
 
-__all__ = ["PLAN_ENV", "PLAN_NAME", "RunPlan", "resolve_run", "plan_for_launch", "plan_in_worker", "current_plan"]
+__all__ = ["PLAN_ENV", "PLAN_NAME", "RunPlan", "resolve_run", "plan_for_launch", "plan_in_worker"]
 
 PLAN_ENV = "HF_ZERO_RUN_PLAN"
 PLAN_NAME = "run_plan.json"
@@ -90,20 +90,6 @@ class RunPlan:
         return path
 
 
-_current: RunPlan | None = None  # this process's run (a rank runs one)
-
-
-def current_plan() -> RunPlan | None:
-    """The plan of the run in this process (set when its worker resolved or read it)."""
-    return _current
-
-
-def _activate(plan: RunPlan) -> RunPlan:
-    global _current
-    _current = plan
-    return plan
-
-
 def resolve_run(profile: Profile, parsed: tuple, training_kwargs: dict, *, world: int, nodes: int, gpus: int,
                 recipe: str, config: str | None, argv) -> tuple[RunPlan, dict]:
     """The one resolver: the plan, and the TrainingArguments kwargs (the recipe's, with the plan's decisions)."""
@@ -151,8 +137,8 @@ def plan_in_worker(types: tuple, argv: list[str], script: str, env=os.environ):
             raise UserError(PLAN_ENV, f"{path} was resolved for {plan.world} ranks and arguments "
                             f"{' '.join(plan.argv)}, but this rank runs in {world} with {' '.join(argv)}",
                             "launch through hf-zero train (or the recipe) again, or unset HF_ZERO_RUN_PLAN")
-        return parsed, stages, {**training_kwargs, **plan.training}, _activate(plan)
+        return parsed, stages, {**training_kwargs, **plan.training}, plan
     nodes = max(world // int(env.get("LOCAL_WORLD_SIZE") or world), 1)
     plan, kwargs = resolve_run(profile_from_env(env), parsed, training_kwargs, world=world, nodes=nodes,
                                gpus=gpu_count(), recipe=script, config=config, argv=argv)
-    return parsed, stages, kwargs, _activate(plan)
+    return parsed, stages, kwargs, plan

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 
 from hf_zero.estimate.flops import device_peak_flops, flops_per_token
 from hf_zero.estimate.measure import count_parameters
-from hf_zero.plan.run_plan import current_plan
 
 __all__ = ["throughput_callback"]
 
@@ -26,7 +25,7 @@ def _flops_per_token(model) -> float:
     return flops_per_token(count, model.config, seq_len=0)
 
 
-def throughput_callback(model):
+def throughput_callback(model, precision: str):
     """A callback whose `metrics(state, args)` the Trainer adds to each training log."""
     from transformers import TrainerCallback
 
@@ -64,7 +63,7 @@ def throughput_callback(model):
                 if dist.is_available() and dist.is_initialized():
                     dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # every rank logs at the same steps
                 out["peak_memory_bytes"] = int(peak.item())
-                device_peak = device_peak_flops(torch.cuda.get_device_name(args.device), current_plan().precision)
+                device_peak = device_peak_flops(torch.cuda.get_device_name(args.device), precision)
                 if device_peak and "tokens_per_second" in out:
                     out["mfu"] = out["tokens_per_second"] * self.per_token / (device_peak * args.world_size)
             return out

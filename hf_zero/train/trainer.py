@@ -15,6 +15,7 @@ from hf_zero.core.console import console_callback, say
 from hf_zero.core.distributed import waiting_for
 from hf_zero.data.curriculum import CurriculumSchedule
 from hf_zero.launch.interrupt import stop_on_signal
+from hf_zero.plan.run_plan import RunPlan
 from hf_zero.train.callbacks import CurriculumCallback, Zero3UniversalFix
 from hf_zero.train.fsdp import announce_layers, enable_fsdp_on_cpu
 from hf_zero.train.fused_ce import FusedCrossEntropyMixin
@@ -26,10 +27,10 @@ __all__ = ["CurriculumTrainer", "stage_table", "step_losses", "eval_rounds", "ev
 class CurriculumTrainer(FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
     # FusedCrossEntropyMixin: compute_loss without full logits, `fused_cross_entropy=` auto|True|False (fused_ce.py).
     # StagedCheckpointMixin: staged, verified checkpoints with a manifest, rotation keeping the best (staging.py).
-    def __init__(self, *args, schedule: CurriculumSchedule, **kwargs):
+    def __init__(self, *args, schedule: CurriculumSchedule, plan: RunPlan, **kwargs):
         from transformers import PrinterCallback, ProgressCallback
 
-        self.schedule = schedule
+        self.schedule, self.plan = schedule, plan  # the plan: what the checkpoints and throughput logs record
         super().__init__(*args, **kwargs)
         self.add_callback(CheckpointCallback(has_eval=self.eval_dataset is not None))
         for noisy in (ProgressCallback, PrinterCallback):  # raw dicts per step; hf_zero.core.console prints lines
@@ -37,7 +38,7 @@ class CurriculumTrainer(FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
         sets = len(self.eval_dataset) if isinstance(self.eval_dataset, dict) else 1
         self.add_callback(console_callback(schedule, sets))  # before the stage-switch line: eval lines come first
         self.add_callback(CurriculumCallback(schedule, has_eval=self.eval_dataset is not None, log=say))
-        self.throughput = throughput_callback(self.model)
+        self.throughput = throughput_callback(self.model, plan.precision)
         self.add_callback(self.throughput)
         self.add_callback(stop_on_signal())  # last: at a stop it overrides what the others asked for
 
