@@ -173,6 +173,18 @@ def _cycles() -> set[tuple[str, ...]]:
     return found
 
 
+def test_every_folder_is_in_a_layer_and_in_the_wheel():
+    """setup.cfg lists the packages a wheel carries: a folder missing there installs without its modules."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    packaged = set(config["options"]["packages"].split())
+    folders = {p.name for p in PKG.iterdir() if (p / "__init__.py").is_file()}
+    assert {f"hf_zero.{f}" for f in folders} <= packaged
+    assert folders <= set().union(*LAYERS)
+
+
 def test_every_module_is_in_a_layer():
     for module in MODULES:
         layer(module)
