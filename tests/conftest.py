@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# Every Python process a fast-tier test starts imports this folder's sitecustomize.py: a launcher or a rank marks it.
+PROCESS_GUARD = Path(__file__).resolve().parent / "process_guard"
+GROUP_MARKS_ENV = "HF_ZERO_TEST_GROUP_MARKS"
 PROFILES = REPO / "accelerate_configs"
 TINY = REPO / "recipes" / "configs" / "tiny_curriculum.yaml"
 RECIPE = REPO / "recipes" / "curriculum.py"
@@ -22,6 +25,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 _FRESH_CACHE = None
+# Session-scoped 2-rank runs shared by every test that reads them.
+pytest_plugins = ["shared_runs"]
 
 
 def pytest_configure(config):
@@ -70,3 +75,24 @@ def quiet_env(monkeypatch):
                 ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")]:
         monkeypatch.delenv(key, raising=False)
     yield
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_starts_no_process_group(request, monkeypatch):
+    """`make test-fast` runs every test not marked `multiproc`, and promises that none of them starts a process group
+    (a launcher and its ranks). Such a test's child processes report any launcher or rank they are (process_guard/),
+    and the test fails naming it: a new test that launches must carry the marker."""
+    if request.node.get_closest_marker("multiproc"):
+        yield
+        return
+    marks = tempfile.mkdtemp(prefix="hf_zero_group_marks_")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PROCESS_GUARD), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(GROUP_MARKS_ENV, marks)
+    try:
+        yield
+        started = sorted(p.read_text() for p in Path(marks).iterdir())
+    finally:
+        shutil.rmtree(marks, ignore_errors=True)
+    if started:
+        pytest.fail("this test started a process group but is not marked multiproc (make test-fast runs it):\n  "
+                    + "\n  ".join(started), pytrace=False)

@@ -67,6 +67,7 @@ def test_offloaded_bytes_are_counted_apart_from_the_device():
     assert offload_split(parts, "cpu", "cpu") == {"device": 1, "host": 90}
 
 
+@pytest.mark.slow  # five 1-rank launches (~5 min here); the default suite runs the 2-rank quick bench (test_bench.py)
 @pytest.mark.multiproc
 def test_one_rank_packed_lora_bench_compares_like_with_like(tmp_path):
     """At N=1: no ZeRO-3/DDP ratio (nothing is sharded), offloaded bytes apart; a recipe that packs and trains LoRA

@@ -17,9 +17,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import yaml
-from conftest import PROFILES, RECIPE, REPO, TINY, launch_recipe, read_summary
+from conftest import PROFILES, RECIPE, REPO, launch_recipe, read_summary
 from safetensors.torch import load_file
+from shared_runs import TINY24_FLAGS
 
 from hf_zero.checkpoint.store import (
     MANIFEST_NAME,
@@ -39,7 +39,7 @@ from hf_zero.checkpoint.store import (
 )
 from hf_zero.core.errors import UserError
 
-COMMON = ["--save_strategy", "steps", "--save_steps", "3", "--global_batch_size", "4"]
+COMMON = TINY24_FLAGS  # checkpoints every 3 steps, global batch 4 whatever the rank count
 # Best = highest eval loss = the first checkpoint (the loss falls), so "the best is never rotated out" is visible.
 ROTATE = ["--save_total_limit", "2", "--greater_is_better", "true"]
 
@@ -180,17 +180,8 @@ def test_export_bad_input_is_one_line(tmp_path, capsys):
 # ---------------------------------------------------------------- runs through the real launcher
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory):
-    """The tiny curriculum with 8 steps per stage: enough steps after the first checkpoint to kill a run in."""
-    data = yaml.safe_load(TINY.read_text())
-    for stage in data["stages"]:
-        stage["steps"] = 8
-        # paths in a YAML are relative to its folder: the copy lives elsewhere
-        stage["data"] = [str((TINY.parent / d).resolve()) for d in
-                         (stage["data"] if isinstance(stage["data"], list) else [stage["data"]])]
-    path = tmp_path_factory.mktemp("config") / "tiny24.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+def config(tiny24_config):
+    return tiny24_config
 
 
 def launch_cmd(profile, out, *extra, config, nproc=None):
@@ -310,11 +301,9 @@ def test_sigkill_and_resume_gives_the_uninterrupted_weights_zero2(tmp_path, refe
 @pytest.mark.multiproc
 @pytest.mark.parametrize("profile", ["zero2", "zero3", "zero3_offload", "fsdp2", "fsdp2_offload"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_sigkill_and_resume_several_seeds(tmp_path_factory, profile, seed, config):
+def test_sigkill_and_resume_several_seeds(tmp_path_factory, profile, seed, config, tiny24_references):
     root = tmp_path_factory.mktemp(f"kill-{profile}-{seed}")
-    ref = root / "reference"
-    launch_recipe(profile, ref, *COMMON, config=config)
-    assert kill_and_resume_chain(profile, root, ref, seed=seed, config=config) <= 1e-6
+    assert kill_and_resume_chain(profile, root, tiny24_references[profile], seed=seed, config=config) <= 1e-6
 
 
 def losses_after(out, step: int) -> list[float]:
@@ -346,9 +335,8 @@ def test_resume_on_another_number_of_ranks(tmp_path, reference, config):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_zero3_resume_on_another_number_of_ranks(tmp_path, config):
-    ref = tmp_path / "ref"
-    launch_recipe("zero3", ref, *COMMON, config=config)
+def test_zero3_resume_on_another_number_of_ranks(tmp_path, config, tiny24_references):
+    ref = tiny24_references["zero3"]
     one = tmp_path / "one"
     one.mkdir()
     shutil.copytree(ref / "checkpoint-9", one / "checkpoint-9")
@@ -358,19 +346,15 @@ def test_zero3_resume_on_another_number_of_ranks(tmp_path, config):
     assert max_weight_diff(one, ref) <= 1e-5
 
 
-LORA = ["--use_peft", "true", "--lora_r", "64", "--lora_dropout", "0", "--lora_target_modules", "q_proj", "k_proj",
-        "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 @pytest.mark.multiproc
-def test_lora_zero3_checkpoints_hold_the_gathered_adapter_only(tmp_path):
+def test_lora_zero3_checkpoints_hold_the_gathered_adapter_only(tmp_path, lora_zero3_run):
+    """The session's shared ZeRO-3 LoRA run (all 7 projections, checkpoints every 5 steps)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from hf_zero.checkpoint.export import export_checkpoint
 
-    out = tmp_path / "lora"
-    proc = launch_recipe("zero3", out, *LORA, "--save_strategy", "steps", "--save_steps", "5")
+    out, proc = lora_zero3_run.out, lora_zero3_run
     s = read_summary(out)
     assert published(out) == [5, 10, 15]
     for step in (5, 10, 15):

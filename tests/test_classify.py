@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 from conftest import REPO, launch_recipe, read_summary
+from shared_runs import readme_command
 
 from hf_zero.core.config import ModelArguments, Stage
 from hf_zero.core.errors import UserError
@@ -216,21 +217,23 @@ def test_image_source_augments_training_images_only():
 # --- the recipe on 2 CPU ranks ------------------------------------------------------------------------------------
 
 
-def _launch(profile, config, tmp_path_factory, name):
-    out = tmp_path_factory.mktemp(name) / "run"
-    hf_home = tmp_path_factory.mktemp(name + "_hf_home")
-    proc = launch_recipe(profile, out, config=config, recipe=CLASSIFY, env={"HF_HOME": str(hf_home)})
-    return out, proc
+def _readme_run(readme_runs, readme_checkout, config):
+    """The README's own command for this config (`accelerate launch ... recipes/classify.py --config ...`), run once
+    in the session (tests/shared_runs.py; tests/test_readme.py checks it exits 0): its output_dir is the config's
+    default, runs/<config name>."""
+    proc = readme_runs[readme_command("recipes/classify.py", f"recipes/configs/{config.name}")]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return readme_checkout / "runs" / config.stem, proc
 
 
 @pytest.fixture(scope="module")
-def text_run(tmp_path_factory):
-    return _launch("zero2", TINY_TEXT, tmp_path_factory, "text")
+def text_run(readme_runs, readme_checkout):
+    return _readme_run(readme_runs, readme_checkout, TINY_TEXT)  # zero2
 
 
 @pytest.fixture(scope="module")
-def digits_run(tmp_path_factory):
-    return _launch("zero3", TINY_DIGITS, tmp_path_factory, "digits")
+def digits_run(readme_runs, readme_checkout):
+    return _readme_run(readme_runs, readme_checkout, TINY_DIGITS)  # zero3
 
 
 def _check_summary(out, stage_names, steps_each):

@@ -1,26 +1,22 @@
 """2-rank runs through the real `accelerate launch` on CPU: every strategy trains the same model to the same
-losses as DDP, switches stages at the configured steps, and saves a model that matches the trained weights."""
+losses as DDP, switches stages at the configured steps, and saves a model that matches the trained weights. The runs
+are the session's shared ones (tests/shared_runs.py)."""
 
 import json
 
 import pytest
 import torch
-from conftest import launch_recipe, read_summary
+from conftest import read_summary
 from safetensors.torch import load_file
+from shared_runs import LORA_TARGETS, OutAndRun
 
 pytestmark = pytest.mark.multiproc
 STRATEGIES = ["zero1", "zero2", "zero3", "zero3_offload"]
-TOKENS = ["--include_num_input_tokens_seen", "non_padding"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist")
-    done = {}
-    for name in ["ddp", *STRATEGIES]:
-        proc = launch_recipe(name, root / name, *TOKENS)
-        done[name] = (root / name, proc)
-    return done
+def runs(strategy_runs):
+    return OutAndRun(strategy_runs)  # each test pays for at most the two runs it reads
 
 
 def test_ddp_baseline_is_two_ranks(runs):
@@ -68,15 +64,12 @@ def test_zero3_saves_full_model(runs, name):
         assert final[k].numel() > 0 and torch.allclose(final[k], ddp[k], atol=1e-4), k
 
 
-def test_lora_under_zero3_saves_trained_adapter(tmp_path):
-    out = tmp_path / "lora"
-    # With gradient checkpointing too: LoRA + ZeRO-3 + reentrant checkpointing fails (pain-points #9).
-    launch_recipe("zero3", out, "--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0",
-                  "--lora_target_modules", "q_proj", "v_proj", "--gradient_checkpointing", "true")
+def test_lora_under_zero3_saves_trained_adapter(lora_zero3_run):
+    out = lora_zero3_run.out  # with gradient checkpointing too: LoRA + ZeRO-3 + reentrant checkpointing once failed
     s = read_summary(out)
     assert s["use_peft"] and s["trainable_params"] < s["total_params"] / 5
     adapter = load_file(str(out / "final" / "adapter_model.safetensors"))
-    assert len(adapter) == 2 * 2 * 2  # 2 layers x (q, v) x (A, B)
+    assert len(adapter) == 2 * len(LORA_TARGETS) * 2  # 2 layers x 7 projections x (A, B)
     for k, t in adapter.items():
         assert t.numel() > 0, k  # pain-points #1: no empty [0]-shaped tensors
     # lora_B starts at zero; trained, it is not. (Equality with the engine's gathered weights is verified by the

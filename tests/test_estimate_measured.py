@@ -4,13 +4,15 @@ one optimizer step with `--measure_memory true`, and the estimate (convention de
 the device. ZeRO-3's "gathered" working layer is transient and left out of both sides; under ZeRO-3 offload the
 model states live in CPU RAM, so they are compared with the estimate's offloaded bytes per rank.
 
-Default: ZeRO-2 full (the CPU profile's strategy) and ZeRO-3 LoRA (sharded frozen weights): ~1 min each on a busy
-2-core box; tests/test_memory.py covers ZeRO-1/2/3 on one rank by default. Slow: ZeRO-3 full, ZeRO-2 LoRA; DDP,
-ZeRO-1 and ZeRO-3 offload, full and LoRA: `pytest -m slow tests/test_estimate_measured.py`.
+Default: ZeRO-2 full (the CPU profile's strategy) and ZeRO-3 LoRA (sharded frozen weights), read from the session's
+shared runs (tests/shared_runs.py: their first step is measured); tests/test_memory.py covers ZeRO-1/2/3 on one rank.
+Slow: ZeRO-3 full, ZeRO-2 LoRA; DDP, ZeRO-1 and ZeRO-3 offload, full and LoRA:
+`pytest -m slow tests/test_estimate_measured.py`.
 """
 
 import pytest
 from conftest import REPO, launch_recipe, read_summary
+from shared_runs import LORA_R, LORA_TARGETS
 
 from hf_zero.estimate.measure import read_measurements
 from hf_zero.estimate.memory import count_model, estimate
@@ -33,8 +35,7 @@ dataloader_num_workers: 0
 """
 LORA = ["--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0"]
 SLOW = pytest.mark.slow
-CASES = [("zero2", False), ("zero3", True),
-         pytest.param("zero3", False, marks=SLOW), pytest.param("zero2", True, marks=SLOW),
+CASES = [pytest.param("zero3", False, marks=SLOW), pytest.param("zero2", True, marks=SLOW),
          pytest.param("ddp", False, marks=SLOW), pytest.param("ddp", True, marks=SLOW),
          pytest.param("zero1", False, marks=SLOW), pytest.param("zero1", True, marks=SLOW),
          pytest.param("zero3_offload", False, marks=SLOW), pytest.param("zero3_offload", True, marks=SLOW)]
@@ -48,9 +49,9 @@ def one_step_config(tmp_path_factory):
     return path
 
 
-def expected_bytes(strategy: str, lora: bool) -> dict:
+def expected_bytes(strategy: str, lora: dict | None) -> dict:
     """The estimate for one rank, split as it is measured."""
-    count = count_model("tiny-llama", lora={"r": 4, "task_type": "CAUSAL_LM"} if lora else None)
+    count = count_model("tiny-llama", lora={**lora, "task_type": "CAUSAL_LM"} if lora else None)
     # One GPU per node and no extra buffer factor: the CPU figure is then exactly one rank's offloaded bytes.
     est = estimate(count, strategy, world_size=2, precision="fp32", additional_buffer_factor=1.0)
     gpu = est["gpu_bytes_per_rank"]
@@ -67,6 +68,20 @@ def test_estimate_within_10_percent_of_each_rank(tmp_path, one_step_config, stra
     measure = {"env": {"HF_ZERO_MEASURE_MEMORY": "1"}} if lora else {}
     launch_recipe(strategy, out, *(LORA if lora else []), *([] if lora else ["--measure_memory", "true"]),
                   config=one_step_config, **measure)
+    check_estimate(out, strategy, {"r": 4} if lora else None)
+
+
+def test_estimate_within_10_percent_of_zero2_full(strategy_runs):
+    """The shared zero2 run, measured through the recipe field."""
+    check_estimate(strategy_runs["zero2"].out, "zero2", None)
+
+
+def test_estimate_within_10_percent_of_zero3_lora(lora_zero3_run):
+    """The shared ZeRO-3 LoRA run, measured through the environment variable."""
+    check_estimate(lora_zero3_run.out, "zero3", {"r": LORA_R, "target_modules": LORA_TARGETS})
+
+
+def check_estimate(out, strategy: str, lora: dict | None):
     expected = expected_bytes(strategy, lora)
     summary = read_summary(out)
     # The estimate is about the model that ran: same parameter counts as the recipe's own.

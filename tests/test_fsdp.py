@@ -11,8 +11,9 @@ import pytest
 import torch
 from conftest import TINY, launch_recipe, read_summary
 from safetensors.torch import load_file
+from shared_runs import OutAndRun
 from test_check import check, failed, profile
-from test_checkpoints import COMMON, config, losses_after, max_weight_diff, published  # noqa: F401 (fixture)
+from test_checkpoints import COMMON, losses_after, max_weight_diff, published
 
 from hf_zero.checkpoint.store import read_metadata, size_breakdown, validate_checkpoint
 from hf_zero.core.errors import UserError
@@ -164,13 +165,10 @@ def test_size_breakdown_knows_distributed_checkpoints():
 
 # ---------------------------------------------------------------- 2-rank runs through the real launcher
 
-SAVE = ["--save_strategy", "steps", "--save_steps", "5", "--measure_memory", "true"]
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fsdp")
-    return {name: (root / name, launch_recipe(name, root / name, *SAVE)) for name in ("ddp", "fsdp2")}
+def runs(strategy_runs):
+    """The session's shared runs (tests/shared_runs.py): checkpoints every 5 steps, the memory probe on."""
+    return OutAndRun(strategy_runs)
 
 
 def _bytes(out) -> list[dict]:
@@ -314,13 +312,12 @@ def test_fsdp2_text_classification_with_lora_matches_ddp(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-def test_fsdp2_resume_on_one_rank_then_two(tmp_path, config):  # noqa: F811 (the fixture)
+def test_fsdp2_resume_on_one_rank_then_two(tmp_path, tiny24_config, tiny24_references):
     """2 -> 1 rank from checkpoint-3, then 1 -> 2 from what the 1-rank run wrote at step 12: no conversion, the
     losses after each resume and the final weights match the uninterrupted 2-rank run."""
     import shutil
 
-    ref = tmp_path / "ref"
-    launch_recipe("fsdp2", ref, *COMMON, config=config)
+    config, ref = tiny24_config, tiny24_references["fsdp2"]
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     shutil.copytree(ref / "checkpoint-3", one / "checkpoint-3")

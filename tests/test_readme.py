@@ -1,16 +1,14 @@
 """Every command shown in the README runs, and the README documents every recipe field."""
 
 import json
-import os
 import re
-import shutil
-import subprocess
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 from conftest import REPO
-from scale_helpers import libaio_missing_reason
+from scale_helpers import libaio_missing_reason, write_short_config
+from shared_runs import readme_commands, run_as_user
 
 from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
 
@@ -19,16 +17,6 @@ README = (REPO / "README.md").read_text()
 # installs system packages: .ci/run runs scripts/system_deps.sh first, and tests/test_nvme.py runs it again where the
 # packages are installed (test_system_deps_script_is_idempotent).
 NOT_RUN_HERE = {"make test", "bash scripts/system_deps.sh"}
-
-
-def readme_commands() -> list[str]:
-    cmds = []
-    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.strip()
-            if line and not line.startswith("#"):
-                cmds.append(line)
-    return cmds
 
 
 def test_first_screen_has_the_two_commands():
@@ -62,48 +50,53 @@ SLOW |= {c for c in COMMANDS if "runs/smollm2_chat/" in c}
 # The full default bench (~12 min here), also run with its targets checked by tests/test_bench.py's slow
 # test_make_bench_default; the default suite runs the quick bench through the same code (tests/test_bench.py).
 SLOW |= {"make bench"}
+# `make train` trains SmolLM2 for 60 steps (5-10 min here): the default suite runs the same command on the same
+# config cut to the tiny model and 2 steps a stage (test_make_train_on_the_tiny_model).
+SLOW |= {"make train"}
 
 
-@pytest.fixture(scope="module")
-def checkout(tmp_path_factory) -> Path:
-    """The commands run in a copy of the repository's files sharing its .venv (and `make`'s install stamp): what
-    they write (runs/, bench_out/) never lands in the repository, and an earlier session's finished run cannot make
-    a training command a no-op."""
-    copy = tmp_path_factory.mktemp("checkout")
-    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
-    for rel in filter(None, listed.split("\0")):
-        if (REPO / rel).is_file():
-            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / rel, copy / rel)
-    (copy / ".venv").symlink_to(REPO / ".venv")
-    stamp = REPO / ".venv" / ".hf_zero-installed"  # the Makefile's install stamp
-    if stamp.is_file():  # `make` must find the shared install current, never reinstall (editable) from the copy
-        for name in ("setup.cfg", "pyproject.toml"):
-            os.utime(copy / name, (stamp.stat().st_mtime - 1, stamp.stat().st_mtime - 1))
-    return copy
+# Commands that start a launcher and its ranks: kept out of `make test-fast` (tests/conftest.py checks the split).
+LAUNCHES = {c for c in COMMANDS if re.search(r"\b(make train|hf-zero train|accelerate launch|make bench)\b", c)
+            and "--dry-run" not in c and "--help" not in c}
 
 
-@pytest.mark.parametrize("cmd", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in COMMANDS])
-def test_readme_command_runs(cmd, checkout):
+def _marks(cmd):
+    return [pytest.mark.slow] * (cmd in SLOW) + [pytest.mark.multiproc] * (cmd in LAUNCHES)
+
+
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in COMMANDS])
+def test_readme_command_runs(cmd, readme_checkout, readme_runs):
     if "zero3_nvme" in cmd and "--dry-run" not in cmd and (reason := libaio_missing_reason()):
         pytest.skip(reason)
-    # As a user types it: not inside `make test`'s make (a nested make prints "Leaving directory" after the run).
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
-    env["PATH"] = f"{checkout / '.venv' / 'bin'}:{os.environ['PATH']}"
-    proc = subprocess.run(cmd, shell=True, cwd=checkout, env=env, capture_output=True, text=True, timeout=1200)
+    proc = readme_runs[cmd]  # run here, or already by a test that reads more of the same run (tests/shared_runs.py)
     assert proc.returncode == 0, f"{cmd}\n{(proc.stdout + proc.stderr)[-3000:]}"
     assert "Traceback" not in proc.stderr
-    CHECKS.get(cmd, lambda p, where: None)(proc, checkout)
+    CHECKS.get(cmd, lambda p, where: None)(proc, readme_checkout)
 
 
-def _check_make_train(proc, where):
-    s = json.loads((where / "runs" / "smollm2_shakespeare" / "summary.json").read_text())
+def _check_make_train(proc, where, run=Path("runs") / "smollm2_shakespeare"):
+    s = json.loads((where / run / "summary.json").read_text())
     assert s["profile"] == "cpu" and s["world_size"] == 2 and s["use_peft"]
     assert s["eval_loss_after"] < s["eval_loss_before"]
     assert "[hf_zero] profile cpu: no GPU found" in proc.stdout
-    assert (where / "runs" / "smollm2_shakespeare" / "final" / "adapter_model.safetensors").is_file()
+    assert (where / run / "final" / "adapter_model.safetensors").is_file()
     last = proc.stdout.strip().splitlines()[-1]  # the result, as the last line
     assert last.startswith(f"[hf_zero] done: eval loss {s['eval_loss_before']:.4f} -> {s['eval_loss_after']:.4f}")
+    return s
+
+
+@pytest.mark.multiproc
+def test_make_train_on_the_tiny_model(readme_checkout, tmp_path):
+    """The README's first command, `make train` (the cpu profile, 2 ranks, LoRA on the Shakespeare curriculum), on
+    its own config with the tiny model and 2 steps a stage instead of SmolLM2 and 60 steps (`make test-all` runs the
+    full one)."""
+    config = write_short_config(REPO / "recipes" / "configs" / "smollm2_shakespeare.yaml", tmp_path / "short.yaml",
+                                [2, 2, 2], model_name_or_path="tiny-llama", eval_samples=4,
+                                output_dir=str(tmp_path / "run"))
+    proc = run_as_user(f"make train CONFIG={config}", readme_checkout, tmp_path / "hf_home")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    s = _check_make_train(proc, tmp_path, run=Path("run"))
+    assert [st["name"] for st in s["stages"]] == ["lines", "passages", "sonnets"] and s["total_steps"] == 6
 
 
 def _check_dry_run(proc, where):

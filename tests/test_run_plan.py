@@ -58,6 +58,7 @@ def test_a_plan_resolved_for_another_launch_is_one_line(tmp_path):
     assert err.value.field == PLAN_ENV and "1 ranks" in err.value.line() and "\n" not in err.value.line()
 
 
+@pytest.mark.multiproc  # `hf-zero train --nproc 1`: a launcher and its one rank
 def test_nproc_and_precision_given_once_reach_the_worker_the_checkpoints_and_the_summary(tmp_path):
     zero2 = load_profile("zero2")
     assert (zero2.num_processes, zero2.precision) == (2, "fp32")  # the flags below change both

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, TINY, launch_recipe
+from conftest import REPO, TINY
 
 from hf_zero.checkpoint.resume import _choose, convert_to_universal
 from hf_zero.checkpoint.safe_load import (
@@ -60,11 +60,9 @@ def _plant(checkpoint: Path, rel: str, marker: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A finished 2-rank zero2 run with one checkpoint (its last step)."""
-    out = tmp_path_factory.mktemp("safe") / "zero2"
-    launch_recipe("zero2", out, "--save_strategy", "steps", "--save_steps", "15")
-    return out
+def trained(strategy_runs):
+    """A finished 2-rank zero2 run (the session's shared one) and its last checkpoint, checkpoint-15."""
+    return strategy_runs["zero2"].out
 
 
 @pytest.mark.multiproc
