@@ -9,7 +9,7 @@ import statistics
 import sys
 
 import pytest
-from conftest import REPO, run_cmd
+from testing_utils import REPO, run_cmd
 
 from hf_zero.bench.command import _env, model_state_bytes, root_cause, summarize_run
 from hf_zero.bench.report import progress_line
@@ -149,7 +149,7 @@ def test_plain_trainer_script_trains_the_same_without_hf_zero(bench):
 def test_a_baseline_that_trains_something_else_is_not_comparable(bench, tmp_path):
     """The plain script run again with a different learning rate: the report must call the pair "not comparable",
     never a met (or missed) overhead target, however tight the timing."""
-    from scale_helpers import free_port
+    from testing_utils import free_port
 
     from hf_zero.bench.command import plain_launch_command
     from hf_zero.bench.compare import overhead

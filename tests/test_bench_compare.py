@@ -6,7 +6,7 @@ import json
 import sys
 
 import pytest
-from conftest import REPO, run_cmd
+from testing_utils import REPO, run_cmd
 
 QUICK = REPO / "recipes" / "configs" / "bench_quick.yaml"
 

@@ -7,7 +7,7 @@ import random
 import sys
 
 import pytest
-from conftest import RECIPE, REPO, launch_recipe, read_summary, run_cmd
+from testing_utils import RECIPE, REPO, launch_recipe, read_summary, run_cmd
 
 from hf_zero.cli import main
 

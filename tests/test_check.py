@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import PROFILES, RECIPE, REPO, TINY
+from testing_utils import RECIPE, REPO, TINY, check, failed, profile, skipped, start_args
 
 from hf_zero.cli import main
 from hf_zero.core.errors import UserError
@@ -18,26 +18,10 @@ from hf_zero.tools.check import CHECKS
 GOOD = ["--profile", "zero2", "--config", str(TINY)]
 
 
-def check(capsys, *args, output_dir=None):
-    """Run `hf-zero check` in-process: (exit code, {check: (ok, message)}), asserting the one-line format."""
-    extra = ["--output-dir", str(output_dir)] if output_dir else []
-    rc = main(["check", *args, *extra])
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert [ln.split(" ", 2)[1].rstrip(":") for ln in lines] == list(CHECKS), lines
-    assert all(ln.startswith(("ok ", "FAIL ", "skip ")) for ln in lines), lines
-    # ok: True, FAIL: False, skip (not checked because what it needs failed earlier): None
-    results = {ln.split(" ", 2)[1].rstrip(":"): ({"ok": True, "FAIL": False, "skip": None}[ln.split(" ")[0]],
-                                                 ln.split(": ", 1)[1]) for ln in lines}
-    assert rc == (2 if any(ok is False for ok, _ in results.values()) else 0)
-    return rc, results
 
 
-def failed(results) -> set:
-    return {name for name, (ok, _) in results.items() if ok is False}
 
 
-def skipped(results) -> set:
-    return {name for name, (ok, _) in results.items() if ok is None}
 
 
 def recipe(tmp_path, text=None, **changes) -> str:
@@ -58,14 +42,6 @@ def recipe(tmp_path, text=None, **changes) -> str:
     return str(path)
 
 
-def profile(tmp_path, base="zero2", replace=None, append="") -> str:
-    text = (PROFILES / f"{base}.yaml").read_text()
-    for old, new in (replace or {}).items():
-        assert old in text
-        text = text.replace(old, new)
-    path = tmp_path / f"my_{base}.yaml"
-    path.write_text(text + append)
-    return str(path)
 
 
 def test_tiny_recipe_passes_every_check(capsys, tmp_path):
@@ -186,7 +162,7 @@ def test_nvme_path_that_cannot_be_created(capsys, tmp_path, monkeypatch, libaio)
 
 @pytest.mark.slow  # loads cpu_adam, which JIT-builds for minutes when its cache was built with other flags
 def test_nvme_profile_passes_with_a_writable_path(capsys, tmp_path, monkeypatch):
-    from scale_helpers import libaio_missing_reason
+    from testing_utils import libaio_missing_reason
 
     if reason := libaio_missing_reason():
         pytest.skip(reason)
@@ -294,20 +270,13 @@ def test_plain_python_on_a_multi_process_profile_says_what_to_run(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
 
 
-def _start_args(tmp_path):
-    from hf_zero.core.config import CurriculumArguments, ModelArguments
-    from hf_zero.core.parse import parse_recipe_args
-
-    m, stages, kwargs, _ = parse_recipe_args((ModelArguments, CurriculumArguments),
-                                             ["--config", str(TINY), "--output_dir", str(tmp_path / "o")])
-    return kwargs, (m,), stages
 
 
 def test_recipe_start_checks_raise_the_first_failure(tmp_path):
     from hf_zero.core.profiles import load_profile
     from hf_zero.tools.check_rules import check_at_start
 
-    kwargs, parsed, stages = _start_args(tmp_path)
+    kwargs, parsed, stages = start_args(tmp_path)
     zero2 = load_profile("zero2")
     launched = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}
     check_at_start(zero2, kwargs, parsed, stages, 2, str(TINY), env=launched)  # all fine: no error

@@ -17,25 +17,32 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import PROFILES, RECIPE, REPO, launch_recipe, read_summary
 from safetensors.torch import load_file
-from shared_runs import TINY24_FLAGS
+from testing_utils import (
+    PROFILES,
+    RECIPE,
+    REPO,
+    TINY24_FLAGS,
+    launch_recipe,
+    losses_after,
+    make_checkpoint,
+    max_weight_diff,
+    published,
+    read_summary,
+    with_meta,
+)
 
 from hf_zero.checkpoint.store import (
     MANIFEST_NAME,
     STAGING_DIR,
     checkpoint_step,
     checkpoints_to_keep,
-    crc32_of,
-    file_sizes,
     find_resume_checkpoint,
     list_checkpoints,
     publish_checkpoint,
     read_metadata,
     rotate_checkpoints,
     validate_checkpoint,
-    write_json_atomic,
-    write_manifest,
 )
 from hf_zero.core.errors import UserError
 
@@ -46,15 +53,6 @@ ROTATE = ["--save_total_limit", "2", "--greater_is_better", "true"]
 
 # ---------------------------------------------------------------- unit: manifest, selection, rotation
 
-def make_checkpoint(root: Path, step: int, eval_loss: float | None = None, payload: int = 1000) -> Path:
-    folder = root / f"checkpoint-{step}"
-    (folder / "global_step").mkdir(parents=True)
-    (folder / "global_step" / "optim_states.pt").write_bytes(bytes(range(256)) * (payload // 256 + 1))
-    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    write_json_atomic(folder / "hf_zero_checkpoint.json",
-                      {"global_step": step, "metrics": {} if eval_loss is None else {"eval_loss": eval_loss}})
-    write_manifest(folder, {rel: crc32_of(folder / rel) for rel in file_sizes(folder)})
-    return folder
 
 
 def test_manifest_detects_truncated_missing_and_altered_files(tmp_path):
@@ -127,19 +125,12 @@ def _ctx(tmp_path, world=1, global_batch=4, stage=2, fresh=False):
     return SimpleNamespace(profile=profile, plan=SimpleNamespace(batch=batch, world=world), training_args=args)
 
 
-def _with_meta(tmp_path, **meta):
-    ck = make_checkpoint(tmp_path, 6)
-    base = {"global_step": 6, "world_size": 2, "zero_stage": 2, "profile": "zero2", "global_batch": 4,
-            "micro_batch": 2, "grad_accum": 1}
-    write_json_atomic(ck / "hf_zero_checkpoint.json", {**base, **meta})
-    write_manifest(ck, {rel: crc32_of(ck / rel) for rel in file_sizes(ck)})
-    return ck
 
 
 def test_resume_refuses_another_global_batch_or_zero_stage_before_training(tmp_path):
     from hf_zero.checkpoint.resume import _choose
 
-    _with_meta(tmp_path)
+    with_meta(tmp_path)
     with pytest.raises(UserError) as err:
         _choose(_ctx(tmp_path, world=1, global_batch=2), fresh_start=False)
     assert err.value.field == "global_batch_size" and "--global_batch_size 4" in err.value.fix
@@ -155,7 +146,7 @@ def test_resume_refuses_another_global_batch_or_zero_stage_before_training(tmp_p
 def test_fresh_start_moves_old_checkpoints_aside(tmp_path):
     from hf_zero.checkpoint.resume import _choose
 
-    _with_meta(tmp_path)
+    with_meta(tmp_path)
     assert _choose(_ctx(tmp_path, world=2), fresh_start=True) == {"resume": None, "universal": False}
     assert list_checkpoints(tmp_path) == [] and validate_checkpoint(tmp_path / "previous-run" / "checkpoint-6") is None
 
@@ -190,8 +181,6 @@ def launch_cmd(profile, out, *extra, config, nproc=None):
     return cmd + [str(RECIPE), "--config", str(config), "--output_dir", str(out), "--disable_tqdm", "true", *extra]
 
 
-def published(out) -> list[int]:
-    return [checkpoint_step(f) for f in list_checkpoints(out) if (f / MANIFEST_NAME).is_file()]
 
 
 def kill_when(profile, out, condition, *extra, config, delay=0.0, timeout=900):
@@ -225,10 +214,6 @@ def assert_every_visible_checkpoint_complete(out):
         assert validate_checkpoint(folder) is None, folder
 
 
-def max_weight_diff(a, b) -> float:
-    wa, wb = (load_file(str(Path(run) / "final" / "model.safetensors")) for run in (a, b))
-    assert wa.keys() == wb.keys()
-    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
 @pytest.fixture(scope="module")
@@ -306,9 +291,6 @@ def test_sigkill_and_resume_several_seeds(tmp_path_factory, profile, seed, confi
     assert kill_and_resume_chain(profile, root, tiny24_references[profile], seed=seed, config=config) <= 1e-6
 
 
-def losses_after(out, step: int) -> list[float]:
-    history = json.loads((Path(out) / "log_history.json").read_text())
-    return [h["loss"] for h in history if "loss" in h and h["step"] > step]
 
 
 @pytest.mark.multiproc

@@ -9,8 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, launch_recipe, read_summary
-from shared_runs import readme_command
+from testing_utils import REPO, launch_recipe, read_summary, readme_command
 
 from hf_zero.core.config import ModelArguments, Stage
 from hf_zero.core.errors import UserError
@@ -219,7 +218,7 @@ def test_image_source_augments_training_images_only():
 
 def _readme_run(readme_runs, readme_checkout, config):
     """The README's own command for this config (`accelerate launch ... recipes/classify.py --config ...`), run once
-    in the session (tests/shared_runs.py; tests/test_readme.py checks it exits 0): its output_dir is the config's
+    in the session (tests/conftest.py; tests/test_readme.py checks it exits 0): its output_dir is the config's
     default, runs/<config name>."""
     proc = readme_runs[readme_command("recipes/classify.py", f"recipes/configs/{config.name}")]
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -399,7 +398,7 @@ def test_train_dry_run_launches_the_recipe_the_yaml_names():
 
 
 def test_yaml_launched_with_another_recipe_is_one_line(tmp_path):
-    from conftest import RECIPE
+    from testing_utils import RECIPE
 
     proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(TINY_TEXT), "--output_dir", tmp_path / "o"],
                           capture_output=True, text=True, cwd=REPO, timeout=600)

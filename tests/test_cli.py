@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from testing_utils import REPO
 
 from hf_zero.cli import main
 from hf_zero.launch.command import build_launch_command

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY
+from testing_utils import REPO, TINY
 from transformers import TrainingArguments
 
 from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage

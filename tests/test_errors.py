@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PROFILES, RECIPE, REPO, TINY, read_summary
+from testing_utils import PROFILES, RECIPE, REPO, TINY, read_summary
 
 ERROR = "hf-zero: error:"
 
@@ -143,7 +143,7 @@ def test_bad_input_through_plain_accelerate_launch_ends_with_the_line(tmp_path, 
 
 @pytest.fixture(scope="module")
 def finished(strategy_runs):
-    """The session's zero2 run (tests/shared_runs.py): `hf-zero train` on 2 ranks, checkpoints every 5 steps, stdout
+    """The session's zero2 run (tests/conftest.py): `hf-zero train` on 2 ranks, checkpoints every 5 steps, stdout
     and stderr captured to one file as a Slurm log would."""
     run = strategy_runs["zero2"]
     return run.out, run.log, run.args

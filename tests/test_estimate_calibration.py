@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from testing_utils import REPO
 
 from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate.memory import count_model, estimate

@@ -5,48 +5,25 @@ the device. ZeRO-3's "gathered" working layer is transient and left out of both 
 model states live in CPU RAM, so they are compared with the estimate's offloaded bytes per rank.
 
 Default: ZeRO-2 full (the CPU profile's strategy) and ZeRO-3 LoRA (sharded frozen weights), read from the session's
-shared runs (tests/shared_runs.py: their first step is measured); tests/test_memory.py covers ZeRO-1/2/3 on one rank.
+shared runs (tests/conftest.py: their first step is measured); tests/test_memory.py covers ZeRO-1/2/3 on one rank.
 Slow: ZeRO-3 full, ZeRO-2 LoRA; DDP, ZeRO-1 and ZeRO-3 offload, full and LoRA:
 `pytest -m slow tests/test_estimate_measured.py`.
 """
 
 import pytest
-from conftest import REPO, launch_recipe, read_summary
-from shared_runs import LORA_R, LORA_TARGETS
+from testing_utils import LORA_R, LORA_TARGETS, ONE_STEP_LORA, launch_recipe, read_summary
 
 from hf_zero.estimate.measure import read_measurements
 from hf_zero.estimate.memory import count_model, estimate
 
 pytestmark = pytest.mark.multiproc
 
-ONE_STEP = """\
-# One stage, one optimizer step: enough to build the engine and see a whole step.
-model_name_or_path: tiny-llama
-max_seq_length: 64
-eval_samples: 0
-stages:
-  - name: only
-    data: recipes/data/tiny/short.jsonl
-    steps: 1
-per_device_train_batch_size: 2
-learning_rate: 1.0e-3
-seed: 42
-dataloader_num_workers: 0
-"""
-LORA = ["--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0"]
+LORA = ONE_STEP_LORA
 SLOW = pytest.mark.slow
 CASES = [pytest.param("zero3", False, marks=SLOW), pytest.param("zero2", True, marks=SLOW),
          pytest.param("ddp", False, marks=SLOW), pytest.param("ddp", True, marks=SLOW),
          pytest.param("zero1", False, marks=SLOW), pytest.param("zero1", True, marks=SLOW),
          pytest.param("zero3_offload", False, marks=SLOW), pytest.param("zero3_offload", True, marks=SLOW)]
-
-
-@pytest.fixture(scope="module")
-def one_step_config(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cfg") / "one_step.yaml"
-    # Paths in a YAML are relative to its folder: this copy lives in a temporary one.
-    path.write_text(ONE_STEP.replace("recipes/data/tiny/", f"{REPO}/recipes/data/tiny/"))
-    return path
 
 
 def expected_bytes(strategy: str, lora: dict | None) -> dict:

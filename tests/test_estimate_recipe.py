@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from testing_utils import REPO
 
 from hf_zero.cli import main
 

@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PROFILES, RECIPE, REPO, TINY, read_summary, run_cmd
-from scale_helpers import write_short_config
+from testing_utils import PROFILES, RECIPE, REPO, TINY, read_summary, run_cmd, write_short_config
 
 from hf_zero.core.errors import UserError
 from hf_zero.data import cache

@@ -9,11 +9,22 @@ import json
 
 import pytest
 import torch
-from conftest import TINY, launch_recipe, read_summary
 from safetensors.torch import load_file
-from shared_runs import OutAndRun
-from test_check import check, failed, profile
-from test_checkpoints import COMMON, losses_after, max_weight_diff, published
+from testing_utils import (
+    TINY,
+    OutAndRun,
+    check,
+    failed,
+    launch_recipe,
+    losses_after,
+    max_weight_diff,
+    profile,
+    published,
+    read_summary,
+    start_args,
+    with_meta,
+)
+from testing_utils import TINY24_FLAGS as COMMON  # test_checkpoints.py's runs: checkpoints every 3 steps
 
 from hf_zero.checkpoint.store import read_metadata, size_breakdown, validate_checkpoint
 from hf_zero.core.errors import UserError
@@ -107,11 +118,9 @@ def test_misspelled_fsdp_key_is_refused_with_a_hint(capsys, tmp_path):
 
 
 def test_recipe_refuses_fsdp_mistakes_before_the_engine(tmp_path):
-    from test_check import _start_args
-
     from hf_zero.tools.check_rules import check_at_start
 
-    kwargs, parsed, stages = _start_args(tmp_path)
+    kwargs, parsed, stages = start_args(tmp_path)
     launched = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}
     fsdp2 = load_profile("fsdp2")
     check_at_start(fsdp2, kwargs, parsed, stages, 2, str(TINY), env=launched)  # fine
@@ -123,12 +132,10 @@ def test_recipe_refuses_fsdp_mistakes_before_the_engine(tmp_path):
 def test_resume_refuses_a_checkpoint_of_another_engine(tmp_path):
     from types import SimpleNamespace
 
-    from test_checkpoints import _with_meta
-
     from hf_zero.checkpoint.resume import _choose
     from hf_zero.core.reconcile import BatchPlan
 
-    ck = _with_meta(tmp_path, engine="fsdp2", profile="fsdp2", zero_stage=0)
+    ck = with_meta(tmp_path, engine="fsdp2", profile="fsdp2", zero_stage=0)
 
     def ctx(name, world):
         plan = SimpleNamespace(batch=BatchPlan(4 // world, 1, world), world=world)  # the run plan's part resume reads
@@ -167,7 +174,7 @@ def test_size_breakdown_knows_distributed_checkpoints():
 
 @pytest.fixture(scope="module")
 def runs(strategy_runs):
-    """The session's shared runs (tests/shared_runs.py): checkpoints every 5 steps, the memory probe on."""
+    """The session's shared runs (tests/conftest.py): checkpoints every 5 steps, the memory probe on."""
     return OutAndRun(strategy_runs)
 
 
@@ -299,7 +306,7 @@ def test_fsdp2_tied_embeddings_are_saved_and_exported_once(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_fsdp2_text_classification_with_lora_matches_ddp(tmp_path):
-    from conftest import REPO
+    from testing_utils import REPO
 
     for name in ("ddp", "fsdp2"):
         proc = launch_recipe(name, tmp_path / name, config=REPO / "recipes" / "configs" / "tiny_classify.yaml",
@@ -338,8 +345,7 @@ def test_fsdp2_on_two_machines_on_loopback_matches_one(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
-    from scale_helpers import free_port, write_short_config
+    from testing_utils import REPO, free_port, write_short_config
 
     short = write_short_config(TINY, tmp_path / "short.yaml", [3, 3])
     port, multi = str(free_port()), tmp_path / "multi"

@@ -10,8 +10,8 @@ Slow: fsdp2 full, fsdp2_offload full and LoRA (fp32 and bf16), and fsdp2 full in
 import json
 
 import pytest
-from conftest import REPO, launch_recipe, read_summary
-from test_estimate_measured import LORA, ONE_STEP  # noqa: F401 (same one-step recipe as the ZeRO rows)
+from testing_utils import ONE_STEP_LORA as LORA  # the same one-step recipe as the ZeRO rows
+from testing_utils import REPO, launch_recipe, read_summary
 
 from hf_zero.cli import main
 from hf_zero.estimate import fsdp as fsdp_memory
@@ -151,13 +151,6 @@ CASES = [("fsdp2", True, "fp32"), ("fsdp2", True, "bf16"),
          pytest.param("fsdp2", False, "fp32", marks=SLOW), pytest.param("fsdp2_offload", False, "fp32", marks=SLOW),
          pytest.param("fsdp2_offload", True, "fp32", marks=SLOW), pytest.param("fsdp2", False, "bf16", marks=SLOW),
          pytest.param("fsdp2_offload", True, "bf16", marks=SLOW)]
-
-
-@pytest.fixture(scope="module")
-def one_step_config(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cfg") / "one_step.yaml"
-    path.write_text(ONE_STEP.replace("recipes/data/tiny/", f"{REPO}/recipes/data/tiny/"))
-    return path
 
 
 def _profile(tmp_path, name: str, precision: str):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from testing_utils import REPO
 
 from hf_zero.core.errors import UserError
 from hf_zero.train.fused_ce import ChunkedLinearCrossEntropy, chunk_tokens, linear_cross_entropy, plan_fused_head
@@ -210,7 +210,7 @@ def test_zero3_two_ranks_same_losses_with_and_without(tmp_path):
     """Under ZeRO-3 the lm_head weight is a partition outside its module's call; the loss is computed inside that
     call, so DeepSpeed gathers it there (and again for backward). With gradient accumulation, so the token count of
     the whole accumulated batch on both ranks (num_items_in_batch) sets the normalisation."""
-    from conftest import launch_recipe, read_summary
+    from testing_utils import launch_recipe, read_summary
 
     losses = {}
     for mode in ("true", "false"):

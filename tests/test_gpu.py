@@ -12,8 +12,7 @@ import math
 import sys
 
 import pytest
-from conftest import REPO, read_summary, run_cmd
-from scale_helpers import write_short_config
+from testing_utils import REPO, read_summary, run_cmd, write_short_config
 
 from hf_zero.core.profiles import gpu_count, list_profiles, load_profile
 

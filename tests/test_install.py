@@ -13,7 +13,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from testing_utils import REPO
 
 
 def _run(cmd, cwd, env, timeout=900):

@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import REPO, launch_recipe, read_summary
 from safetensors.torch import load_file
+from testing_utils import REPO, launch_recipe, read_summary
 
 from hf_zero.core.config import ModelArguments
 from hf_zero.core.profiles import load_profile

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO
+from testing_utils import REPO
 
 from hf_zero.cli import main
 from hf_zero.data.model_names import get_model_config

@@ -12,8 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import PROFILES, RECIPE, REPO, TINY, launch_recipe, read_summary
-from scale_helpers import free_port, write_short_config
+from testing_utils import PROFILES, RECIPE, REPO, TINY, free_port, launch_recipe, read_summary, write_short_config
 
 from hf_zero.cli import main as cli_main
 

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PROFILES, RECIPE, REPO, read_summary, run_cmd
-from scale_helpers import libaio_missing_reason, write_short_config
+from testing_utils import PROFILES, RECIPE, REPO, libaio_missing_reason, read_summary, run_cmd, write_short_config
 
 NVME_YAML = REPO / "recipes" / "configs" / "nvme_swap.yaml"
 

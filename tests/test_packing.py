@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import RECIPE, REPO, TINY, read_summary, run_cmd
+from testing_utils import RECIPE, REPO, TINY, read_summary, run_cmd
 
 from hf_zero.data.packing import IGNORE, PackedCollator, pack_documents, padding_stats, real_tokens
 

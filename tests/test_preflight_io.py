@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import PROFILES, RECIPE, REPO, TINY
+from testing_utils import PROFILES, RECIPE, REPO, TINY
 
 from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from conftest import PROFILES
+from testing_utils import PROFILES
 
 from hf_zero.core.deepspeed_config import build_deepspeed_config
 from hf_zero.core.errors import UserError

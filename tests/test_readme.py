@@ -6,9 +6,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from conftest import REPO
-from scale_helpers import libaio_missing_reason, write_short_config
-from shared_runs import readme_commands, run_as_user
+from testing_utils import REPO, libaio_missing_reason, readme_commands, run_as_user, write_short_config
 
 from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
 
@@ -68,7 +66,7 @@ def _marks(cmd):
 def test_readme_command_runs(cmd, readme_checkout, readme_runs):
     if "zero3_nvme" in cmd and "--dry-run" not in cmd and (reason := libaio_missing_reason()):
         pytest.skip(reason)
-    proc = readme_runs[cmd]  # run here, or already by a test that reads more of the same run (tests/shared_runs.py)
+    proc = readme_runs[cmd]  # run here, or already by a test that reads more of the same run (tests/conftest.py)
     assert proc.returncode == 0, f"{cmd}\n{(proc.stdout + proc.stderr)[-3000:]}"
     assert "Traceback" not in proc.stderr
     CHECKS.get(cmd, lambda p, where: None)(proc, readme_checkout)

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import RECIPE, REPO, TINY, read_summary, run_cmd
+from testing_utils import RECIPE, REPO, TINY, read_summary, run_cmd
 
 SUMMARY_KEYS = {"profile", "zero_stage", "offload_optimizer", "offload_param", "precision", "world_size",
                 "micro_batch", "grad_accum", "global_batch", "runtime_s", "eval_loss_before", "eval_loss_after",

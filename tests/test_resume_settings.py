@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import RECIPE, REPO, TINY
+from testing_utils import RECIPE, REPO, TINY
 
 from hf_zero.checkpoint.compare import (
     NOT_COMPARED,

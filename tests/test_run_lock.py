@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import REPO, TINY
+from testing_utils import REPO, TINY
 
 from hf_zero.core.errors import UserError
 from hf_zero.core.run_lock import LOCK_NAME, RunLock

@@ -6,7 +6,7 @@ import json
 import sys
 
 import pytest
-from conftest import REPO, TINY, run_cmd
+from testing_utils import REPO, TINY, run_cmd
 
 from hf_zero.checkpoint.safe_load import safe_load
 from hf_zero.core.errors import UserError

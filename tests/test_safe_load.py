@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, TINY
+from testing_utils import REPO, TINY
 
 from hf_zero.checkpoint.resume import _choose, convert_to_universal
 from hf_zero.checkpoint.safe_load import (

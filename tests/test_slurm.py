@@ -17,8 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, read_summary
-from scale_helpers import SingleHostSlurm, slurm_missing_reason, write_short_config
+from testing_utils import REPO, TINY, SingleHostSlurm, read_summary, slurm_missing_reason, write_short_config
 
 from hf_zero.cli import main as cli_main
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import GROUP_MARKS_ENV, PROCESS_GUARD
+from testing_utils import GROUP_MARKS_ENV, PROCESS_GUARD
 
 
 def _start(tmp_path, argv, **env):
