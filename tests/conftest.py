@@ -156,9 +156,10 @@ def readme_checkout(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def readme_runs(readme_checkout, tmp_path_factory):
-    """runs[cmd]: the finished process of a README command, run once in the checkout (tests/test_readme.py runs
-    each; tests that assert more about the same run read it here instead of launching it again). An empty HF_HOME,
-    as on a fresh machine: the classification recipes' metric modules are copied into it by the ranks' first load."""
+    """runs[cmd]: the finished process of a README command, run once in the checkout (tests/commands/test_readme.py
+    runs each; tests that assert more about the same run read it here instead of launching it again). An empty
+    HF_HOME, as on a fresh machine: the classification recipes' metric modules are copied into it by the ranks' first
+    load."""
     hf_home = tmp_path_factory.mktemp("hf_home")
     return Lazy(lambda cmd: run_as_user(cmd, readme_checkout, hf_home))
 

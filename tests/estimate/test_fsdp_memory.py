@@ -4,7 +4,7 @@ shards of parameters, gradients and optimizer state: hf_zero.estimate.measure re
 
 Default: the arithmetic, and fsdp2 LoRA on 2 ranks in fp32 and in bf16 (its base held in bf16; ~1 min each).
 Slow: fsdp2 full, fsdp2_offload full and LoRA (fp32 and bf16), and fsdp2 full in bf16:
-`pytest -m slow tests/test_fsdp_memory.py`.
+`pytest -m slow tests/estimate/test_fsdp_memory.py`.
 """
 
 import json

@@ -117,7 +117,7 @@ def test_a_bug_on_one_rank_keeps_its_traceback_once(tmp_path):
 
 
 # The default suite sees the same path (a user error inside the ranks under plain accelerate launch) in
-# tests/test_preflight_io.py's bad file, found deeper in the ranks (data loading); each case here is its own launch.
+# tests/plan/test_preflight_io.py's bad file, found deeper in the ranks (data loading); each case here is a launch.
 ACCELERATE_CASES = [pytest.param(c, marks=pytest.mark.slow) for c in
                     ("unknown key", "wrong type", "fp16 on CPU", "output_dir a file", "invalid YAML")]
 

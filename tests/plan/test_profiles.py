@@ -1,9 +1,8 @@
 """Every shipped profile loads through accelerate's own validator and says what it is for."""
 
-from pathlib import Path
 
 import pytest
-from testing_utils import PROFILES
+from testing_utils import PROFILES, REPO
 
 from hf_zero.core.deepspeed_config import build_deepspeed_config
 from hf_zero.core.errors import UserError
@@ -52,7 +51,7 @@ def test_zero3_without_a_model_removes_reuse_stall_and_has_offload_sections():
     z3 = build_deepspeed_config(load_profile("zero3_offload"), on_cpu=True)["zero_optimization"]
     assert z3["stage3_max_reuse_distance"] == 0
     assert z3["offload_optimizer"]["device"] == "cpu" and z3["offload_param"]["device"] == "cpu"
-    # the reuse walk is Python work, the same on a GPU machine (model-sized settings: tests/test_speed.py)
+    # the reuse walk is Python work, the same on a GPU machine (model-sized settings: tests/train/test_speed.py)
     on_gpu = build_deepspeed_config(load_profile("zero3"), on_cpu=False)
     assert on_gpu["zero_optimization"]["stage3_max_reuse_distance"] == 0
 
@@ -96,7 +95,7 @@ def test_profile_from_accelerate_env_without_hf_zero_launcher():
 
 
 GIB = 2**30
-LLAMA_1B = str(Path(__file__).parent / "data" / "calibration" / "models" / "llama-1b")
+LLAMA_1B = str(REPO / "tests" / "data" / "calibration" / "models" / "llama-1b")
 
 
 def _peaks(recipe, gpus, strategies):

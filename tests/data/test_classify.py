@@ -218,7 +218,7 @@ def test_image_source_augments_training_images_only():
 
 def _readme_run(readme_runs, readme_checkout, config):
     """The README's own command for this config (`accelerate launch ... recipes/classify.py --config ...`), run once
-    in the session (tests/conftest.py; tests/test_readme.py checks it exits 0): its output_dir is the config's
+    in the session (tests/conftest.py; tests/commands/test_readme.py checks it exits 0): its output_dir is the config's
     default, runs/<config name>."""
     proc = readme_runs[readme_command("recipes/classify.py", f"recipes/configs/{config.name}")]
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -344,7 +344,7 @@ def test_recipe_imports_without_side_effects():
     assert module.ARGUMENT_TYPES == (ModelArguments, ClassificationArguments) and callable(module.main)
 
 
-# --- the targets of issue 7, full size (minutes): pytest -m slow tests/test_classify.py ---------------------------
+# --- the targets of issue 7, full size (minutes): pytest -m slow tests/data/test_classify.py -------------------------
 
 
 @pytest.mark.slow

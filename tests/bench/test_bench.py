@@ -109,7 +109,7 @@ def test_estimate_stands_next_to_the_measurement(bench):
     _, _, report = bench
     for s in report["strategies"]:  # the estimate predicts the peak inside the optimizer step
         assert s["estimate_bytes_per_rank"] == pytest.approx(s["model_state_peak_bytes_per_rank"], rel=0.25), s["name"]
-    fsdp2 = report["strategies"][-1]  # FSDP2's shards are counted exactly (tests/test_fsdp_memory.py)
+    fsdp2 = report["strategies"][-1]  # FSDP2's shards are counted exactly (tests/estimate/test_fsdp_memory.py)
     assert fsdp2["estimate_bytes_per_rank"] == pytest.approx(fsdp2["model_state_peak_bytes_per_rank"], rel=0.01)
 
 

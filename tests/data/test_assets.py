@@ -12,7 +12,7 @@ import pytest
 from hf_zero.core.errors import UserError
 from hf_zero.data import assets, cache
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY_TOKENIZER = REPO / "hf_zero" / "data" / "tiny_assets" / "tiny_tokenizer"
 TINY_DATA = REPO / "recipes" / "data" / "tiny"
 

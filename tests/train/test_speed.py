@@ -1,6 +1,6 @@
-"""Speed switches other than the fused loss (tests/test_fused_ce.py) and packing (tests/test_packing.py): ZeRO-3's
-gather settings sized from the model, the one-rank ZeRO banner line, Liger's kernels and torch_compile as recipe
-switches (equal losses where they run; skipped with one line where they need a GPU)."""
+"""Speed switches other than the fused loss (tests/train/test_fused_ce.py) and packing (tests/data/test_packing.py):
+ZeRO-3's gather settings sized from the model, the one-rank ZeRO banner line, Liger's kernels and torch_compile as
+recipe switches (equal losses where they run; skipped with one line where they need a GPU)."""
 
 import math
 

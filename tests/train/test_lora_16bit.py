@@ -5,7 +5,7 @@ picks single_gpu for Llama-3.1-8B LoRA on one 24 GiB GPU.
 In-process: the load precision per profile, the model as built, the estimate's rows and the recommendation.
 2 CPU ranks (one module fixture): ddp LoRA in bf16 and in fp32 on the tiny curriculum; bytes per rank equal the
 estimate, losses fall and stay within bf16's tolerance of fp32, and a checkpoint of the bf16 run resumes and exports
-(fsdp2 LoRA bf16: tests/test_fsdp_memory.py).
+(fsdp2 LoRA bf16: tests/estimate/test_fsdp_memory.py).
 """
 
 import json

@@ -11,7 +11,6 @@
 
 import contextlib
 import json
-from pathlib import Path
 
 import pytest
 from testing_utils import REPO
@@ -19,7 +18,7 @@ from testing_utils import REPO
 from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate.memory import count_model, estimate
 
-DATA = Path(__file__).parent / "data" / "calibration"
+DATA = REPO / "tests" / "data" / "calibration"
 RUNS = [json.loads(line) for line in (DATA / "h100-bf16-peak-memory.jsonl").read_text().splitlines() if line]
 STRATEGY = {"single_gpu": "ddp", "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload"}
 
@@ -61,8 +60,9 @@ def test_h100_peak_within_10_percent(run):
 
 def test_readme_table_is_the_calibration_data():
     readme = (REPO / "README.md").read_text()
-    assert calibration_table() in readme, "regenerate with: python -c 'import sys; sys.path[:0]=[\"tests\"]; " \
-        "import test_estimate_calibration as t; print(t.calibration_table())'"
+    assert calibration_table() in readme, "regenerate with: python -c 'import sys; " \
+        "sys.path[:0]=[\"tests\", \"tests/estimate\"]; import test_estimate_calibration as t; " \
+        "print(t.calibration_table())'"
 
 
 def test_llama_1b_on_80gib_recommends_what_fits():

@@ -5,9 +5,10 @@ the device. ZeRO-3's "gathered" working layer is transient and left out of both 
 model states live in CPU RAM, so they are compared with the estimate's offloaded bytes per rank.
 
 Default: ZeRO-2 full (the CPU profile's strategy) and ZeRO-3 LoRA (sharded frozen weights), read from the session's
-shared runs (tests/conftest.py: their first step is measured); tests/test_memory.py covers ZeRO-1/2/3 on one rank.
+shared runs (tests/conftest.py: their first step is measured); tests/estimate/test_memory.py covers ZeRO-1/2/3 on one
+rank.
 Slow: ZeRO-3 full, ZeRO-2 LoRA; DDP, ZeRO-1 and ZeRO-3 offload, full and LoRA:
-`pytest -m slow tests/test_estimate_measured.py`.
+`pytest -m slow tests/estimate/test_estimate_measured.py`.
 """
 
 import pytest

@@ -3,7 +3,6 @@ accumulation (keeping the global batch) and the exact `hf-zero train` command; `
 profile the same way. Bad input to every flag: one line, exit 2."""
 
 import json
-from pathlib import Path
 
 import pytest
 from testing_utils import REPO
@@ -12,7 +11,7 @@ from hf_zero.cli import main
 
 GIB = 2**30
 SHAKESPEARE = "recipes/configs/smollm2_shakespeare.yaml"
-LLAMA_1B = Path(__file__).parent / "data" / "calibration" / "models" / "llama-1b"
+LLAMA_1B = REPO / "tests" / "data" / "calibration" / "models" / "llama-1b"
 
 
 def _estimate_json(capsys, *args) -> dict:

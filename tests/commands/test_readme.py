@@ -12,8 +12,8 @@ from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
 
 README = (REPO / "README.md").read_text()
 # `make test` is this suite itself (CI runs it through .ci/run); running it from inside would recurse. The suite never
-# installs system packages: .ci/run runs scripts/system_deps.sh first, and tests/test_nvme.py runs it again where the
-# packages are installed (test_system_deps_script_is_idempotent).
+# installs system packages: .ci/run runs scripts/system_deps.sh first, and tests/train/test_nvme.py runs it again where
+# the packages are installed (test_system_deps_script_is_idempotent).
 NOT_RUN_HERE = {"make test", "bash scripts/system_deps.sh"}
 
 
@@ -45,8 +45,8 @@ COMMANDS = [c for c in readme_commands() if c not in NOT_RUN_HERE]
 # (`make test-all`), in README order.
 SLOW = {"make train CONFIG=recipes/configs/smollm2_chat.yaml"}
 SLOW |= {c for c in COMMANDS if "runs/smollm2_chat/" in c}
-# The full default bench (~12 min here), also run with its targets checked by tests/test_bench.py's slow
-# test_make_bench_default; the default suite runs the quick bench through the same code (tests/test_bench.py).
+# The full default bench (~12 min here), also run with its targets checked by tests/bench/test_bench.py's slow
+# test_make_bench_default; the default suite runs the quick bench through the same code (tests/bench/test_bench.py).
 SLOW |= {"make bench"}
 # `make train` trains SmolLM2 for 60 steps (5-10 min here): the default suite runs the same command on the same
 # config cut to the tiny model and 2 steps a stage (test_make_train_on_the_tiny_model).
