@@ -16,7 +16,7 @@ CONFIG ?= recipes/configs/smollm2_shakespeare.yaml
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-all test-gpu bench bench-gpu quality style clean
+.PHONY: install train test test-fast test-all test-gpu bench bench-gpu quality style clean
 
 install: $(STAMP)
 
@@ -39,8 +39,14 @@ train: install
 		$(if $(MACHINE_RANK),--machine-rank $(MACHINE_RANK)) $(if $(MAIN_IP),--main-ip $(MAIN_IP)) \
 		$(if $(HOSTFILE),--hostfile $(HOSTFILE)) --config $(CONFIG) $(ARGS)
 
+# The default suite, launches included (setup.cfg leaves out the `slow` and `gpu` markers).
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Everything that starts no process group (no launcher, no ranks): unit and in-process tests, before every commit.
+# tests/conftest.py fails a test here that starts one without the `multiproc` marker.
+test-fast: install
+	$(BIN)/python -m pytest -m "not gpu and not slow and not multiproc" $(PYTEST_ARGS)
 
 # DDP vs ZeRO-1/2/3/offload and FSDP2/offload side by side (time, memory, loss parity, plots) into bench_out/;
 # ~12 min on 2 CPU cores.
@@ -57,7 +63,7 @@ bench-gpu: install
 test-gpu: install
 	$(BIN)/python -m pytest -m gpu $(PYTEST_ARGS)
 
-# Everything, including the long runs kept out of `make test` (marked slow).
+# Everything, including the long runs kept out of `make test` (marked slow): what CI runs.
 test-all: install
 	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # System packages the scale-out paths need, installed once (idempotent; CI calls it before `make test`):
 #   libaio-dev      DeepSpeed's async_io op (NVMe offload, ZeRO-Infinity) links against libaio
-#   slurm-wlm munge a real single-host Slurm for tests/test_slurm.py (slurmctld + slurmd on loopback)
+#   slurm-wlm munge a real single-host Slurm for tests/launch/test_slurm.py (slurmctld + slurmd on loopback)
 # Then JIT-builds DeepSpeed's async_io op into the torch extensions cache (~280 s the first time), so no test or
 # run pays for it mid-flight. Without root or apt-get it says so and exits 0: the tests that need these skip.
 set -uo pipefail

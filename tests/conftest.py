@@ -1,19 +1,30 @@
-"""Shared test set-up: no network, quiet libraries, and a helper that runs a recipe through the real launcher."""
+"""Shared test set-up: no network, quiet libraries, a fresh offline cache per session, the fast tier's guard, and the
+session's shared runs (2-rank runs and README commands made once, read by every test that asserts about them)."""
 
-import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-PROFILES = REPO / "accelerate_configs"
-TINY = REPO / "recipes" / "configs" / "tiny_curriculum.yaml"
-RECIPE = REPO / "recipes" / "curriculum.py"
+import yaml
+from testing_utils import (
+    GROUP_MARKS_ENV,
+    LORA_FLAGS,
+    ONE_STEP,
+    PROCESS_GUARD,
+    REPO,
+    STRATEGIES,
+    STRATEGY_FLAGS,
+    TINY,
+    TINY24_FLAGS,
+    Lazy,
+    Run,
+    hf_zero_train,
+    launch_recipe,
+    run_as_user,
+)
 
 # Tests never touch a hub; every model and data set is built or shipped locally.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -39,30 +50,6 @@ def pytest_unconfigure(config):
         shutil.rmtree(_FRESH_CACHE, ignore_errors=True)
 
 
-def run_cmd(cmd, timeout=900, cwd=REPO, env=None, check=True):
-    proc = subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-    if check and proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n{tail}")
-    return proc
-
-
-def launch_recipe(profile, out_dir, *extra, config=TINY, recipe=RECIPE, nproc=None, timeout=900, check=True, env=None):
-    """`accelerate launch --config_file PROFILE recipe --config C --output_dir OUT ...` in a subprocess."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", PROFILES / f"{profile}.yaml"]
-    if nproc:
-        cmd += ["--num_processes", nproc]
-    cmd += [recipe, "--config", config, "--output_dir", out_dir, "--disable_tqdm", "true", *extra]
-    return run_cmd(cmd, timeout=timeout, check=check, env=env)
-
-
-def read_summary(out_dir) -> dict:
-    return json.loads((Path(out_dir) / "summary.json").read_text())
-
-
 @pytest.fixture
 def quiet_env(monkeypatch):
     """A single-process, non-distributed environment for in-process recipe runs."""
@@ -70,3 +57,116 @@ def quiet_env(monkeypatch):
                 ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")]:
         monkeypatch.delenv(key, raising=False)
     yield
+
+
+@pytest.fixture(autouse=True)
+def fast_tier_starts_no_process_group(request, monkeypatch):
+    """`make test-fast` runs every test not marked `multiproc`, and promises that none of them starts a process group
+    (a launcher and its ranks). Such a test's child processes report any launcher or rank they are (process_guard/),
+    and the test fails naming it: a new test that launches must carry the marker."""
+    if request.node.get_closest_marker("multiproc"):
+        yield
+        return
+    marks = tempfile.mkdtemp(prefix="hf_zero_group_marks_")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(PROCESS_GUARD), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv(GROUP_MARKS_ENV, marks)
+    try:
+        yield
+        started = sorted(p.read_text() for p in Path(marks).iterdir())
+    finally:
+        shutil.rmtree(marks, ignore_errors=True)
+    if started:
+        pytest.fail("this test started a process group but is not marked multiproc (make test-fast runs it):\n  "
+                    + "\n  ".join(started), pytrace=False)
+
+
+# ---------------------------------------------------------------- the session's shared runs
+
+@pytest.fixture(scope="session")
+def strategy_runs(tmp_path_factory):
+    """runs[name] for name in STRATEGIES: the tiny curriculum (15 steps, 3 stages) on 2 ranks with STRATEGY_FLAGS.
+    zero2 goes through `hf-zero train` (its console is checked as a log file sees it), the others through plain
+    `accelerate launch`."""
+    root = tmp_path_factory.mktemp("shared")
+
+    def make(name):
+        assert name in STRATEGIES, name
+        if name == "zero2":
+            return hf_zero_train(name, root / name, *STRATEGY_FLAGS)
+        proc = launch_recipe(name, root / name, *STRATEGY_FLAGS)
+        return Run(root / name, proc.stdout, proc.stderr)
+
+    return Lazy(make)
+
+
+@pytest.fixture(scope="session")
+def lora_zero3_run(tmp_path_factory):
+    """LoRA (rank 64, all 7 projections) under ZeRO-3 on 2 ranks, checkpoints at 5, 10, 15; the memory probe switched
+    on by its environment variable (the strategy runs use the recipe field)."""
+    out = tmp_path_factory.mktemp("shared_lora") / "zero3"
+    proc = launch_recipe("zero3", out, *LORA_FLAGS, env={"HF_ZERO_MEASURE_MEMORY": "1"})
+    return Run(out, proc.stdout, proc.stderr)
+
+
+@pytest.fixture(scope="session")
+def tiny24_config(tmp_path_factory):
+    """The tiny curriculum with 8 steps per stage: enough steps after the first checkpoint to kill a run in."""
+    data = yaml.safe_load(TINY.read_text())
+    for stage in data["stages"]:
+        stage["steps"] = 8
+        # paths in a YAML are relative to its folder: the copy lives elsewhere
+        stage["data"] = [str((TINY.parent / d).resolve()) for d in
+                         (stage["data"] if isinstance(stage["data"], list) else [stage["data"]])]
+    path = tmp_path_factory.mktemp("config") / "tiny24.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny24_references(tmp_path_factory, tiny24_config):
+    """refs[profile]: an uninterrupted 2-rank run of tiny24_config with TINY24_FLAGS (checkpoints every 3 steps), the
+    reference its resumed and killed runs are compared with; one per profile, shared by all of them."""
+    root = tmp_path_factory.mktemp("tiny24_references")
+
+    def make(profile):
+        launch_recipe(profile, root / profile, *TINY24_FLAGS, config=tiny24_config)
+        return root / profile
+
+    return Lazy(make)
+
+
+@pytest.fixture(scope="session")
+def readme_checkout(tmp_path_factory) -> Path:
+    """The commands run in a copy of the repository's files sharing its .venv (and `make`'s install stamp): what
+    they write (runs/, bench_out/) never lands in the repository, and an earlier session's finished run cannot make
+    a training command a no-op."""
+    copy = tmp_path_factory.mktemp("checkout")
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    for rel in filter(None, listed.split("\0")):
+        if (REPO / rel).is_file():
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, copy / rel)
+    (copy / ".venv").symlink_to(REPO / ".venv")
+    stamp = REPO / ".venv" / ".hf_zero-installed"  # the Makefile's install stamp
+    if stamp.is_file():  # `make` must find the shared install current, never reinstall (editable) from the copy
+        for name in ("setup.cfg", "pyproject.toml"):
+            os.utime(copy / name, (stamp.stat().st_mtime - 1, stamp.stat().st_mtime - 1))
+    return copy
+
+
+@pytest.fixture(scope="session")
+def readme_runs(readme_checkout, tmp_path_factory):
+    """runs[cmd]: the finished process of a README command, run once in the checkout (tests/commands/test_readme.py
+    runs each; tests that assert more about the same run read it here instead of launching it again). An empty
+    HF_HOME, as on a fresh machine: the classification recipes' metric modules are copied into it by the ranks' first
+    load."""
+    hf_home = tmp_path_factory.mktemp("hf_home")
+    return Lazy(lambda cmd: run_as_user(cmd, readme_checkout, hf_home))
+
+
+@pytest.fixture(scope="session")
+def one_step_config(tmp_path_factory):
+    """ONE_STEP (one optimizer step of the tiny model) with its data paths made absolute: the copy lives elsewhere."""
+    path = tmp_path_factory.mktemp("cfg") / "one_step.yaml"
+    path.write_text(ONE_STEP.replace("recipes/data/tiny/", f"{REPO}/recipes/data/tiny/"))
+    return path

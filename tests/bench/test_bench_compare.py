@@ -1,0 +1,138 @@
+"""What `hf-zero bench` may conclude: the overhead verdict (never "yes" when the two trainings differ or the spread
+is wider than the target), device vs offloaded bytes, the plain baseline's launcher, a one-rank packed LoRA bench
+whose baseline trains the same thing, and the GPU preset's table (its CPU fallback)."""
+
+import json
+import sys
+
+import pytest
+from testing_utils import REPO, run_cmd
+
+QUICK = REPO / "recipes" / "configs" / "bench_quick.yaml"
+
+
+def _run_result(losses, step, fingerprint=None):
+    return {"status": "ok", "losses": losses, "step_time_median_s": step, "startup_s": 10.0, "launcher_s": 1.0,
+            "fingerprint": fingerprint or {"param_dtype": "torch.float32"}}
+
+
+def test_overhead_verdict_needs_the_same_training_and_a_spread_within_the_target():
+    from hf_zero.bench.compare import overhead
+
+    same = [5.0, 4.0, 3.0]
+
+    def pairs(*ratios, plain_losses=same, fp=None):
+        return [(_run_result(same, r), _run_result(plain_losses, 1.0, fp)) for r in ratios]
+
+    assert overhead("zero2", pairs(1.00, 1.01, 1.02), "fp32")["verdict"] == "yes"
+    assert overhead("zero2", pairs(1.05, 1.06, 1.05), "fp32")["verdict"] == "no"
+    wide = overhead("zero2", pairs(0.98, 1.05, 1.00), "fp32")
+    assert wide["verdict"] == "inconclusive" and "proves nothing" in wide["verdict_reason"]
+    assert wide["step_time_ratio"] == 1.00 and wide["step_time_ratio_spread"] == pytest.approx(0.07)
+    assert overhead("zero2", pairs(1.00), "fp32")["verdict"] == "inconclusive"  # one pair: no spread
+    # Different training: never yes, whatever the timing.
+    later = overhead("zero2", pairs(1.0, 1.0, 1.0, plain_losses=[5.0, 4.0, 3.1]), "fp32")
+    assert later["verdict"] == "not comparable" and "losses differ by up to 1.00e-01" in later["verdict_reason"]
+    first = overhead("zero2", pairs(1.0, 1.0, plain_losses=[5.03, 4.0, 3.0]), "bf16")
+    assert first["verdict"] == "not comparable" and "first-step loss" in first["verdict_reason"]
+    dtype = overhead("zero2", pairs(1.0, 1.0, fp={"param_dtype": "torch.bfloat16"}), "bf16")
+    assert dtype["verdict"] == "not comparable" and "param_dtype torch.float32 vs torch.bfloat16" in \
+        dtype["verdict_reason"]
+    # bf16 on a GPU: later steps may drift by non-deterministic kernels, within the stated tolerance.
+    drift = pairs(1.0, 1.01, plain_losses=[5.0, 4.004, 3.0])
+    assert overhead("zero2", drift, "bf16")["verdict"] == "yes"
+    assert overhead("zero2", drift, "fp32")["verdict"] == "not comparable"
+
+
+def test_plain_baseline_goes_through_the_launcher_accelerate_picks_for_the_profile(tmp_path):
+    """accelerate runs DeepSpeed and DDP profiles through torchrun even at one process (a plain interpreter there
+    has no process group: DeepSpeed then looks for MPI and the baseline crashed at --nproc 1)."""
+    from hf_zero.bench.execute import PLAIN_SCRIPT, plain_launch_command
+
+    spec, run = tmp_path / "spec.json", tmp_path / "run"
+    single = plain_launch_command("single_gpu", 1, 1234, spec, run)
+    assert single == [sys.executable, str(PLAIN_SCRIPT), "--spec", str(spec), "--output_dir", str(run)]
+    for profile, nproc in (("zero2", 1), ("zero3_offload", 1), ("ddp", 2), ("zero2", 2)):
+        cmd = plain_launch_command(profile, nproc, 1234, spec, run)
+        assert cmd[1:3] == ["-m", "torch.distributed.run"] and cmd[cmd.index("--nproc_per_node") + 1] == str(nproc)
+        assert cmd[cmd.index("--master_port") + 1] == "1234" and cmd[-5:] == single[1:]
+
+
+def test_offloaded_bytes_are_counted_apart_from_the_device():
+    from hf_zero.bench.compare import offload_split
+
+    parts = {"params": 10, "grads": 20, "grad_buckets": 1, "optimizer": 60, "total": 91}
+    assert offload_split(parts, "none", "none") == {"device": 91, "host": 0}
+    assert offload_split(parts, "cpu", "none") == {"device": 11, "host": 80}
+    assert offload_split(parts, "cpu", "cpu") == {"device": 1, "host": 90}
+
+
+@pytest.mark.slow  # five 1-rank launches (~5 min here); the default suite runs the 2-rank quick bench (test_bench.py)
+@pytest.mark.multiproc
+def test_one_rank_packed_lora_bench_compares_like_with_like(tmp_path):
+    """At N=1: no ZeRO-3/DDP ratio (nothing is sharded), offloaded bytes apart; a recipe that packs and trains LoRA
+    gives the plain baseline the same packed rows and adapters (losses equal), through the launcher accelerate
+    would pick (torchrun, one process)."""
+    out = tmp_path / "out"
+    proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "bench", "--config", QUICK, "--nproc", "1", "--strategies",
+                    "zero2,zero3_offload", "--warmup", "1", "--overhead-repeats", "1", "--out", out,
+                    "--packing", "true", "--use_peft", "true"], timeout=1800)
+    report = json.loads((out / "bench.json").read_text())
+    assert report["nproc"] == 1 and report["packing"] is True
+    assert all(s["status"] == "ok" for s in report["strategies"])
+    checks = report["checks"]
+    assert checks["zero3_over_ddp_model_state"] is None and checks["model_state_in_paper_order"] is None
+    md = (out / "bench.md").read_text()
+    assert "ZeRO-3 / DDP" not in md and "At 1 rank ZeRO shards nothing" in md
+    rows = {s["name"]: s for s in report["strategies"]}
+    off = rows["zero3_offload"]
+    assert off["model_state_host_bytes_per_rank"] > 0 and off["estimate_host_bytes_per_rank"] > 0
+    assert off["model_state_device_bytes_per_rank"] + off["model_state_host_bytes_per_rank"] == \
+        off["model_state_bytes_per_rank"]
+    assert rows["zero2"]["model_state_host_bytes_per_rank"] == 0
+    assert report["trainable_params"] < report["params"]  # LoRA
+    plain = report["plain_trainer"]
+    assert plain["comparable"] is True and plain["max_abs_loss_diff_vs_hf_zero"] <= 1e-6, plain.get("verdict_reason")
+    spec = json.loads((out / "plain" / "spec.json").read_text())
+    assert spec["packing"] is True and spec["lora"]["r"] == 16
+    first = json.loads((out / "plain" / "samples.jsonl").read_text().splitlines()[0])
+    assert "position_ids" in first
+    pack = report["packing_comparison"]
+    assert pack["recipe_packs"] is True and pack["status"] == "ok" and pack["tokens_per_s_unpacked"] > 0
+    assert "wrote" in proc.stdout and not list(out.glob("runs/*/final"))
+
+
+@pytest.mark.multiproc
+def test_gpu_preset_writes_its_table_and_falls_back_to_the_cpu(tmp_path):
+    """`hf-zero bench --preset gpu` on a tiny config and one short row length: the bare PyTorch loop and every
+    preset strategy at one rank in bf16, the combined table and each shape's full reports; without a GPU, MFU null."""
+    from hf_zero.bench.compare import FIRST_LOSS_ATOL
+    from hf_zero.bench.gpu import PRESET_STRATEGIES
+    from hf_zero.data.model_names import get_model_config
+
+    config = tmp_path / "tiny"
+    get_model_config("tiny-llama").save_pretrained(config)
+    out = tmp_path / "out"
+    proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "bench", "--preset", "gpu", "--model-config", config,
+                    "--seq-lens", "48", "--micro-batch", "2", "--steps", "4", "--warmup", "1", "--out", out],
+                   timeout=1800)
+    summary = json.loads((out / "bench.json").read_text())
+    names = ["torch_loop", *PRESET_STRATEGIES]
+    assert [r["strategy"] for r in summary["table"]] == names and summary["preset"] == "gpu"
+    for r in summary["table"]:
+        assert r["status"] == "ok" and r["seq_len"] == 48 and r["rows"] == 2 and r["tokens_per_s"] > 0
+        assert r["mfu"] is None and r["peak_memory_kind"] == "rss"  # no GPU here: no device peak to divide by
+    by = {r["strategy"]: r for r in summary["table"]}
+    assert by["single_gpu"]["vs_single_gpu"] == 1.0
+    assert by["zero2"]["vs_single_gpu"] == pytest.approx(
+        by["zero2"]["tokens_per_s"] / by["single_gpu"]["tokens_per_s"])
+    md = (out / "bench.md").read_text()
+    assert "| rows x tokens | strategy | s/step | tokens/s | MFU |" in md and "CPU fallback" in md
+    assert md.count("| 2 x 48 |") == len(names)
+    report = json.loads((out / "seq48" / "bench.json").read_text())
+    assert report["precision"] == "bf16" and report["nproc"] == 1 and report["packing"] is True
+    assert report["flops_per_token"] > 0 and (out / "seq48" / "bench.png").is_file()
+    rows = {r["name"]: r for r in report["strategies"]}
+    # The reference loop trains the same rows from the same weights: the first step (no update yet) agrees.
+    assert abs(rows["torch_loop"]["losses"][0] - rows["single_gpu"]["losses"][0]) <= FIRST_LOSS_ATOL["bf16"]
+    assert "wrote" in proc.stdout and not list(out.glob("seq48/runs/*/final"))

@@ -1,0 +1,174 @@
+"""Every command shown in the README runs, and the README documents every recipe field."""
+
+import json
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from testing_utils import REPO, libaio_missing_reason, readme_commands, run_as_user, write_short_config
+
+from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
+
+README = (REPO / "README.md").read_text()
+# `make test` is this suite itself (CI runs it through .ci/run); running it from inside would recurse. The suite never
+# installs system packages: .ci/run runs scripts/system_deps.sh first, and tests/train/test_nvme.py runs it again where
+# the packages are installed (test_system_deps_script_is_idempotent).
+NOT_RUN_HERE = {"make test", "bash scripts/system_deps.sh"}
+
+
+def test_first_screen_has_the_two_commands():
+    first = "\n".join(README.splitlines()[:15])
+    assert "make train" in first and "make test" in first
+
+
+def _documented_types():
+    from hf_zero.data.classification import ClassificationArguments
+
+    return (ModelArguments, CurriculumArguments, Stage, ClassificationArguments)
+
+
+def _own_fields(dc) -> set[str]:
+    """A class's fields less TrainingArguments' (documented by transformers, and a flag like any other)."""
+    from transformers import TrainingArguments
+
+    return {f.name for f in fields(dc)} - {f.name for f in fields(TrainingArguments)}
+
+
+@pytest.mark.parametrize("field", sorted({name for dc in _documented_types() for name in _own_fields(dc)}))
+def test_every_recipe_field_is_documented(field):
+    assert f"`{field}`" in README
+
+
+COMMANDS = [c for c in readme_commands() if c not in NOT_RUN_HERE]
+# Longer than the default suite allows (the chat demo and what reads its output, the full bench): run with -m slow
+# (`make test-all`), in README order.
+SLOW = {"make train CONFIG=recipes/configs/smollm2_chat.yaml"}
+SLOW |= {c for c in COMMANDS if "runs/smollm2_chat/" in c}
+# The full default bench (~12 min here), also run with its targets checked by tests/bench/test_bench.py's slow
+# test_make_bench_default; the default suite runs the quick bench through the same code (tests/bench/test_bench.py).
+SLOW |= {"make bench"}
+# `make train` trains SmolLM2 for 60 steps (5-10 min here): the default suite runs the same command on the same
+# config cut to the tiny model and 2 steps a stage (test_make_train_on_the_tiny_model).
+SLOW |= {"make train"}
+
+
+# Commands that start a launcher and its ranks: kept out of `make test-fast` (tests/conftest.py checks the split).
+LAUNCHES = {c for c in COMMANDS if re.search(r"\b(make train|hf-zero train|accelerate launch|make bench)\b", c)
+            and "--dry-run" not in c and "--help" not in c}
+
+
+def _marks(cmd):
+    return [pytest.mark.slow] * (cmd in SLOW) + [pytest.mark.multiproc] * (cmd in LAUNCHES)
+
+
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in COMMANDS])
+def test_readme_command_runs(cmd, readme_checkout, readme_runs):
+    if "zero3_nvme" in cmd and "--dry-run" not in cmd and (reason := libaio_missing_reason()):
+        pytest.skip(reason)
+    proc = readme_runs[cmd]  # run here, or already by a test that reads more of the same run (tests/conftest.py)
+    assert proc.returncode == 0, f"{cmd}\n{(proc.stdout + proc.stderr)[-3000:]}"
+    assert "Traceback" not in proc.stderr
+    CHECKS.get(cmd, lambda p, where: None)(proc, readme_checkout)
+
+
+def _check_make_train(proc, where, run=Path("runs") / "smollm2_shakespeare"):
+    s = json.loads((where / run / "summary.json").read_text())
+    assert s["profile"] == "cpu" and s["world_size"] == 2 and s["use_peft"]
+    assert s["eval_loss_after"] < s["eval_loss_before"]
+    assert "[hf_zero] profile cpu: no GPU found" in proc.stdout
+    assert (where / run / "final" / "adapter_model.safetensors").is_file()
+    last = proc.stdout.strip().splitlines()[-1]  # the result, as the last line
+    assert last.startswith(f"[hf_zero] done: eval loss {s['eval_loss_before']:.4f} -> {s['eval_loss_after']:.4f}")
+    return s
+
+
+@pytest.mark.multiproc
+def test_make_train_on_the_tiny_model(readme_checkout, tmp_path):
+    """The README's first command, `make train` (the cpu profile, 2 ranks, LoRA on the Shakespeare curriculum), on
+    its own config with the tiny model and 2 steps a stage instead of SmolLM2 and 60 steps (`make test-all` runs the
+    full one)."""
+    config = write_short_config(REPO / "recipes" / "configs" / "smollm2_shakespeare.yaml", tmp_path / "short.yaml",
+                                [2, 2, 2], model_name_or_path="tiny-llama", eval_samples=4,
+                                output_dir=str(tmp_path / "run"))
+    proc = run_as_user(f"make train CONFIG={config}", readme_checkout, tmp_path / "hf_home")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    s = _check_make_train(proc, tmp_path, run=Path("run"))
+    assert [st["name"] for st in s["stages"]] == ["lines", "passages", "sonnets"] and s["total_steps"] == 6
+
+
+def _check_dry_run(proc, where):
+    line = proc.stdout.strip().splitlines()[-1]
+    assert "h100x8.yaml" in line and "--mixed_precision bf16" in line and "HF_ZERO_PROFILE=" in line
+
+
+def _check_estimate_recipe(proc, where):
+    """The recipe's longest stage sets the length; the recommendation is a profile and a command that runs."""
+    assert "micro-batch 2 x 192 tokens (stage sonnets" in proc.stdout
+    assert "recommended: profile single_gpu" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].strip() == \
+        "hf-zero train --profile single_gpu --nproc 1 --config recipes/configs/smollm2_shakespeare.yaml"
+
+
+def _check_estimate_lora_8b(proc, where):
+    """Llama-3.1-8B LoRA on one 24 GiB GPU fits single_gpu once its frozen base is held in bf16."""
+    ddp = next(line for line in proc.stdout.splitlines() if line.startswith("ddp "))
+    assert ddp.split()[-7:-4] == ["18.50", "GiB", "backward"], ddp  # peak/GPU, as the README's table says
+    assert "recommended: profile single_gpu" in proc.stdout
+
+
+def _check_test_gpu(proc, where):
+    from hf_zero.plan.profiles import gpu_count
+
+    if gpu_count() == 0:  # every GPU test skipped, with the reason, and nothing counted as passed
+        assert "no CUDA GPU on this machine" in proc.stdout and " passed" not in proc.stdout, proc.stdout[-2000:]
+
+
+def _check_chat_demo(proc, where):
+    s = json.loads((where / "runs" / "smollm2_chat" / "summary.json").read_text())
+    assert (s["profile"], s["world_size"], s["use_peft"]) == ("cpu", 2, True)
+    assert s["exact_match_after"] >= s["exact_match_before"] + 0.3 and s["eval_loss_after"] < s["eval_loss_before"]
+    assert (where / "runs" / "smollm2_chat" / "final" / "chat_template.jinja").is_file()
+
+
+def _answer(proc) -> str:
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _check_generate(proc, where):
+    from hf_zero.data.assets import WHICH_PLAY_TITLES
+
+    if "--adapter runs/smollm2_chat/final" in proc.args:  # trained: a title, as asked
+        assert _answer(proc) in WHICH_PLAY_TITLES.values(), _answer(proc)
+    else:  # as shipped: a sentence about the passage
+        assert len(_answer(proc).split()) > 5, _answer(proc)
+
+
+def _check_export_run(proc, where):
+    assert "[hf_zero] exporting runs/tiny_ckpt/final: the finished run's model" in proc.stdout
+    assert (where / "runs" / "tiny_final_hf" / "model.safetensors").is_file()
+
+
+def _check_help_recipe(proc, where):
+    assert "  --max_seq_length (default: 128)" in proc.stdout and "TrainingArguments field" in proc.stdout
+
+
+CHECKS = {
+    "make train": _check_make_train,
+    "make test-gpu": _check_test_gpu,
+    "make train CONFIG=recipes/configs/smollm2_chat.yaml": _check_chat_demo,
+    **{c: _check_generate for c in readme_commands() if c.startswith("hf-zero generate")},
+    "hf-zero train --profile h100x8 --precision bf16 --config recipes/configs/smollm2_shakespeare.yaml --dry-run":
+        _check_dry_run,
+    "hf-zero estimate --config recipes/configs/smollm2_shakespeare.yaml --gpus-per-node 1 --gpu-memory 24GiB":
+        _check_estimate_recipe,
+    "hf-zero estimate --model benchmarks/models/llama-3.1-8b --use-peft --gradient-checkpointing --seq-len 2048 "
+    "--gpus-per-node 1 --gpu-memory 24GiB": _check_estimate_lora_8b,
+    "hf-zero export runs/tiny_ckpt --out runs/tiny_final_hf --overwrite": _check_export_run,
+    "hf-zero train --help-recipe": _check_help_recipe,
+}
+
+
+def test_readme_commands_are_all_known():
+    """Guard against a README edit that silently drops the main job from the tested commands."""
+    assert "make train" in COMMANDS and any(c.startswith("accelerate launch") for c in COMMANDS)

@@ -1,0 +1,129 @@
+"""`hf-zero estimate --config` sizes the recipe as it will run, and `--gpu-memory` recommends a profile, micro-batch x
+accumulation (keeping the global batch) and the exact `hf-zero train` command; `hf-zero train` on a GPU picks its
+profile the same way. Bad input to every flag: one line, exit 2."""
+
+import json
+
+import pytest
+from testing_utils import REPO
+
+from hf_zero.cli import main
+
+GIB = 2**30
+SHAKESPEARE = "recipes/configs/smollm2_shakespeare.yaml"
+LLAMA_1B = REPO / "tests" / "data" / "calibration" / "models" / "llama-1b"
+
+
+def _estimate_json(capsys, *args) -> dict:
+    assert main(["estimate", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _recipe(tmp_path, text: str) -> str:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_recipe_as_it_will_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    out = _estimate_json(capsys, "--config", SHAKESPEARE, "--gpus-per-node", "1")
+    inputs = out["inputs"]
+    # the longest of the stages' max_seq_length (48, 128, 192), not the model's context
+    assert (inputs["seq_len"], inputs["longest_stage"], inputs["micro_batch"]) == (192, "sonnets", 2)
+    assert inputs["lora"]["r"] == 8 and inputs["lora"]["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert inputs["lora"]["lora_dropout"] == 0.05 and inputs["attn_implementation"] == "sdpa"
+    # silent recipe: hf_zero's defaults (max_seq_length 128, micro-batch 2, no LoRA)
+    silent = _recipe(tmp_path, "model_name_or_path: tiny-llama\nstages:\n  - {name: a, data: x.jsonl, steps: 1}\n")
+    inputs = _estimate_json(capsys, "--config", silent)["inputs"]
+    assert (inputs["seq_len"], inputs["micro_batch"], inputs["lora"]) == (128, 2, None)
+    # flags override the recipe, as they would on `hf-zero train`
+    inputs = _estimate_json(capsys, "--config", silent, "--micro-batch", "3", "--gradient-accumulation", "2",
+                            "--attn-implementation", "eager", "--gradient-checkpointing")["inputs"]
+    assert (inputs["micro_batch"], inputs["gradient_accumulation"], inputs["attn_implementation"],
+            inputs["gradient_checkpointing"]) == (3, 2, "eager", True)
+
+
+def test_gpu_memory_recommends_a_profile_and_a_runnable_command(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    assert main(["estimate", "--config", SHAKESPEARE, "--gpus-per-node", "1", "--gpu-memory", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch 2 x 192 tokens (stage sonnets" in out
+    assert "recommended: profile single_gpu, --nproc 1, micro-batch 2 x accumulation 1" in out
+    assert "left; 10% of the GPU kept free" in out
+    command = out.strip().splitlines()[-1].strip()
+    assert command == f"hf-zero train --profile single_gpu --nproc 1 --config {SHAKESPEARE}"
+    assert main([*command.split()[1:], "--dry-run"]) == 0  # it runs: the launch line it makes
+    assert "single_gpu.yaml" in capsys.readouterr().out
+
+
+def test_recommendation_keeps_the_global_batch(capsys, tmp_path):
+    """llama-1.1B, micro-batch 8 x 1024, on a 16 GiB GPU: nothing fits at 8; zero3_offload at 4 x 2 does, and the
+    command says so (in bf16, which that profile does not default to)."""
+    recipe = _recipe(tmp_path, f"model_name_or_path: {LLAMA_1B}\nper_device_train_batch_size: 8\n"
+                               "max_seq_length: 1024\npacking: true\n")
+    rec = _estimate_json(capsys, "--config", recipe, "--gpu-memory", "16GiB")["recommendation"]
+    assert (rec["profile"], rec["micro_batch"], rec["accumulation"], rec["global_batch"]) == ("zero3_offload", 4, 2, 8)
+    assert rec["peak_bytes"] <= 0.9 * 16 * GIB and rec["headroom_bytes"] == 16 * GIB - rec["peak_bytes"]
+    assert rec["command"] == (f"hf-zero train --profile zero3_offload --nproc 1 --precision bf16 --config {recipe} "
+                              "--per_device_train_batch_size 4 --gradient_accumulation_steps 2")
+    assert main(["estimate", "--config", recipe, "--gpu-memory", "3GiB"]) == 0  # nothing fits: say what would
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("recommended:"))
+    assert "recommended: none (nothing fits 3.0 GiB" in line and "needs" in line and "gradient_checkpointing" in line
+
+
+def test_train_on_one_gpu_picks_by_the_estimate(capsys, tmp_path, monkeypatch):
+    """`hf-zero train` with 1 (faked) GPU sizes the recipe: single_gpu when it fits, else an offload profile in
+    the precision it was sized for, else one line with the estimate and a command that fits."""
+    import torch
+
+    import hf_zero.plan.profiles
+
+    memory = {"bytes": 80 * GIB}
+    monkeypatch.setattr(hf_zero.plan.profiles, "gpu_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"total_memory": memory["bytes"]}))
+    recipe = _recipe(tmp_path, f"model_name_or_path: {LLAMA_1B}\nper_device_train_batch_size: 8\n"
+                               "max_seq_length: 1024\n")
+    assert main(["train", "--config", recipe, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "[hf_zero] profile single_gpu: 1 GPU found: single_gpu on 1 rank is the fastest" in out
+    memory["bytes"] = 24 * GIB
+    assert main(["train", "--config", recipe, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "[hf_zero] profile zero3_offload:" in out and "--mixed_precision bf16" in out
+    memory["bytes"] = 12 * GIB
+    assert main(["train", "--config", recipe, "--dry-run", "--per_device_train_batch_size", "16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hf-zero: error: profile: micro-batch 16 x 1024 tokens needs")
+    assert "run: hf-zero train --profile zero3_offload" in err[0]
+
+
+BAD = [
+    (["--model", "tiny-llama", "--attn-implementation", "flash"], "--attn-implementation"),
+    (["--model", "tiny-llama", "--attn-implementation", "eager", "--flash-attention"], "--flash-attention"),
+    (["--model", "tiny-llama", "--gradient-accumulation", "0"], "--gradient-accumulation"),
+    (["--model", "tiny-llama", "--gradient-accumulation", "two"], "--gradient-accumulation"),
+    (["--model", "tiny-llama", "--gpu-memory", "-3GiB"], "--gpu-memory"),
+    (["--model", "tiny-llama", "--seq-len", "0"], "--seq-len"),
+    (["--model", "tiny-llama", "--use-peft", "--lora-target-modules", "nope_proj"], "--lora-target-modules"),
+    (["--config", "does/not/exist.yaml"], "--config"),
+    (["--model", "tiny-llama", "--lora-r", "4"], "--lora-r"),
+    (["--model", "tiny-llama", "--use-peft", "--lora-r", "0"], "--lora-r"),
+]
+BAD_RECIPES = [
+    ("model_name_or_path: tiny-llama\nstages:\n  - {name: a, data: x.jsonl, steps: 1, max_seq_length: long}\n",
+     "stages[a].max_seq_length"),
+    ("model_name_or_path: tiny-llama\nper_device_train_batch_size: 0\n", "per_device_train_batch_size"),
+    ("model_name_or_path: tiny-llama\nuse_peft: maybe\n", "use_peft"),
+    ("model_name_or_path: tiny-llama\nper_device_train_batch_size: 3\nglobal_batch_size: 8\n", "global_batch_size"),
+]
+
+
+@pytest.mark.parametrize("args,field", BAD + [([None, text], field) for text, field in BAD_RECIPES])
+def test_bad_input_is_one_line_exit_2(capsys, tmp_path, args, field):
+    if args[0] is None:
+        args = ["--config", _recipe(tmp_path, args[1])]
+    assert main(["estimate", *args, "--gpu-memory", "24GiB"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hf-zero: error: ") and field in err[0], err

@@ -1,0 +1,418 @@
+"""Helpers shared by the test modules (here only; no test module imports another): paths, commands and recipes run
+through the real launcher, the shared runs' flags (conftest.py's fixtures make the runs), the README's commands,
+`hf-zero check` in-process, checkpoint helpers, short recipe YAMLs, free ports, a single-host Slurm."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from safetensors.torch import load_file
+
+from hf_zero.checkpoint.store import (
+    MANIFEST_NAME,
+    checkpoint_step,
+    crc32_of,
+    file_sizes,
+    list_checkpoints,
+    write_json_atomic,
+    write_manifest,
+)
+from hf_zero.cli import main
+from hf_zero.preflight.checks import CHECKS
+
+REPO = Path(__file__).resolve().parent.parent
+PROFILES = REPO / "accelerate_configs"
+TINY = REPO / "recipes" / "configs" / "tiny_curriculum.yaml"
+RECIPE = REPO / "recipes" / "curriculum.py"
+# Every Python process a fast-tier test starts imports this folder's sitecustomize.py: a launcher or a rank marks it.
+PROCESS_GUARD = Path(__file__).resolve().parent / "process_guard"
+GROUP_MARKS_ENV = "HF_ZERO_TEST_GROUP_MARKS"
+
+
+# ---------------------------------------------------------------- commands and launches
+
+def run_cmd(cmd, timeout=900, cwd=REPO, env=None, check=True):
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+    if check and proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        raise AssertionError(f"command failed ({proc.returncode}): {' '.join(map(str, cmd))}\n{tail}")
+    return proc
+
+
+def launch_recipe(profile, out_dir, *extra, config=TINY, recipe=RECIPE, nproc=None, timeout=900, check=True, env=None):
+    """`accelerate launch --config_file PROFILE recipe --config C --output_dir OUT ...` in a subprocess."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", PROFILES / f"{profile}.yaml"]
+    if nproc:
+        cmd += ["--num_processes", nproc]
+    cmd += [recipe, "--config", config, "--output_dir", out_dir, "--disable_tqdm", "true", *extra]
+    return run_cmd(cmd, timeout=timeout, check=check, env=env)
+
+
+def read_summary(out_dir) -> dict:
+    return json.loads((Path(out_dir) / "summary.json").read_text())
+
+
+# ---------------------------------------------------------------- the shared runs (fixtures in conftest.py)
+
+# Every strategy run: tokens seen (the stage switches show in them), a checkpoint every 5 steps (= the stage ends, so
+# the evaluations come at 0, 5, 10, 15), the memory probe at the first step.
+STRATEGY_FLAGS = ["--include_num_input_tokens_seen", "non_padding", "--save_strategy", "steps", "--save_steps", "5",
+                  "--global_batch_size", "4", "--measure_memory", "true"]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# LoRA under ZeRO-3, with reentrant gradient checkpointing (the combination that once failed). Rank 64: the adapter's
+# states then outweigh a checkpoint's fixed files (RNG states, arguments), so its size shows what it holds.
+LORA_R = 64
+LORA_FLAGS = ["--use_peft", "true", "--lora_r", str(LORA_R), "--lora_dropout", "0", "--lora_target_modules",
+              *LORA_TARGETS, "--gradient_checkpointing", "true", "--save_strategy", "steps", "--save_steps", "5"]
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero3_offload", "fsdp2")
+
+
+@dataclass
+class Run:
+    out: Path
+    stdout: str  # for the run through `hf-zero train`: its whole console (stdout and stderr), as a log file holds it
+    stderr: str = ""
+    args: list = field(default_factory=list)  # the hf-zero arguments that made it (`hf-zero train` runs only)
+    log: Path | None = None
+
+
+def hf_zero_train(profile: str, out: Path, *extra) -> Run:
+    """`hf-zero train` on 2 ranks, stdout and stderr captured to one file as a Slurm log would (no --disable_tqdm:
+    the console must hold no progress-bar redraws on its own)."""
+    args = ["train", "--profile", profile, "--config", TINY, "--output_dir", out, *extra]
+    log = out.parent / f"{out.name}.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, "-m", "hf_zero.cli", *map(str, args)], cwd=REPO, stdout=f,
+                              stderr=subprocess.STDOUT, timeout=900)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    return Run(out, text, "", args, log)
+
+
+class Lazy(dict):
+    """d[key] made by make(key) on first read, then kept."""
+
+    def __init__(self, make):
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key):
+        self[key] = self._make(key)
+        return self[key]
+
+
+class OutAndRun:
+    """view[name] = (output folder, run) of a lazy set of runs: launched when a test first reads it."""
+
+    def __init__(self, runs):
+        self._runs = runs
+
+    def __getitem__(self, name):
+        return self._runs[name].out, self._runs[name]
+
+
+TINY24_FLAGS = ["--save_strategy", "steps", "--save_steps", "3", "--global_batch_size", "4"]
+
+
+# ---------------------------------------------------------------- one optimizer step, for the memory probes
+
+ONE_STEP = """\
+# One stage, one optimizer step: enough to build the engine and see a whole step.
+model_name_or_path: tiny-llama
+max_seq_length: 64
+eval_samples: 0
+stages:
+  - name: only
+    data: recipes/data/tiny/short.jsonl
+    steps: 1
+per_device_train_batch_size: 2
+learning_rate: 1.0e-3
+seed: 42
+dataloader_num_workers: 0
+"""
+ONE_STEP_LORA = ["--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0"]
+
+
+# ---------------------------------------------------------------- the README's commands
+
+README = REPO / "README.md"
+
+
+def readme_commands() -> list[str]:
+    """Every command line of the README's ```bash blocks, in order (continuation lines joined)."""
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.strip()
+            if line and not line.startswith("#"):
+                cmds.append(line)
+    return cmds
+
+
+def run_as_user(cmd: str, checkout: Path, hf_home: Path) -> subprocess.CompletedProcess:
+    """A shell command as a user types it in the checkout: its .venv's bin first on PATH, and not inside `make
+    test`'s make (a nested make prints "Leaving directory" after the run)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
+    env["PATH"] = f"{checkout / '.venv' / 'bin'}:{os.environ['PATH']}"
+    env["HF_HOME"] = str(hf_home)
+    return subprocess.run(cmd, shell=True, cwd=checkout, env=env, capture_output=True, text=True, timeout=1200)
+
+
+def readme_command(*words) -> str:
+    """The one README command holding all these words."""
+    (cmd,) = [c for c in readme_commands() if all(w in c for w in words)]
+    return cmd
+
+
+# ---------------------------------------------------------------- `hf-zero check` in-process
+
+def check(capsys, *args, output_dir=None):
+    """Run `hf-zero check` in-process: (exit code, {check: (ok, message)}), asserting the one-line format."""
+    extra = ["--output-dir", str(output_dir)] if output_dir else []
+    rc = main(["check", *args, *extra])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split(" ", 2)[1].rstrip(":") for ln in lines] == list(CHECKS), lines
+    assert all(ln.startswith(("ok ", "FAIL ", "skip ")) for ln in lines), lines
+    # ok: True, FAIL: False, skip (not checked because what it needs failed earlier): None
+    results = {ln.split(" ", 2)[1].rstrip(":"): ({"ok": True, "FAIL": False, "skip": None}[ln.split(" ")[0]],
+                                                 ln.split(": ", 1)[1]) for ln in lines}
+    assert rc == (2 if any(ok is False for ok, _ in results.values()) else 0)
+    return rc, results
+
+
+def failed(results) -> set:
+    return {name for name, (ok, _) in results.items() if ok is False}
+
+
+def skipped(results) -> set:
+    return {name for name, (ok, _) in results.items() if ok is None}
+
+
+def profile(tmp_path, base="zero2", replace=None, append="") -> str:
+    text = (PROFILES / f"{base}.yaml").read_text()
+    for old, new in (replace or {}).items():
+        assert old in text
+        text = text.replace(old, new)
+    path = tmp_path / f"my_{base}.yaml"
+    path.write_text(text + append)
+    return str(path)
+
+
+def start_args(tmp_path):
+    from hf_zero.core.config import CurriculumArguments, ModelArguments
+    from hf_zero.plan.parse import parse_recipe_args
+
+    m, stages, kwargs, _ = parse_recipe_args((ModelArguments, CurriculumArguments),
+                                             ["--config", str(TINY), "--output_dir", str(tmp_path / "o")])
+    return kwargs, (m,), stages
+
+
+# ---------------------------------------------------------------- checkpoints
+
+def make_checkpoint(root: Path, step: int, eval_loss: float | None = None, payload: int = 1000) -> Path:
+    folder = root / f"checkpoint-{step}"
+    (folder / "global_step").mkdir(parents=True)
+    (folder / "global_step" / "optim_states.pt").write_bytes(bytes(range(256)) * (payload // 256 + 1))
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    write_json_atomic(folder / "hf_zero_checkpoint.json",
+                      {"global_step": step, "metrics": {} if eval_loss is None else {"eval_loss": eval_loss}})
+    write_manifest(folder, {rel: crc32_of(folder / rel) for rel in file_sizes(folder)})
+    return folder
+
+
+def with_meta(tmp_path, **meta):
+    ck = make_checkpoint(tmp_path, 6)
+    base = {"global_step": 6, "world_size": 2, "zero_stage": 2, "profile": "zero2", "global_batch": 4,
+            "micro_batch": 2, "grad_accum": 1}
+    write_json_atomic(ck / "hf_zero_checkpoint.json", {**base, **meta})
+    write_manifest(ck, {rel: crc32_of(ck / rel) for rel in file_sizes(ck)})
+    return ck
+
+
+def published(out) -> list[int]:
+    return [checkpoint_step(f) for f in list_checkpoints(out) if (f / MANIFEST_NAME).is_file()]
+
+
+def max_weight_diff(a, b) -> float:
+    wa, wb = (load_file(str(Path(run) / "final" / "model.safetensors")) for run in (a, b))
+    assert wa.keys() == wb.keys()
+    return max((wa[k] - wb[k]).abs().max().item() for k in wa)
+
+
+def losses_after(out, step: int) -> list[float]:
+    history = json.loads((Path(out) / "log_history.json").read_text())
+    return [h["loss"] for h in history if "loss" in h and h["step"] > step]
+
+
+# ---------------------------------------------------------------- scale-out: short configs, ports, libaio, Slurm
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_short_config(src: Path, dst: Path, steps: list[int], **overrides) -> Path:
+    """`src` cut to the first len(steps) stages of the given lengths, without eval, data paths made absolute (the
+    run may start elsewhere, e.g. under Slurm): the same model and data as the shipped YAML, fewer steps."""
+    data = yaml.safe_load(Path(src).read_text())
+    stages = []
+    for stage, n in zip(data["stages"], steps):
+        paths = stage["data"] if isinstance(stage["data"], list) else [stage["data"]]
+        data_paths = [p if p.startswith("builtin:") else str((Path(src).parent / p).resolve()) for p in paths]
+        # A warmup as long as the stage never reaches its peak LR, which the stage checks refuse: shorten it too.
+        warmup = {"warmup_steps": min(stage["warmup_steps"], n - 1)} if "warmup_steps" in stage else {}
+        stages.append({**stage, "steps": n, "data": data_paths, **warmup})
+    data.update(stages=stages, eval_samples=0, **overrides)
+    dst.write_text(yaml.safe_dump(data, sort_keys=False))
+    return dst
+
+
+SLURM_CONF = """\
+ClusterName=hfzero
+SlurmctldHost={host}
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+AuthType=auth/munge
+CredType=cred/munge
+AuthInfo=socket={state}/munge/munge.socket
+SlurmUser=root
+SlurmdUser=root
+StateSaveLocation={state}/ctld
+SlurmdSpoolDir={state}/slurmd
+SlurmctldPidFile={state}/slurmctld.pid
+SlurmdPidFile={state}/slurmd.pid
+SlurmctldLogFile={state}/slurmctld.log
+SlurmdLogFile={state}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+JobCompType=jobcomp/none
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
+NodeName={host} CPUs={cpus} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def libaio_missing_reason() -> str | None:
+    """Why NVMe offload cannot run here (None: it can), asked exactly as the preflight asks."""
+    from hf_zero.core.ops import libaio_available
+
+    if libaio_available():
+        return None
+    return "libaio not installed (run scripts/system_deps.sh: apt-get install -y libaio-dev)"
+
+
+def slurm_missing_reason() -> str | None:
+    """Why a real Slurm cannot run here (None: it can)."""
+    if os.geteuid() != 0:
+        return "starting slurmd/munged needs root"
+    missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo") if not shutil.which(b)]
+    if missing:
+        return f"{', '.join(missing)} not installed (run scripts/system_deps.sh: apt-get install slurm-wlm munge)"
+    if not Path("/etc/munge/munge.key").is_file():
+        return "no /etc/munge/munge.key (reinstall munge)"
+    return None
+
+
+class SingleHostSlurm:
+    """munged + slurmctld + slurmd on this host, all state in a private temp folder; stopped by their pid files.
+
+    A private munge socket and free ports keep it apart from any other Slurm on the machine."""
+
+    def __init__(self):
+        self.host = socket.gethostname()
+        self.state = Path(tempfile.mkdtemp(prefix="hfz-slurm-"))  # not under pytest's root-only 0700 tmp tree:
+        self.state.chmod(0o755)  # munged runs as user munge and must reach its socket folder
+        self.conf = self.state / "slurm.conf"
+        self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def run(self, *cmd, check=True, timeout=60) -> subprocess.CompletedProcess:
+        proc = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stdout}{proc.stderr}")
+        return proc
+
+    def start(self) -> "SingleHostSlurm":
+        munge = self.state / "munge"
+        munge.mkdir()
+        munge.chmod(0o755)  # munged insists that everyone can reach its socket
+        shutil.chown(munge, "munge", "munge")
+        for sub in ("ctld", "slurmd"):
+            (self.state / sub).mkdir()
+        self.conf.write_text(SLURM_CONF.format(host=self.host, state=self.state, cpus=os.cpu_count() or 2,
+                                               ctld_port=free_port(), slurmd_port=free_port()))
+        self.run("runuser", "-u", "munge", "--", "munged", f"--socket={munge}/munge.socket",
+                 f"--pid-file={munge}/munged.pid", f"--log-file={munge}/munged.log",
+                 f"--seed-file={munge}/munged.seed")
+        self.run("slurmctld", "-c", "-f", str(self.conf))
+        self.run("slurmd", "-f", str(self.conf))
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            state = self.run("sinfo", "-h", "-o", "%T", check=False).stdout.strip()
+            if state in ("idle", "mixed", "allocated"):
+                return self
+            time.sleep(1)
+        raise RuntimeError(f"the node never became idle (sinfo: {state!r}):\n{self.logs()}")
+
+    def submit(self, script: Path) -> str:
+        out = self.run("sbatch", "--parsable", str(script)).stdout.strip()
+        return out.split(";")[0]
+
+    def job_state(self, job_id: str) -> str:
+        out = self.run("scontrol", "show", "job", job_id, check=False).stdout
+        fields = dict(f.split("=", 1) for f in out.split() if "=" in f)
+        return fields.get("JobState", "UNKNOWN")
+
+    def wait(self, job_id: str, timeout: float = 600, until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
+                                                                  "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")) -> str:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            state = self.job_state(job_id)
+            if state in until:
+                return state
+            time.sleep(2)
+        raise TimeoutError(f"job {job_id} still {self.job_state(job_id)} after {timeout} s")
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-20:])
+                         for p in sorted(self.state.rglob("*.log")))
+
+    def stop(self) -> None:
+        pids = []
+        for pid_file in ("slurmd.pid", "slurmctld.pid", "munge/munged.pid"):
+            try:
+                pid = int((self.state / pid_file).read_text().strip())
+                os.kill(pid, 15)
+                pids.append(pid)
+            except (OSError, ValueError):
+                pass
+        deadline = time.time() + 10  # a clean exit before the folder goes
+        for pid in pids:
+            while time.time() < deadline:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+        shutil.rmtree(self.state, ignore_errors=True)

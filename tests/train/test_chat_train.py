@@ -1,0 +1,192 @@
+"""Chat fine-tuning end to end on the tiny model: assistant-only loss learns the reply (and only the reply), a 2-rank
+ZeRO-3 + LoRA run saves an adapter that plain peft + transformers reload with the training chat template, the
+stage-end samples, `hf-zero preview` / `generate`, and bad chat rows stopped in the recipe and in `check`."""
+
+import json
+import random
+import sys
+
+import pytest
+from testing_utils import RECIPE, REPO, launch_recipe, read_summary, run_cmd
+
+from hf_zero.cli import main
+
+REPLY = "I am a tiny model."
+
+
+def same_reply_file(path, n=200, seed=0):
+    """Random user text, always the same short assistant reply."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words = " ".join("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7)))
+                         for _ in range(rng.randint(4, 10)))
+        rows.append({"messages": [{"role": "user", "content": words}, {"role": "assistant", "content": REPLY}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def chat_recipe(tmp_path, data, steps=48, **extra):
+    cfg = {"model_name_or_path": "tiny-llama", "max_seq_length": 96, "eval_samples": 4, "sample_prompts": 4,
+           "sample_max_new_tokens": 24, "per_device_train_batch_size": 8, "seed": 0,
+           "stages": [{"name": "chat", "data": str(data), "steps": steps, "learning_rate": 1.0e-2, "warmup_steps": 2,
+                       "lr_schedule": "constant"}], **extra}
+    path = tmp_path / "chat.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path
+
+
+@pytest.fixture(scope="module")
+def same_reply_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("same")
+    config = chat_recipe(root, same_reply_file(root / "same.jsonl"))
+    runs = {}
+    for mode in ("true", "false"):
+        out = root / f"assistant_only_{mode}"
+        run_cmd([sys.executable, RECIPE, "--config", config, "--output_dir", out, "--disable_tqdm", "true",
+                 "--assistant_only_loss", mode])
+        runs[mode] = out
+    return runs
+
+
+def test_assistant_only_loss_learns_the_reply_all_tokens_does_not(same_reply_runs):
+    only, every = (read_summary(same_reply_runs[m]) for m in ("true", "false"))
+    assert len(only["losses"]) == len(every["losses"]) == 48
+    assert only["losses"][0] > 4  # the reply is not known at the start
+    assert only["losses"][-1] < 0.05 and only["eval_loss_after"] < 0.05  # the reply is all that is trained: learnt
+    assert every["losses"][-1] > 1.0  # random user text keeps the all-token loss high
+
+
+def test_samples_show_the_learnt_reply(same_reply_runs):
+    out = same_reply_runs["true"]
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    start, end = [r for r in rows if r["when"] == "start"], [r for r in rows if r["when"] == "end"]
+    assert len(start) == len(end) == 4 and {r["step"] for r in end} == {48}
+    assert all(r["reference"] == REPLY and r["answer"] == REPLY and r["exact_match"] for r in end)
+    assert not any(r["exact_match"] for r in start)
+    s = read_summary(out)
+    assert (s["exact_match_before"], s["exact_match_after"]) == (0.0, 1.0)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(next(out.rglob("events.out.tfevents.*")).parent), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert "samples/chat/text_summary" in acc.Tags()["tensors"]
+    assert "train/samples_chat_exact_match" in acc.Tags()["scalars"]
+
+
+def test_generate_answers_with_the_saved_template(same_reply_runs, capsys):
+    final = same_reply_runs["true"] / "final"
+    assert (final / "chat_template.jinja").is_file()
+    assert main(["generate", "--model", str(final), "--chat", "--prompt", "xq zzv blorp",
+                 "--max-new-tokens", "24"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == REPLY
+
+
+def test_preview_marks_the_trained_tokens(tmp_path, capsys):
+    config = chat_recipe(tmp_path, same_reply_file(tmp_path / "same.jsonl", n=20))
+    assert main(["preview", "--config", str(config), "-n", "1", "--max_seq_length", "90"]) == 0
+    out = capsys.readouterr().out
+    assert "data[0] " in out and "conversational, loss on answers only" in out
+    assert "20 rows -> 20 samples; 0 truncated, 0 dropped" in out
+    assert f"<|im_start|>assistant\n    [[{REPLY}<|im_end|>]]" in out
+    assert out.count("[[") == 2  # the legend, and the reply: nothing else carries loss
+    assert "tokens per sample: min " in out and "% carry loss" in out
+
+
+@pytest.mark.multiproc
+def test_zero3_lora_adapter_reloads_with_its_chat_template(tmp_path):
+    data = same_reply_file(tmp_path / "same.jsonl", n=60)
+    config = chat_recipe(tmp_path, data, steps=4, use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0,
+                         per_device_train_batch_size=2)
+    out = tmp_path / "run"
+    launch_recipe("zero3", out, config=config, nproc=2)
+    s = read_summary(out)
+    assert (s["zero_stage"], s["world_size"], s["use_peft"], s["zero3_partitioned_at_build"]) == (3, 2, True, True)
+    final = out / "final"
+    assert (final / "chat_template.jinja").is_file() and (final / "adapter_config.json").is_file()
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["when"] for r in samples] == ["start"] * 4 + ["end"] * 4  # generated by both ranks, gathered
+    # What training saw, tokenized by hf_zero's pipeline with hf_zero's tokenizer set-up
+    from hf_zero.core.config import Stage
+    from hf_zero.data.chat import FormatOptions
+    from hf_zero.data.model_names import get_tokenizer
+    from hf_zero.data.stages import load_stage_data
+
+    stage = Stage(name="chat", data=[str(data)], steps=1)
+    trained = load_stage_data(stage, get_tokenizer("tiny-llama"), 96, "text", 0, 0, formats=FormatOptions())
+    row = json.loads(data.read_text().splitlines()[0])["messages"]
+    from hf_zero.data.model_names import resolve_model_path
+
+    # the adapter names its base as the recipe did (the offline name); this machine's folder for it is passed along
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-llama"
+    code = (  # plain peft + transformers, outside the repository: hf_zero is not imported
+        "import json, sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer;"
+        "from peft import PeftModel;"
+        f"final = {str(final)!r}; row = json.loads(sys.argv[1]); base = sys.argv[2];"
+        "tok = AutoTokenizer.from_pretrained(final);"
+        "m = AutoModelForCausalLM.from_pretrained(base); m.resize_token_embeddings(len(tok));"
+        "m = PeftModel.from_pretrained(m, final);"
+        "ids = tok.apply_chat_template(row, tokenize=True, return_dict=True)['input_ids'];"
+        "prompt = tok.apply_chat_template(row[:-1], tokenize=False, add_generation_prompt=True);"
+        "loss = float(m(torch.tensor([ids]), labels=torch.tensor([ids])).loss);"
+        "print(json.dumps({'ids': list(ids), 'prompt': prompt, 'loss': loss, 'vocab': len(tok)}))"
+    )
+    proc = run_cmd([sys.executable, "-c", code, json.dumps(row), resolve_model_path("tiny-llama")], cwd="/")
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["ids"] == trained.sources[0][0]["input_ids"]
+    assert got["prompt"] == f"<|im_start|>user\n{row[0]['content']}<|im_end|>\n<|im_start|>assistant\n"
+    assert got["vocab"] == 514 and 0 < got["loss"] < 20
+    from safetensors.torch import load_file
+
+    saved = load_file(str(final / "adapter_model.safetensors"))
+    # the two template tokens' rows were trained and saved with the adapter (embedding and untied LM head)
+    assert saved["base_model.model.model.embed_tokens.weight"].shape[0] == 514
+    assert saved["base_model.model.lm_head.weight"].shape[0] == 514
+
+
+def test_bad_chat_row_stops_recipe_and_check(tmp_path, capsys):
+    data = same_reply_file(tmp_path / "bad.jsonl", n=10)
+    lines = data.read_text().splitlines()
+    lines[4] = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"content": "no role"}]})
+    data.write_text("\n".join(lines) + "\n")
+    config = chat_recipe(tmp_path, data)
+    want = f"stages[chat].data[0]: {data} row 5: messages[1] has no 'role'"
+    proc = run_cmd([sys.executable, RECIPE, "--config", config, "--output_dir", tmp_path / "o"], check=False)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("hf-zero: error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and want in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert main(["check", "--profile", "zero2", "--config", str(config)]) == 2
+    fail = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("FAIL data:")]
+    assert len(fail) == 1 and want in fail[0]
+
+
+@pytest.mark.multiproc
+def test_chat_demo_config_on_the_tiny_model(tmp_path):
+    """recipes/configs/smollm2_chat.yaml as `make train CONFIG=...` runs it (hf-zero train: the cpu profile, 2 ranks),
+    with the tiny model and 3 steps instead of SmolLM2 and the full run (the README's slow test runs that)."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "recipes" / "configs" / "smollm2_chat.yaml").read_text())
+    out = tmp_path / "run"
+    config.update(model_name_or_path="tiny-llama", max_seq_length=512, eval_samples=8, sample_prompts=4,
+                  output_dir=str(out))
+    config["stages"][0].update(steps=3, warmup_steps=1)  # a warmup as long as the stage is refused
+    path = tmp_path / "smollm2_chat.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "train", "--config", path, "--disable_tqdm", "true"])
+    s = read_summary(out)
+    assert (s["profile"], s["world_size"], s["use_peft"], s["total_steps"]) == ("cpu", 2, True, 3)
+    assert 0 <= s["exact_match_before"] <= 1 and 0 <= s["exact_match_after"] <= 1
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["when"]) for r in rows] == [(0, "start")] * 4 + [(3, "end")] * 4
+    # the held-out questions are the eval_data file's, answered by plays' titles
+    from hf_zero.data.assets import WHICH_PLAY_TITLES, resolve_data_path
+
+    titles = set(WHICH_PLAY_TITLES.values())
+    held_out = [json.loads(line)["messages"]
+                for line in open(resolve_data_path("builtin:shakespeare/which_play_test"))]
+    asked = {m[1]["content"]: m[2]["content"] for m in held_out}
+    assert all(r["reference"] in titles and asked[r["question"]] == r["reference"] for r in rows)
+    assert (out / "final" / "chat_template.jinja").is_file()
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+    assert "stage 1/1 'which_play' starts at step 1" in proc.stdout
