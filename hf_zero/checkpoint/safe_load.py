@@ -13,7 +13,7 @@ with the same allowlist), which builds tensors, containers and the few types bel
 
 The allowlist is what DeepSpeed, the Trainer, accelerate and torch's distributed checkpoint write into checkpoints
 of the zero1/2/3, fsdp2 and ddp profiles (found with torch.serialization.get_unsafe_globals_in_checkpoint on real
-ones; tests/test_safe_load.py loads every file of a real checkpoint with it).
+ones; tests/checkpoint/test_safe_load.py loads every file of a real checkpoint with it).
 """
 
 from __future__ import annotations

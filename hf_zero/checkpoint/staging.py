@@ -5,8 +5,8 @@ wrote its files" and "the folder is visible": a crash mid-save leaves a folder a
 checkpoint. `_save_checkpoint` therefore lets the Trainer save as usual, with the staging area
 as its output folder for the length of the save (the Trainer places checkpoint-N under `args.output_dir`, through
 `_get_output_dir`); its own rotation only ever sees that one staged folder. hf_zero then verifies the folder, writes
-its metadata and manifest, renames it into place and rotates (checkpoint/write.py). tests/test_trainer_hooks.py
-fails loudly when transformers changes what this relies on.
+its metadata and manifest, renames it into place and rotates (checkpoint/write.py).
+tests/checkpoint/test_trainer_hooks.py fails loudly when transformers changes what this relies on.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ class Internal:
 INTERNALS: tuple[Internal, ...] = (
     Internal("_save_checkpoint", "transformers.Trainer", ("checkpoint/staging.py",),
              "the only point between 'every rank wrote its files' and 'the folder is visible': crash-safe checkpoints"
-             " (also guarded by tests/test_trainer_hooks.py)"),
+             " (also guarded by tests/checkpoint/test_trainer_hooks.py)"),
     Internal("_set_pg_timeout", "torch.distributed.distributed_c10d", ("core/distributed.py",),
              "accelerate creates the CPU process group without a timeout and DeepSpeed ignores its own once a group "
              "exists; torch has no public setter for an existing group's timeout"),

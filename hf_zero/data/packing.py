@@ -8,7 +8,7 @@ context in the second row, which changes what the model is trained on. Boundarie
   so that no token attends across a boundary. Llama's config says use_cache=True, and its forward creates a cache
   even in training, which silently turns the detection off: the collator passes use_cache=False with every batch;
 - the label of every document's first token is -100: in a row it would be predicted from the previous document.
-tests/test_packing.py proves it: per-token losses of a packed row equal those of its documents run one by one.
+tests/data/test_packing.py proves it: per-token losses of a packed row equal those of its documents run one by one.
 
 With flash attention (`attn_implementation: flash_attention_2`, or hub flash kernels) there is no mask at all: the
 rows of a micro-batch become one row of their documents, padding dropped, and the documents' cumulative lengths

@@ -20,7 +20,7 @@ Loss (transformers ForCausalLMLoss): bf16 logits are upcast (.float()), log_soft
 backward nll's gradient, log_softmax's gradient and its saved output are alive together: 12 V bytes per token
 (forward end: 2 + 4 + 4 = 10 V; fp32: 8 V). Gradient checkpointing (non-reentrant) keeps each layer's input
 (r h) and recomputes one layer at a time. Derived from the installed transformers/torch sources, checked against
-the H100 runs in tests/data/calibration (tests/test_estimate_calibration.py).
+the H100 runs in tests/data/calibration (tests/estimate/test_estimate_calibration.py).
 """
 
 from __future__ import annotations

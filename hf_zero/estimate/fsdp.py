@@ -25,7 +25,7 @@ stays gathered from its forward to its backward; the root holds what is left, us
   buffers    pG            the all-gather output, alive until copied out into the group's parameters
 At the optimizer step every group is resharded: the step's peak is the sharded states alone. CPU per node: every
 rank reads the whole model in fp32 before sharding it (4Ψ, no zero.Init), then holds its offloaded shards.
-Checked against the bytes each rank holds after step 1 on 2 CPU ranks (tests/test_fsdp_memory.py): exact.
+Checked against the bytes each rank holds after step 1 on 2 CPU ranks (tests/estimate/test_fsdp_memory.py): exact.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ base_precision) unless `frozen_base="fp32"`. GPU bytes per rank, "deepspeed" | "
   zero3          pΨ/N + pL + 4Ψt/N + pLt + 12Ψt/N                    | (pΨ + pΨt + KΨt)/N        (16Ψ/N)
   zero2_offload  pΨ;  zero3_offload_optimizer pΨ/N + pL + pLt;  zero3_offload / zero3_nvme  pL + pLt
 ZeRO-3's pL + pLt (the largest layer gathered, and its gradient) is its own key, "gathered", inside model_states.
-fp32 "deepspeed", measured on 2 CPU ranks (tests/test_estimate_measured.py): gradients ZeRO-1 max(4Ψt, 8Ψt/N),
+fp32 "deepspeed", measured on 2 CPU ranks (tests/estimate/test_estimate_measured.py): gradients ZeRO-1 max(4Ψt, 8Ψt/N),
 ZeRO-2 8Ψt/N, ZeRO-3 8Ψt/N (its partition buffer + the step's flat copy; offloaded: CPU 20Ψt/N + 4Ψ/N).
 "paper" is the ZeRO paper (arXiv:1910.02054). For "deepspeed" in bf16/fp16 without LoRA, ZeRO-2/3 (GPU and CPU)
 are DeepSpeed's estimate_zero{2,3}_model_states_mem_needs, called directly; the formulas reproduce them and cover
@@ -167,7 +167,7 @@ def _states(s, c: ModelCount, n, mixed, convention, f=4):
     off = (12 + (g3 if s.startswith("zero3") else g32)) * t / n  # gradients + fp32 master + moments, on the CPU
     cpu = {"zero3_offload": off + p * psi / n, "zero3_nvme": 4 * t / n}.get(s, off if "offload" in s else 0)
     # On disk DeepSpeed also swaps fp32 gradient partitions (<id>_gradient_<offset>_<len>.tensor.swp, measured in
-    # tests/test_nvme.py): up to 4 bytes per trainable parameter more than the optimizer state.
+    # tests/train/test_nvme.py): up to 4 bytes per trainable parameter more than the optimizer state.
     return gpu, cpu, (16 * t + p * psi) / n if s == "zero3_nvme" else 0
 
 
