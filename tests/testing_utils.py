@@ -150,17 +150,38 @@ ONE_STEP_LORA = ["--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0"]
 # ---------------------------------------------------------------- the README's commands
 
 README = REPO / "README.md"
+DOCS = REPO / "docs"
 
 
-def readme_commands() -> list[str]:
-    """Every command line of the README's ```bash blocks, in order (continuation lines joined)."""
+def _nav_pages(nav) -> list[str]:
+    pages = []
+    for entry in nav:
+        for value in entry.values() if isinstance(entry, dict) else [entry]:
+            pages += _nav_pages(value) if isinstance(value, list) else [value]
+    return pages
+
+
+def docs_pages() -> list[Path]:
+    """docs/ pages in the site's order (mkdocs.yml's nav), then any page the nav leaves out."""
+    nav = [DOCS / p for p in _nav_pages(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"])]
+    return nav + sorted(set(DOCS.rglob("*.md")) - set(nav))
+
+
+def shown_commands(text: str) -> list[str]:
     cmds = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.strip()
             if line and not line.startswith("#"):
                 cmds.append(line)
     return cmds
+
+
+def readme_commands() -> list[str]:
+    """The README's commands, then each docs page's, in the site's order; a command shown twice runs once, where it
+    is first shown (later commands may read what earlier ones wrote)."""
+    texts = [README.read_text()] + [p.read_text() for p in docs_pages()]
+    return list(dict.fromkeys(c for text in texts for c in shown_commands(text)))
 
 
 def run_as_user(cmd: str, checkout: Path, hf_home: Path) -> subprocess.CompletedProcess:

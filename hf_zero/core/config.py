@@ -32,9 +32,14 @@ class ModelArguments:
     )
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
     attn_implementation: str | None = field(
-        default=None, metadata={"help": "eager, sdpa or flash_attention_2 (GPU only); default: the model's choice."}
+        default=None,
+        metadata={"help": "eager, sdpa or flash_attention_2 (GPU only); default: the model's choice, or "
+                          "flash_attention_2 with packing on a GPU in bf16/fp16 when flash-attn is installed."},
     )
-    use_peft: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
+    use_peft: bool = field(
+        default=False, metadata={"help": "Train LoRA adapters instead of all weights; in bf16/fp16 the frozen base is "
+                                         "held in 16 bits, the adapters in fp32."}
+    )
     lora_r: int = field(default=16, metadata={"help": "LoRA rank; higher = more trainable parameters and memory."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
     lora_dropout: float = field(default=0.05,
@@ -139,24 +144,32 @@ class Stage:
 
     name: str = field(metadata={"help": "Unique stage name; used in logs, TensorBoard tags and summary.json."})
     data: list[str] = field(
-        metadata={"help": "One or more data sources: local jsonl/json/csv/parquet/txt, builtin:..., or a hub id."}
+        metadata={"help": "One source or a list: local .jsonl/.json/.csv/.parquet/.txt (relative to the YAML's "
+                          "folder), builtin:shakespeare/{lines,passages,sonnets,which_play,which_play_test}, "
+                          "builtin:bbc/train, builtin:digits/train, or a hub dataset id (online)."}
     )
     weights: list[float] | None = field(
         default=None, metadata={"help": "Mixture weights, one per data source (normalised); default: equal."}
     )
-    epochs: float | None = field(default=None, metadata={"help": "Passes over the stage's data."})
-    steps: int | None = field(default=None, metadata={"help": "Optimizer steps in this stage."})
+    epochs: float | None = field(
+        default=None, metadata={"help": "Passes over the stage's data, rounded up to whole steps (or give steps)."}
+    )
+    steps: int | None = field(default=None, metadata={"help": "Optimizer steps in this stage (or give epochs)."})
     learning_rate: float | None = field(default=None,
                                         metadata={"help": "Peak LR of the stage (default: --learning_rate)."})
-    warmup_steps: int = field(default=0, metadata={"help": "Linear warmup at the start of the stage."})
+    warmup_steps: int = field(
+        default=0, metadata={"help": "Linear warmup at the start of the stage; shorter than the stage."}
+    )
     lr_schedule: str = field(default="cosine",
                              metadata={"help": "Decay within the stage: cosine, linear or constant."})
     min_lr_ratio: float = field(default=0.1,
                                 metadata={"help": "LR at the end of the stage, as a fraction of its peak."})
-    max_seq_length: int | None = field(default=None, metadata={"help": "Tokens per sample in this stage."})
+    max_seq_length: int | None = field(
+        default=None, metadata={"help": "Tokens per sample in this stage (default: the recipe's max_seq_length)."}
+    )
     eval_data: list[str] | None = field(
-        default=None, metadata={"help": "Held-out data of the stage (its first eval_samples rows) instead of a slice "
-                                        "of `data`."}
+        default=None, metadata={"help": "Held-out data of the stage (its first eval_samples rows), e.g. a validation "
+                                        "file, instead of a slice of `data`."}
     )
 
     def __post_init__(self):

@@ -1,14 +1,21 @@
-"""Every command shown in the README runs, and the README documents every recipe field."""
+"""Every command shown in the README or in docs/ runs, the recipe-key reference is the dataclasses' help, and the
+README's links into docs/ land on a page and heading that exist."""
 
+import importlib.util
 import json
 import re
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from testing_utils import REPO, libaio_missing_reason, readme_commands, run_as_user, write_short_config
-
-from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
+from markdown.extensions.toc import slugify
+from testing_utils import (
+    REPO,
+    docs_pages,
+    libaio_missing_reason,
+    readme_commands,
+    run_as_user,
+    write_short_config,
+)
 
 README = (REPO / "README.md").read_text()
 # `make test` is this suite itself (CI runs it through .ci/run); running it from inside would recurse. The suite never
@@ -17,27 +24,54 @@ README = (REPO / "README.md").read_text()
 NOT_RUN_HERE = {"make test", "bash scripts/system_deps.sh"}
 
 
+def _generator():
+    """scripts/gen_key_reference.py, the one place that names the documented argument classes."""
+    spec = importlib.util.spec_from_file_location("gen_key_reference", REPO / "scripts" / "gen_key_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_first_screen_has_the_two_commands():
     first = "\n".join(README.splitlines()[:15])
     assert "make train" in first and "make test" in first
 
 
-def _documented_types():
-    from hf_zero.data.classification import ClassificationArguments
-
-    return (ModelArguments, CurriculumArguments, Stage, ClassificationArguments)
-
-
-def _own_fields(dc) -> set[str]:
-    """A class's fields less TrainingArguments' (documented by transformers, and a flag like any other)."""
-    from transformers import TrainingArguments
-
-    return {f.name for f in fields(dc)} - {f.name for f in fields(TrainingArguments)}
+def test_every_recipe_field_has_help_and_is_in_the_reference():
+    gen = _generator()
+    page = gen.PAGE.read_text()
+    for dc in gen.documented_types():
+        for f in gen.own_fields(dc):
+            assert len(f.metadata.get("help", "")) > 10, f"{dc.__name__}.{f.name}: no help text"
+            assert f"| `{f.name}` |" in page, f"{dc.__name__}.{f.name} is not in {gen.PAGE}"
 
 
-@pytest.mark.parametrize("field", sorted({name for dc in _documented_types() for name in _own_fields(dc)}))
-def test_every_recipe_field_is_documented(field):
-    assert f"`{field}`" in README
+def test_key_reference_is_generated_from_the_dataclasses():
+    """docs/reference/recipe-keys.md is what scripts/gen_key_reference.py writes from the dataclasses today."""
+    gen = _generator()
+    assert gen.PAGE.read_text() == gen.render(), "regenerate it: make docs (or python scripts/gen_key_reference.py)"
+
+
+def test_every_docs_page_opens_with_the_task_it_serves():
+    for page in docs_pages():
+        if page.parent.name == "bench":  # the bench's own report, as `hf-zero bench` writes it
+            continue
+        first = page.read_text().split("\n\n")[1]
+        assert first.startswith("You want "), f"{page.relative_to(REPO)} opens with: {first[:80]}"
+
+
+def _headings(page: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    return {slugify(re.sub(r"`", "", h), "-") for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_readme_links_into_docs_land():
+    links = re.findall(r"\]\((docs/[^)#]+)(?:#([^)]+))?\)", README)
+    assert len(links) >= 10
+    for path, anchor in links:
+        page = REPO / path
+        assert page.is_file(), path
+        assert not anchor or anchor in _headings(page), f"{path}#{anchor}: no such heading"
 
 
 COMMANDS = [c for c in readme_commands() if c not in NOT_RUN_HERE]
@@ -170,5 +204,6 @@ CHECKS = {
 
 
 def test_readme_commands_are_all_known():
-    """Guard against a README edit that silently drops the main job from the tested commands."""
+    """Guard against an edit that silently drops the main job, or the docs pages, from the tested commands."""
     assert "make train" in COMMANDS and any(c.startswith("accelerate launch") for c in COMMANDS)
+    assert "make docs" in COMMANDS and any(c.startswith("hf-zero estimate") for c in COMMANDS)

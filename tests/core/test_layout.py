@@ -1,4 +1,5 @@
-"""The package's rooms: the README's map names every folder of hf_zero/, and no module lies loose beside them."""
+"""The package's rooms: the map in docs/architecture.md names every folder of hf_zero/, and no module lies loose beside
+them."""
 
 import re
 from pathlib import Path
@@ -8,7 +9,7 @@ PKG = REPO / "hf_zero"
 
 
 def _readme_map() -> str:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "architecture.md").read_text()
     section = text.split("## Where things live", 1)[1].split("\n## ", 1)[0]
     return section.split("```", 2)[1]
 
@@ -35,4 +36,4 @@ def test_every_module_the_map_names_exists_in_its_room():
             named += [(current, m) for m in re.findall(r"\(([a-z_]+\.py)", line)]
     assert named, "the map names no module"
     for room, module in named:
-        assert (PKG / room / module).is_file(), f"{room}/{module} is named in the README map but does not exist"
+        assert (PKG / room / module).is_file(), f"{room}/{module} is named in the docs' map but does not exist"

@@ -293,7 +293,7 @@ def test_recipe_start_checks_raise_the_first_failure(tmp_path):
     assert err.value.field == "output_dir"
 
 
-README_COMMANDS = [  # the README's "Know before you launch" section, run as written
+README_COMMANDS = [  # docs/check.md's examples, run as written, and an estimate that recommends
     ("hf-zero check --profile zero2 --config recipes/configs/tiny_curriculum.yaml", 0),
     ("hf-zero check --profile h100x8 --gpus 4 --config recipes/configs/tiny_curriculum.yaml", 2),
     ("hf-zero check --profile zero2 --config recipes/configs/tiny_curriculum.yaml --global_batch_size 6", 2),
