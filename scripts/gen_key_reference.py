@@ -1,7 +1,8 @@
 """Writes docs/reference/recipe-keys.md from the recipe dataclasses: their docstrings and each field's `help`.
 
 The dataclasses are the one source of what a key means (`hf-zero train --help-recipe` prints the same help), so the
-page is generated, committed, and tests/commands/test_readme.py fails when the committed page and the dataclasses drift.
+page is generated, committed, and tests/commands/test_readme.py fails when the committed page and the
+dataclasses drift.
 `make docs` runs this before building the site; `--check` only compares (exit 1 on a difference).
 
     python scripts/gen_key_reference.py [--check]
@@ -31,7 +32,7 @@ def _trainer_defaults() -> tuple[dict, dict]:
     """hf_zero's TrainingArguments defaults, and the Trainer's own (transformers' dataclass)."""
     from transformers import TrainingArguments
 
-    from hf_zero.core.parse import HF_ZERO_TRAINING_DEFAULTS
+    from hf_zero.plan.parse import HF_ZERO_TRAINING_DEFAULTS
 
     return HF_ZERO_TRAINING_DEFAULTS, {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
 

@@ -78,7 +78,7 @@ def build_stage(item: dict, i: int, where: str | None, lines: dict | None = None
         return Stage(**item)
     except TypeError as err:  # a value of the wrong kind, e.g. `steps: ten`
         raise UserError(f"stages[{item.get('name', i)}]", f"a value has the wrong type ({str(err).splitlines()[0]}) "
-                        f"{at_line(where, lines, f'stages[{i}]')}", "see the README's YAML reference") from None
+                        f"{at_line(where, lines, f'stages[{i}]')}", "see docs/reference/recipe-keys.md") from None
     except UserError as err:
         key = err.field.rsplit(".", 1)[-1]
         raise UserError(err.field, f"{err.problem} {at_line(where, lines, f'stages[{i}].{key}', f'stages[{i}]')}",
@@ -97,7 +97,7 @@ def parse_stages(raw, where: str, lines: dict | None = None) -> list[Stage]:
     for i, item in enumerate(raw):
         if not isinstance(item, dict):
             raise UserError(f"stages[{i}]", "each stage needs at least `name` and `data`",
-                            "see the README's YAML reference")
+                            "see docs/reference/recipe-keys.md")
         if item.get("name") in (None, "", []):  # the keys below are named by the stage's name
             build_stage(item, i, where, lines)
         for key in item:
