@@ -158,7 +158,13 @@ def _batch(st):
     check_profile_accumulation(st.profile, accum, env={})
     world = st.nproc * st.machines
     micro = st.value("per_device_train_batch_size")
-    st.batch = plan_batch(int(1 if micro is None else micro), accum, world, st.value("global_batch_size"))
+    sp = st.profile.sp_size
+    st.batch = plan_batch(int(1 if micro is None else micro), accum, world, st.value("global_batch_size"), sp=sp)
+    if sp > 1 and st.parsed:
+        from hf_zero.core.sequence_parallel import verify_recipe_sp
+
+        model = next((a for a in st.parsed if hasattr(a, "model_name_or_path")), None)
+        return f"{st.batch.line()}; {verify_recipe_sp(sp, world, model, st.parsed[-1], st.parsed[-2])}"
     return st.batch.line()
 
 

@@ -12,11 +12,13 @@ from transformers import Trainer, TrainerCallback
 from hf_zero.checkpoint.staging import StagedCheckpointMixin
 from hf_zero.data.curriculum import CurriculumCallback, CurriculumSchedule
 from hf_zero.train.fused_ce import FusedCrossEntropyMixin
+from hf_zero.train.sequence_parallel import SequenceParallelMixin
 
 __all__ = ["CurriculumTrainer", "stage_table", "step_losses", "eval_rounds", "eval_means"]
 
 
-class CurriculumTrainer(FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
+class CurriculumTrainer(SequenceParallelMixin, FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
+    # SequenceParallelMixin: under Ulysses (sp_size > 1) the batches and the loss (sequence_parallel.py).
     # FusedCrossEntropyMixin: compute_loss without full logits, `fused_cross_entropy=` auto|True|False (fused_ce.py).
     # StagedCheckpointMixin: staged, verified checkpoints with a manifest, rotation keeping the best (staging.py).
     def __init__(self, *args, schedule: CurriculumSchedule, **kwargs):
