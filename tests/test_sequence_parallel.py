@@ -1,0 +1,116 @@
+"""Ulysses sequence parallelism (accelerate_configs/zero3_sp.yaml): the profile and batch arithmetic (world = dp x
+sp), one-line refusals of what cannot run, the padded group batches, and on 2 CPU ranks the per-step losses of the
+context curriculum equal those of the same run on one rank without SP."""
+
+import json
+
+import pytest
+import torch
+from conftest import PROFILES, REPO, launch_recipe, read_summary
+from transformers import LlamaConfig
+
+from hf_zero.cli import main
+from hf_zero.core.errors import UserError
+from hf_zero.core.profiles import load_profile
+from hf_zero.core.reconcile import plan_batch
+from hf_zero.core.sequence_parallel import verify_profile_sp, verify_sequence_parallel
+from hf_zero.train.sequence_parallel import pad_batch
+
+LONG = REPO / "recipes" / "configs" / "tiny_long_context.yaml"
+
+
+def test_profile_and_batch_plan_count_data_parallel_ranks():
+    prof = load_profile("zero3_sp")
+    assert (prof.sp_size, prof.zero_stage, prof.num_processes) == (2, 3, 2)
+    assert load_profile("zero3").sp_size == 1
+    plan = plan_batch(1, 2, 2, None, sp=2)
+    assert (plan.dp, plan.global_batch) == (1, 2)
+    assert plan.line() == "1 micro x 2 accum x 1 dp (2 ranks = 1 dp x 2 sp) = 2 global"
+    # a fixed global batch derives accumulation from the data-parallel ranks only: 8 / (2 micro x 2 dp) = 2
+    assert plan_batch(2, 1, 4, 8, sp=2).accumulation == 2
+
+
+def one_line(err) -> str:
+    line = err.value.line()
+    assert "\n" not in line
+    return line
+
+
+LLAMA = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"sp": 2, "world": 3}, "sp_size: 2 does not divide the 3 ranks"),
+    ({"sp": 4, "world": 4, "config": LlamaConfig(num_attention_heads=6, num_key_value_heads=6, hidden_size=48)},
+     "6 attention heads do not divide over sp_size 4"),
+    ({"sp": 2, "world": 2, "config": LlamaConfig(num_attention_heads=6, num_key_value_heads=3, hidden_size=48)},
+     "3 key/value heads and sp_size 2"),
+    ({"sp": 2, "world": 2, "config": LLAMA, "lengths": [("stages[ctx].max_seq_length", 33)]},
+     "stages[ctx].max_seq_length: 33 is not divisible by sp_size 2"),
+    ({"sp": 2, "world": 2, "attn_implementation": "eager"}, "attn_implementation: eager cannot run under Ulysses"),
+    ({"sp": 2, "world": 2, "attn_implementation": "sdpa", "packing": True}, "packing: packed rows under sequence"),
+])
+def test_impossible_combinations_are_one_line(kwargs, words):
+    with pytest.raises(UserError) as err:
+        verify_sequence_parallel(**kwargs)
+    assert words in one_line(err)
+
+
+def test_a_possible_combination_passes():
+    assert verify_sequence_parallel(2, 4, LLAMA, [("max_seq_length", 64)], "sdpa") == \
+        "Ulysses over 2 ranks: 2 data-parallel group(s) of 2"
+
+
+@pytest.mark.parametrize("raw,words", [
+    ({"distributed_type": "FSDP", "parallelism_config": {"parallelism_config_sp_size": 2}},
+     "needs a DeepSpeed profile"),
+    ({"distributed_type": "DEEPSPEED", "parallelism_config": {"parallelism_config_sp_size": 0}},
+     "0 is not a positive integer"),
+    ({"distributed_type": "FSDP", "parallelism_config": {"parallelism_config_cp_size": 2}},
+     "FSDP2 context parallelism needs CUDA"),
+])
+def test_profile_sections_that_cannot_run(raw, words):
+    with pytest.raises(UserError) as err:
+        verify_profile_sp(raw, "mine.yaml", gpus=0)
+    assert words in one_line(err)
+
+
+def test_check_shows_the_arithmetic_and_refuses_eager_attention(capsys):
+    rc = main(["check", "--profile", "zero3_sp", "--config", str(LONG)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "ok batch: 1 micro x 2 accum x 1 dp (2 ranks = 1 dp x 2 sp) = 2 global; Ulysses over 2" in out
+    rc = main(["check", "--profile", "zero3_sp", "--config", str(LONG), "--attn_implementation", "eager"])
+    out = capsys.readouterr().out
+    assert rc == 2 and "FAIL batch: attn_implementation: eager cannot run under Ulysses" in out, out
+
+
+def test_group_padding_keeps_positions_and_ignores_the_padding():
+    batch = {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, 6, 7]]),
+             "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    out = pad_batch(batch, 6)
+    assert out["input_ids"].tolist() == [[5, 6, 7, 0, 0, 0]]
+    assert out["labels"].tolist() == [[5, 6, 7, -100, -100, -100]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0]]
+
+
+@pytest.mark.multiproc
+def test_sp_matches_one_rank_without_sp(tmp_path):
+    """The context curriculum (32 -> 64 -> 128 tokens, accumulation 2, unequal lengths padded per group) on 2 ranks
+    with sp_size 2 against the same global batch on 1 rank without SP: every step's loss within 1e-5."""
+    sp = launch_recipe("zero3_sp", tmp_path / "sp", config=LONG)
+    assert "batch: 1 micro x 2 accum x 1 dp (2 ranks = 1 dp x 2 sp) = 2 global" in sp.stdout
+    launch_recipe("zero3", tmp_path / "one", config=LONG, nproc=1)
+    a, b = read_summary(tmp_path / "sp"), read_summary(tmp_path / "one")
+    assert (a["world_size"], a["sp_size"], a["dp_size"], a["global_batch"]) == (2, 2, 1, 2)
+    assert b["global_batch"] == 2 and "sp_size" not in b
+    assert [s["name"] for s in a["stages"]] == ["ctx32", "ctx64", "ctx128"] and len(a["losses"]) == 6
+    losses_a = [x["loss"] if isinstance(x, dict) else x for x in a["losses"]]
+    losses_b = [x["loss"] if isinstance(x, dict) else x for x in b["losses"]]
+    assert losses_a == pytest.approx(losses_b, abs=1e-5, rel=0)
+    assert a["eval_loss_after"] == pytest.approx(b["eval_loss_after"], abs=1e-5)
+    assert losses_a[-1] < losses_a[0]  # it trained
+    plan = json.loads((tmp_path / "sp" / "run_plan.json").read_text())
+    assert (plan["profile"]["sp_size"], plan["batch"]["sp"]) == (2, 2)
+    assert (tmp_path / "sp" / "final" / "model.safetensors").is_file()
+    assert PROFILES.joinpath("zero3_sp.yaml").is_file()
