@@ -94,6 +94,25 @@ def test_group_padding_keeps_positions_and_ignores_the_padding():
     assert out["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0]]
 
 
+def test_estimate_splits_activations_over_sp_ranks():
+    """Activations per rank: tokens / sp_size everywhere (attention: all tokens of heads / sp_size), no sdpa mask,
+    plus one layer's all-to-all buffers (transient); model states unchanged."""
+    from hf_zero.data.model_names import get_model_config
+    from hf_zero.estimate.activations import _layer_bytes, step_bytes
+    from hf_zero.estimate.memory import count_model, estimate
+
+    c = count_model(get_model_config("tiny-llama"))
+    one, two = (estimate(c, "zero3", world_size=2, precision="bf16", seq_len=4096, sp_size=n)["gpu_bytes_per_rank"]
+                for n in (1, 2))
+    assert one["model_states"] == two["model_states"] and two["activations"] < 0.6 * one["activations"]
+    ls, tokens = c.layer, 4096 / 2
+    a2a = 2 * 2 * (2 * ls.q_dim + 2 * ls.kv_dim) * tokens
+    split = step_bytes(ls, c.num_layers, c.vocab_size, "half", 1, 4096, False, "sdpa", sp=2)["backward"]
+    whole = step_bytes(ls, c.num_layers, c.vocab_size, "half", 1, 4096, False, "sdpa")["backward"]
+    mask = c.num_layers * (_layer_bytes(ls, "half", 4096, "sdpa", True) - _layer_bytes(ls, "half", 0, "sdpa", True))
+    assert split == pytest.approx((whole - mask * 4096) / 2 + a2a)
+
+
 @pytest.mark.multiproc
 def test_sp_matches_one_rank_without_sp(tmp_path):
     """The context curriculum (32 -> 64 -> 128 tokens, accumulation 2, unequal lengths padded per group) on 2 ranks
