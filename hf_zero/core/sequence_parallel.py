@@ -92,7 +92,8 @@ def verify_sequence_parallel(sp: int, world: int, config=None, lengths=(), attn_
                             "tokens)", f"use a multiple of {sp}, e.g. {value - value % sp or sp}")
     if attn_implementation is not None and attn_implementation not in ULYSSES_ATTENTION:
         raise UserError("attn_implementation", f"{attn_implementation} cannot run under Ulysses sequence "
-                        "parallelism (it needs the whole attention mask)", f"use one of: {', '.join(ULYSSES_ATTENTION)}")
+                        "parallelism (it needs the whole attention mask)",
+                        f"use one of: {', '.join(ULYSSES_ATTENTION)}")
     if packing and attn_implementation not in FLASH:
         raise UserError("packing", "packed rows under sequence parallelism need flash attention: Ulysses drops the "
                         "block-diagonal mask sdpa uses, so documents would attend across their boundaries",
