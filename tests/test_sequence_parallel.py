@@ -94,6 +94,28 @@ def test_group_padding_keeps_positions_and_ignores_the_padding():
     assert out["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0]]
 
 
+@pytest.mark.parametrize("dp,sp,micro,accum", [(1, 2, 2, 1), (2, 2, 1, 1), (2, 2, 2, 2), (3, 2, 1, 2), (2, 4, 1, 1)])
+def test_every_step_trains_the_samples_laid_out_for_it(dp, sp, micro, accum):
+    """accelerate's real sharding of the sampler, then each SP group's rounds as DeepSpeed's adapter runs them: the
+    samples of optimizer step s are those the curriculum laid out for step s, for any dp x sp."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    from hf_zero.train.sequence_parallel import SpOrderedDataset
+
+    world, steps = dp * sp, 4 * sp
+    per_step = micro * accum * dp
+    data = SpOrderedDataset(list(range(steps * per_step)), micro, dp, sp)
+    shards = [list(BatchSamplerShard(BatchSampler(SequentialSampler(data), micro, False), world, r))
+              for r in range(world)]
+    for g in range(dp):
+        ranks = shards[g * sp:(g + 1) * sp]
+        micro_steps = [batch for j in range(len(ranks[0])) for batch in (shard[j] for shard in ranks)]
+        for t, batch in enumerate(micro_steps):
+            step = t // accum
+            assert {data[i] for i in batch} <= set(range(step * per_step, (step + 1) * per_step)), (g, t)
+
+
 def test_estimate_splits_activations_over_sp_ranks():
     """Activations per rank: tokens / sp_size everywhere (attention: all tokens of heads / sp_size), no sdpa mask,
     plus one layer's all-to-all buffers (transient); model states unchanged."""

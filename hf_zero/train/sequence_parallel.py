@@ -8,6 +8,10 @@ sp_size ranks of a group and hands every rank its slice of each, one after anoth
   batches, which gloo (the CPU backend) allows only for equal shapes. Each micro-batch is therefore padded at the
   end to the longest in its SP group, rounded up to a multiple of sp_size: labels -100, positions continuing. Under
   causal attention no real token sees the padding, so the loss is that of the unpadded batch.
+- Order: accelerate deals micro-batch k to rank k mod world, and the adapter has a group train its ranks'
+  micro-batches one after another, so with several data-parallel groups a step would take micro-batches of
+  different laid-out steps (and, at a stage end, of two stages). The training set is read in the order that undoes
+  this (`sp_sample_order`): each optimizer step trains the samples the curriculum laid out for it, as without SP.
 - Loss: the Trainer's own SP loss is a token mean per micro-batch, divided by the accumulation steps; without SP the
   Trainer normalises by the tokens of the whole accumulated batch. Here each rank returns the sum of its tokens'
   losses divided by the tokens of the whole accumulated batch over all ranks, times the world size (DeepSpeed
@@ -21,7 +25,7 @@ import torch
 
 from hf_zero.data.packing import IGNORE
 
-__all__ = ["SequenceParallelMixin", "pad_batch", "sp_enabled"]
+__all__ = ["SequenceParallelMixin", "pad_batch", "sp_enabled", "sp_sample_order", "SpOrderedDataset"]
 
 
 def sp_enabled(accelerator) -> bool:
@@ -49,6 +53,42 @@ def pad_batch(batch: dict, width: int) -> dict:
             fill = IGNORE if key in ("labels", "shift_labels") else 0
             out[key] = torch.nn.functional.pad(value, (0, pad), value=fill)
     return out
+
+
+def sp_sample_order(micro_batches: int, dp: int, sp: int) -> list[int]:
+    """For each position of the sampler's micro-batch sequence, the laid-out micro-batch to read there.
+
+    Rank r receives positions r, r + world, r + 2 world, ... (accelerate's BatchSamplerShard); SP group g holds ranks
+    g sp .. g sp + sp - 1 (DeepSpeed's groups) and trains, in each round j, its ranks' micro-batches in rank order.
+    So position j world + g sp + p is trained at micro-step j sp + p by group g, and must hold laid-out micro-batch
+    (j sp + p) dp + g (micro-step t of the layout is its micro-batches t dp .. t dp + dp - 1). A last partial round
+    stays in layout order. The identity for dp = 1."""
+    world, full = dp * sp, micro_batches - micro_batches % (dp * sp)
+    order = []
+    for q in range(micro_batches):
+        if q >= full:
+            order.append(q)
+            continue
+        j, rest = divmod(q, world)
+        g, p = divmod(rest, sp)
+        order.append((j * sp + p) * dp + g)
+    return order
+
+
+class SpOrderedDataset(torch.utils.data.Dataset):
+    """The training set read in `sp_sample_order`, micro-batch by micro-batch."""
+
+    def __init__(self, dataset, micro: int, dp: int, sp: int):
+        self.dataset, self.micro = dataset, micro
+        self.order = sp_sample_order(-(-len(dataset) // micro), dp, sp)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        m, r = divmod(i, self.micro)
+        j = self.order[m] * self.micro + r
+        return self.dataset[j if j < len(self.dataset) else i]
 
 
 def _group_adapter(accelerator):
@@ -90,6 +130,9 @@ class SequenceParallelMixin:
         if pc is not None and pc.sp_enabled and model is not None:
             # Ulysses wraps the attention the model really uses (DeepSpeed compares the two names)
             pc.sp_handler.sp_attn_implementation = model.config._attn_implementation
+        if pc is not None and pc.sp_enabled and kwargs.get("train_dataset") is not None:
+            kwargs["train_dataset"] = SpOrderedDataset(kwargs["train_dataset"], targs.per_device_train_batch_size,
+                                                       targs.world_size // pc.sp_size, pc.sp_size)
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
