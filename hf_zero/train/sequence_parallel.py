@@ -91,8 +91,10 @@ class SpOrderedDataset(torch.utils.data.Dataset):
         return self.dataset[j if j < len(self.dataset) else i]
 
 
-def _group_adapter(accelerator):
-    """accelerate's `deepspeed_ulysses_dl_adapter`, with each batch padded to its SP group's longest first."""
+def _group_adapter(trainer):
+    """accelerate's `deepspeed_ulysses_dl_adapter`, with each batch padded to its SP group's longest first, and on a
+    resume the micro-steps already trained skipped here: the Trainer's own skip (accelerate's skip_first_batches)
+    rebuilds a plain DataLoader from the adapter it is given, which has no dataset, so it is turned off under SP."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
     from deepspeed.utils import groups
 
@@ -113,9 +115,20 @@ def _group_adapter(accelerator):
                 self.iter = rest
 
     def adapter(dl, model):
-        return PaddedUlyssesAdapter(dl, sp_rank=groups._get_sequence_parallel_rank(),
-                                    sp_group=groups._get_sequence_parallel_group(),
-                                    sp_world_size=groups._get_sequence_parallel_world_size(), device=model.device)
+        from accelerate import skip_first_batches
+
+        sp = groups._get_sequence_parallel_world_size()
+        # The curriculum is one epoch: the steps already trained are the first global_step x accumulation micro-steps
+        done = trainer.state.global_step * trainer.args.gradient_accumulation_steps if trainer.sp_skip_data else 0
+        rounds, within = divmod(done, sp)  # a round: one batch of each rank of the group, one micro-step each
+        if rounds:
+            dl = skip_first_batches(dl, rounds)
+        out = PaddedUlyssesAdapter(dl, sp_rank=groups._get_sequence_parallel_rank(),
+                                   sp_group=groups._get_sequence_parallel_group(), sp_world_size=sp,
+                                   device=model.device)
+        for _ in range(within):
+            next(out)
+        return out
 
     return adapter
 
@@ -138,8 +151,10 @@ class SequenceParallelMixin:
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         if sp_enabled(self.accelerator):
-            # The Trainer asks the accelerator for the adapter after preparing the model (trainer.py, train loop).
-            self.accelerator.deepspeed_ulysses_dl_adapter = _group_adapter(self.accelerator)
+            # The Trainer asks the accelerator for the adapter after loading a checkpoint's state and preparing the
+            # model (trainer.py, train loop); the adapter skips what a resumed run already trained (_group_adapter).
+            self.sp_skip_data, self.args.ignore_data_skip = not self.args.ignore_data_skip, True
+            self.accelerator.deepspeed_ulysses_dl_adapter = _group_adapter(self)
             self.loss_is_scaled_for_ga = True  # normalised by the accumulated batch's tokens below
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
