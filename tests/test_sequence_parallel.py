@@ -75,6 +75,17 @@ def test_profile_sections_that_cannot_run(raw, words):
     assert words in one_line(err)
 
 
+def test_only_the_causal_lm_recipe_runs_under_sp():
+    from hf_zero.core.config import CurriculumArguments
+    from hf_zero.core.sequence_parallel import verify_recipe_kind
+    from hf_zero.data.classification import ClassificationArguments
+
+    verify_recipe_kind(2, CurriculumArguments)
+    with pytest.raises(UserError) as err:
+        verify_recipe_kind(2, ClassificationArguments)
+    assert "runs the causal-LM recipe (curriculum.py) only" in one_line(err)
+
+
 def test_check_shows_the_arithmetic_and_refuses_eager_attention(capsys):
     rc = main(["check", "--profile", "zero3_sp", "--config", str(LONG)])
     out = capsys.readouterr().out

@@ -21,7 +21,7 @@ from __future__ import annotations
 from hf_zero.core.errors import UserError
 
 __all__ = ["SP_SECTION", "SP_SIZE_KEY", "sp_size_of", "verify_profile_sp", "verify_sequence_parallel",
-           "verify_recipe_sp", "parallelism_config", "ULYSSES_ATTENTION"]
+           "verify_recipe_sp", "verify_recipe_kind", "parallelism_config", "ULYSSES_ATTENTION"]
 
 SP_SECTION = "parallelism_config"
 SP_SIZE_KEY = "parallelism_config_sp_size"
@@ -115,6 +115,17 @@ def verify_recipe_sp(sp: int, world: int, model_args, training_kwargs: dict, sta
                *((f"stages[{s.name}].max_seq_length", s.max_seq_length) for s in stages or [])]
     return verify_sequence_parallel(sp, world, config, lengths, getattr(model_args, "attn_implementation", None),
                                     bool(training_kwargs.get("packing")))
+
+
+def verify_recipe_kind(sp: int, arguments_class) -> None:
+    """Ulysses splits token sequences with per-token labels: the causal-LM recipe's. A classifier's one label per
+    sample would fail inside DeepSpeed's batch adapter after the launch."""
+    from hf_zero.core.config import CurriculumArguments
+
+    if sp > 1 and not issubclass(arguments_class, CurriculumArguments):
+        raise UserError("profile", "sequence parallelism (parallelism_config_sp_size > 1) runs the causal-LM recipe "
+                        f"(curriculum.py) only, not one whose arguments are {arguments_class.__name__}",
+                        "use a profile without parallelism_config_sp_size")
 
 
 def parallelism_config(sp: int, attn_implementation: str | None = None):

@@ -161,8 +161,9 @@ def _batch(st):
     sp = st.profile.sp_size
     st.batch = plan_batch(int(1 if micro is None else micro), accum, world, st.value("global_batch_size"), sp=sp)
     if sp > 1 and st.parsed:
-        from hf_zero.core.sequence_parallel import verify_recipe_sp
+        from hf_zero.core.sequence_parallel import verify_recipe_kind, verify_recipe_sp
 
+        verify_recipe_kind(sp, st.types[-1])
         model = next((a for a in st.parsed if hasattr(a, "model_name_or_path")), None)
         return f"{st.batch.line()}; {verify_recipe_sp(sp, world, model, st.parsed[-1], st.parsed[-2])}"
     return st.batch.line()

@@ -13,7 +13,7 @@ from hf_zero.checkpoint.compare import note_settings, run_settings
 from hf_zero.core.plan import RunPlan
 from hf_zero.core.profiles import Profile, one_rank_note
 from hf_zero.core.run_lock import hold_in_worker
-from hf_zero.core.sequence_parallel import parallelism_config
+from hf_zero.core.sequence_parallel import parallelism_config, verify_recipe_kind
 
 __all__ = ["RunContext", "setup_run", "print_banner", "write_summary", "main_process_print"]
 
@@ -88,6 +88,7 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     # dropped. Here nothing is dropped: the config hf_zero built *is* those fields (the run plan's DeepSpeed dict).
     os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
     if profile.sp_size > 1:  # Ulysses: accelerate's ParallelismConfig, which the Trainer hands its Accelerator
+        verify_recipe_kind(profile.sp_size, dataclass_types[-1])
         kwargs["parallelism_config"] = parallelism_config(
             profile.sp_size, next((a.attn_implementation for a in parsed if hasattr(a, "attn_implementation")), None))
     try:
