@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import PROFILES, REPO, launch_recipe, read_summary
+from conftest import REPO, launch_recipe, read_summary
 from transformers import LlamaConfig
 
 from hf_zero.cli import main
@@ -127,6 +127,20 @@ def test_every_step_trains_the_samples_laid_out_for_it(dp, sp, micro, accum):
             assert {data[i] for i in batch} <= set(range(step * per_step, (step + 1) * per_step)), (g, t)
 
 
+def test_checkpoint_training_args_with_sp_load_safely(tmp_path):
+    """A checkpoint of an SP run records TrainingArguments.parallelism_config: hf_zero's allowlisted loader reads it
+    (a resume, also on another rank count without SP)."""
+    from hf_zero.checkpoint.safe_load import safe_load
+    from hf_zero.core.config import CurriculumArguments
+    from hf_zero.core.sequence_parallel import parallelism_config
+
+    torch.save(CurriculumArguments(output_dir=str(tmp_path), parallelism_config=parallelism_config(2), report_to=[]),
+               tmp_path / "training_args.bin")
+    loaded = safe_load(tmp_path / "training_args.bin")
+    assert (loaded.parallelism_config.sp_size, loaded.parallelism_config.sp_handler.sp_attn_implementation) == \
+        (2, "sdpa")
+
+
 def test_estimate_splits_activations_over_sp_ranks():
     """Activations per rank: tokens / sp_size everywhere (attention: all tokens of heads / sp_size), no sdpa mask,
     plus one layer's all-to-all buffers (transient); model states unchanged."""
@@ -146,23 +160,35 @@ def test_estimate_splits_activations_over_sp_ranks():
     assert split == pytest.approx((whole - mask * 4096) / 2 + a2a)
 
 
+def step_losses(summary) -> list[float]:
+    return [x["loss"] if isinstance(x, dict) else x for x in summary["losses"]]
+
+
 @pytest.mark.multiproc
-def test_sp_matches_one_rank_without_sp(tmp_path):
+def test_sp_matches_one_rank_without_sp_and_resumes_mid_stage(tmp_path):
     """The context curriculum (32 -> 64 -> 128 tokens, accumulation 2, unequal lengths padded per group) on 2 ranks
-    with sp_size 2 against the same global batch on 1 rank without SP: every step's loss within 1e-5."""
-    sp = launch_recipe("zero3_sp", tmp_path / "sp", config=LONG)
+    with sp_size 2 against the same global batch on 1 rank without SP: every step's loss within 1e-5. Then a resume
+    under SP from checkpoint-3 (mid-stage ctx64) continues with the same losses."""
+    import shutil
+
+    saves = ["--save_strategy", "steps", "--save_steps", "3"]
+    sp = launch_recipe("zero3_sp", tmp_path / "sp", *saves, config=LONG)
     assert "batch: 1 micro x 2 accum x 1 dp (2 ranks = 1 dp x 2 sp) = 2 global" in sp.stdout
     launch_recipe("zero3", tmp_path / "one", config=LONG, nproc=1)
     a, b = read_summary(tmp_path / "sp"), read_summary(tmp_path / "one")
     assert (a["world_size"], a["sp_size"], a["dp_size"], a["global_batch"]) == (2, 2, 1, 2)
     assert b["global_batch"] == 2 and "sp_size" not in b
     assert [s["name"] for s in a["stages"]] == ["ctx32", "ctx64", "ctx128"] and len(a["losses"]) == 6
-    losses_a = [x["loss"] if isinstance(x, dict) else x for x in a["losses"]]
-    losses_b = [x["loss"] if isinstance(x, dict) else x for x in b["losses"]]
-    assert losses_a == pytest.approx(losses_b, abs=1e-5, rel=0)
+    assert step_losses(a) == pytest.approx(step_losses(b), abs=1e-5, rel=0)
     assert a["eval_loss_after"] == pytest.approx(b["eval_loss_after"], abs=1e-5)
-    assert losses_a[-1] < losses_a[0]  # it trained
+    assert step_losses(a)[-1] < step_losses(a)[0]  # it trained
     plan = json.loads((tmp_path / "sp" / "run_plan.json").read_text())
     assert (plan["profile"]["sp_size"], plan["batch"]["sp"]) == (2, 2)
     assert (tmp_path / "sp" / "final" / "model.safetensors").is_file()
-    assert PROFILES.joinpath("zero3_sp.yaml").is_file()
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "sp" / "checkpoint-3", resumed / "checkpoint-3")
+    proc = launch_recipe("zero3_sp", resumed, *saves, config=LONG)
+    assert "at step 3 (stage 'ctx64', 1/2 steps done)" in proc.stdout
+    assert step_losses(read_summary(resumed))[-3:] == pytest.approx(step_losses(a)[3:], abs=1e-5, rel=0)
