@@ -160,6 +160,21 @@ def test_estimate_splits_activations_over_sp_ranks():
     assert split == pytest.approx((whole - mask * 4096) / 2 + a2a)
 
 
+def test_estimate_command_with_an_sp_profile(capsys):
+    """`hf-zero estimate --config C --profile zero3_sp`: the rows per rank split over sp ranks, the batch counted over
+    data-parallel ranks, the recommendation a zero3_sp launch."""
+    out = {}
+    for name in ("zero3", "zero3_sp"):
+        assert main(["estimate", "--config", str(LONG), "--profile", name, "--gpus-per-node", "2",
+                     "--gpu-memory", "24GiB", "--json"]) == 0
+        out[name] = json.loads(capsys.readouterr().out)
+    one, sp = (out[n]["strategies"][0]["gpu_bytes_per_rank"] for n in ("zero3", "zero3_sp"))
+    assert sp["model_states"] == one["model_states"] and sp["activations"] < 0.55 * one["activations"]
+    rec = out["zero3_sp"]["recommendation"]
+    assert (out["zero3_sp"]["inputs"]["sp_size"], rec["profile"], rec["global_batch"]) == (2, "zero3_sp", 2)
+    assert rec["command"].startswith("hf-zero train --profile zero3_sp --nproc 2")
+
+
 def step_losses(summary) -> list[float]:
     return [x["loss"] if isinstance(x, dict) else x for x in summary["losses"]]
 
