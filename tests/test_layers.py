@@ -50,6 +50,7 @@ LOCAL = {
     'hf_zero.commands.preview -> hf_zero.core.config': _TRANSFORMERS,
     'hf_zero.commands.preview -> hf_zero.data.stages': _TRANSFORMERS,
     'hf_zero.plan.parse -> hf_zero.core.config': _TRANSFORMERS,
+    'hf_zero.plan.sequence_parallel -> hf_zero.core.config': _TRANSFORMERS,
     'hf_zero.plan.shipped -> hf_zero.core.config': _TRANSFORMERS,
     'hf_zero.preflight.check_io -> hf_zero.core.config': _TRANSFORMERS,
     'hf_zero.preflight.check_io -> hf_zero.data.curriculum': _TRANSFORMERS,

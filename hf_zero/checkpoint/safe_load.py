@@ -61,6 +61,9 @@ ALLOWED = (
     "accelerate.state.PartialState",
     "accelerate.utils.dataclasses.DistributedType",
     "accelerate.utils.dataclasses.DeepSpeedPlugin",
+    # sequence parallelism (zero3_sp): TrainingArguments.parallelism_config
+    "accelerate.parallelism_config.ParallelismConfig",
+    "accelerate.utils.dataclasses.DeepSpeedSequenceParallelConfig",
     # torch distributed checkpoint (FSDP2): the .metadata file, read by torch with plain pickle
     "torch.distributed.checkpoint.metadata.Metadata",
     "torch.distributed.checkpoint.metadata.MetadataIndex",

@@ -127,7 +127,8 @@ def run(args) -> int:
     precision = args.precision or (prof.precision if prof else "bf16")
     gpu_mem = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
     cpu_mem = parse_bytes(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
-    batch = plan_batch(recipe.micro, recipe.accumulation, gpn * nodes, recipe.global_batch)
+    sp = prof.sp_size if prof else 1  # a sequence-parallel profile: activations split over sp ranks
+    batch = plan_batch(recipe.micro, recipe.accumulation, gpn * nodes, recipe.global_batch, sp=sp)
     try:
         count = memory.count_model(get_model_config(recipe.model), lora=recipe.lora)
     except ValueError as err:  # peft: target modules not in the model
@@ -135,13 +136,14 @@ def run(args) -> int:
     usable = int(gpu_mem * (1 - HEADROOM)) if gpu_mem else None
     kw = dict(gpus_per_node=gpn, nodes=nodes, precision=precision, seq_len=recipe.seq_len,
               grad_checkpointing=recipe.gradient_checkpointing, convention=args.convention,
-              attn_implementation=recipe.attn_implementation)
+              attn_implementation=recipe.attn_implementation, sp_size=sp)
     estimates = memory.estimate_all(count, strategies, micro_batch=batch.micro, grad_accumulation=batch.accumulation,
                                     gpu_memory_bytes=usable, cpu_memory_bytes=cpu_mem, **kw)
     rec = None
     if gpu_mem is not None:
         choices = [(prof.name, strategies[0])] if prof else None
-        rec = plan(recipe, gpn, gpu_mem, nodes=nodes, precision=precision, cpu_memory_bytes=cpu_mem, choices=choices)
+        rec = plan(recipe, gpn, gpu_mem, nodes=nodes, precision=precision, cpu_memory_bytes=cpu_mem, choices=choices,
+                   sp_size=sp)
         if rec["profile"]:
             rec["largest_micro_batch"] = memory.largest_micro_batch(count, rec["strategy"], usable, cpu_mem, **kw)
     layer = count.layer
@@ -152,7 +154,8 @@ def run(args) -> int:
               "gradient_accumulation": batch.accumulation, "seq_len": recipe.seq_len, "longest_stage": recipe.stage,
               "packing": recipe.packing, "gradient_checkpointing": recipe.gradient_checkpointing,
               "attn_implementation": recipe.attn_implementation or (layer.attn_implementation if layer else None),
-              "lora": recipe.lora, "gpu_memory_bytes": gpu_mem, "cpu_memory_bytes": cpu_mem, "recipe": recipe.path}
+              "lora": recipe.lora, "gpu_memory_bytes": gpu_mem, "cpu_memory_bytes": cpu_mem, "recipe": recipe.path,
+              "sp_size": sp}
     if args.json:
         print(json.dumps({"model": summary, "convention": args.convention, "inputs": inputs, "strategies": estimates,
                           "recommendation": rec}, indent=2))
@@ -172,7 +175,9 @@ def _print_table(summary, inputs, convention, estimates, rec) -> None:
           f"{summary['largest_layer_params']:,}; {inputs['precision']}, {inputs['nodes']} node(s) x "
           f"{inputs['gpus_per_node']} GPU(s), micro-batch {inputs['micro_batch']} x {seq}, accumulation "
           f"{inputs['gradient_accumulation']}, {inputs['attn_implementation']} attention"
-          f"{', gradient checkpointing' if inputs['gradient_checkpointing'] else ''}; convention {convention}",
+          f"{', gradient checkpointing' if inputs['gradient_checkpointing'] else ''}"
+          f"{f', each sequence split over {sp} ranks (Ulysses)' if (sp := inputs['sp_size']) > 1 else ''}"
+          f"; convention {convention}",
           file=out)
     head = ("strategy", "params", "grads", "optimizer", "states@step", "states@fwd", "activations", "buffers",
             "peak/GPU", "at", "CPU/node", "NVMe", "fits")

@@ -139,22 +139,27 @@ def _layer_bytes(ls: LayerShape, mode: str, seq: int, attn: str, full: bool) -> 
 
 
 def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, seq: int, checkpointing: bool,
-               attn: str | None = None, full: bool = True) -> dict:
+               attn: str | None = None, full: bool = True, sp: int = 1) -> dict:
     """Bytes alive besides model states at each candidate peak of one training step (all tokens of a micro-batch):
     "backward" (all saved activations + the loss's 12 V per token + autocast copies; with checkpointing the layer
     inputs instead), and with checkpointing "forward" (the loss forward with every cached autocast copy) and
-    "recompute" (one layer recomputed; the caller adds the gradients accumulated by then)."""
+    "recompute" (one layer recomputed; the caller adds the gradients accumulated by then).
+    `sp`: Ulysses sequence-parallel ranks. A rank holds seq / sp tokens outside attention and all seq tokens of
+    heads / sp heads inside it: both are tokens / sp per rank. Ulysses drops the attention mask (causal kernels
+    instead), so sdpa's mask term goes; one layer's all-to-all send and receive buffers of q, k, v and the
+    attention output are alive at once (2 e (2 q + 2 kv) per local token)."""
     attn = attn or ls.attn_implementation
-    tokens = micro * seq
+    tokens = micro * seq / sp
     e, r = (4, 4) if mode == "fp32" else (2, 2 if mode == "half" else 4)
-    layer = _layer_bytes(ls, mode, seq, attn, full) * tokens
+    layer = _layer_bytes(ls, mode, seq if sp == 1 else 0, attn, full) * tokens
+    a2a = 2 * e * (2 * ls.q_dim + 2 * ls.kv_dim) * tokens if sp > 1 else 0  # transient: one layer's at a time
     head = (4 * ls.hidden + (r * ls.hidden if full else 0) + (e * ls.hidden if ls.lm_head_trainable else 0)) * tokens
     loss_bwd, loss_fwd = 12 * vocab * tokens, (8 if mode == "fp32" else 10) * vocab * tokens
     casts = 2 if mode == "autocast" else 0  # bytes per weight element of a 16-bit autocast copy
     if not checkpointing:
-        return {"backward": layers * layer + head + loss_bwd + casts * ls.linear}
+        return {"backward": layers * layer + head + loss_bwd + casts * ls.linear + a2a}
     kept = layers * r * ls.hidden * tokens  # each layer's input
     lm_cast = casts * ls.lm_head
     return {"forward": kept + head + loss_fwd + casts * ls.linear_trainable + (0 if ls.lm_head_trainable else lm_cast),
             "backward": kept + head + loss_bwd + lm_cast,
-            "recompute": r * ls.hidden * tokens + layer + casts * ls.layer_linear}
+            "recompute": r * ls.hidden * tokens + layer + casts * ls.layer_linear + a2a}

@@ -203,17 +203,19 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
              cpu_memory_bytes=None, zero_init: bool = True, flash_attention: bool = False, reduce_bucket_size=None,
              prefetch_bucket_size=None, param_persistence_threshold=None, additional_buffer_factor: float = 1.5,
              use_deepspeed_estimators: bool = True, attn_implementation: str | None = None,
-             grad_accumulation: int = 1, max_reuse_distance: float = 1e9, frozen_base: str | None = None) -> dict:
+             grad_accumulation: int = 1, max_reuse_distance: float = 1e9, frozen_base: str | None = None,
+             sp_size: int = 1) -> dict:
     """Bytes per GPU rank, CPU bytes per node, NVMe bytes per node and checkpoint bytes for one strategy.
     `attn_implementation`: eager, sdpa or flash_attention_2 (default: the model's, as transformers picks it);
     `flash_attention=True` is the same as flash_attention_2. `frozen_base`: the precision frozen (LoRA base)
     weights are held in under ddp and FSDP2: default `precision`, as hf_zero loads them; "fp32" for a run that
-    loads its base in fp32 (DeepSpeed casts the model itself: its rows do not depend on it)."""
+    loads its base in fp32 (DeepSpeed casts the model itself: its rows do not depend on it). `sp_size`: Ulysses
+    sequence parallelism, each sequence's activations split over sp_size of the ranks (activations.step_bytes)."""
     attn = "flash_attention_2" if flash_attention else attn_implementation
     frozen_base = frozen_base or precision
     if strategy not in STRATEGIES or precision not in PRECISIONS or frozen_base not in PRECISIONS or \
             convention not in CONVENTIONS or micro_batch < 1 or seq_len < 1 or grad_accumulation < 1 or \
-            attn not in (None, *ATTENTION):
+            sp_size < 1 or attn not in (None, *ATTENTION):
         raise ValueError(f"bad {strategy=} / {precision=} / {convention=} / {micro_batch=} / {seq_len=} / "
                          f"{grad_accumulation=} / {attn=} / {frozen_base=}")
     gpn = int(gpus_per_node or 1)
@@ -255,7 +257,7 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     mode = "fp32" if not mixed else "autocast" if strategy == "ddp" and not frozen16 else "half"
     phases = {} if c.layer is None else step_bytes(
         c.layer, c.num_layers, c.vocab_size, mode, micro_batch, seq_len, grad_checkpointing, attn,
-        full=c.trainable_params == c.total_params)
+        full=c.trainable_params == c.total_params, sp=sp_size)
     peaks = {name: resident + act + (grads_bwd if name == "recompute" else 0) for name, act in phases.items()}
     # FSDP2 reshards every group by the end of backward: nothing is gathered at its optimizer step.
     peaks["optimizer step"] = gpu["model_states"] - (gpu["gathered"] if strategy.startswith("fsdp") else 0)

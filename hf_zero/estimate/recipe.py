@@ -123,12 +123,14 @@ def _first_fit(count, recipe, world, estimate_kw, usable, cpu_memory, choices, o
 
 
 def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes: int = 1, precision: str = "bf16",
-         cpu_memory_bytes: int | None = None, choices: list | None = None, only_own: bool = False) -> dict:
+         cpu_memory_bytes: int | None = None, choices: list | None = None, only_own: bool = False,
+         sp_size: int = 1) -> dict:
     """The fastest profile (and micro-batch x accumulation keeping the global batch) that fits, its command, the
     headroom it leaves and why; "profile": None and what would fit when nothing does. `choices`: (profile,
-    strategy) pairs to try in order (default: candidates(world)); `only_own`: keep the recipe's micro-batch."""
-    world = gpus_per_node * nodes
-    batch = plan_batch(recipe.micro, recipe.accumulation, world, recipe.global_batch)
+    strategy) pairs to try in order (default: candidates(world)); `only_own`: keep the recipe's micro-batch;
+    `sp_size`: the choices' sequence-parallel size (the batch then counts world / sp_size data-parallel ranks)."""
+    batch = plan_batch(recipe.micro, recipe.accumulation, gpus_per_node * nodes, recipe.global_batch, sp=sp_size)
+    world = batch.dp  # below: the ranks that take their own micro-batches
     recipe = replace(recipe, accumulation=batch.accumulation)
     try:
         config = get_model_config(recipe.model) if isinstance(recipe.model, str) else recipe.model
@@ -136,9 +138,10 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
     except ValueError as err:  # peft: target modules not in the model
         raise UserError("lora_target_modules", str(err).splitlines()[0], "name modules the model has") from None
     kw = dict(gpus_per_node=gpus_per_node, nodes=nodes, precision=precision, seq_len=recipe.seq_len,
-              grad_checkpointing=recipe.gradient_checkpointing, attn_implementation=recipe.attn_implementation)
+              grad_checkpointing=recipe.gradient_checkpointing, attn_implementation=recipe.attn_implementation,
+              sp_size=sp_size)
     usable = int(gpu_memory_bytes * (1 - HEADROOM))
-    choices = choices or candidates(world)
+    choices = choices or candidates(gpus_per_node * nodes)
     found = _first_fit(count, recipe, world, kw, usable, cpu_memory_bytes, choices, only_own)
     if found is None:
         return _what_would_fit(count, recipe, world, kw, usable, gpu_memory_bytes, cpu_memory_bytes, choices,

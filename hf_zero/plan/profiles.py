@@ -18,6 +18,7 @@ import yaml
 
 from hf_zero.core.errors import UserError
 from hf_zero.core.validate import at_line, yaml_lines
+from hf_zero.plan.sequence_parallel import sp_size_of, verify_profile_sp
 from hf_zero.plan.shipped import shipped_dir
 
 __all__ = [
@@ -58,6 +59,7 @@ class Profile:
     fsdp_wrap: str | None = None  # accelerate's fsdp_auto_wrap_policy
     fsdp_state_dict_type: str | None = None
     fsdp_activation_checkpointing: bool = False
+    sp_size: int = 1  # Ulysses sequence parallelism: ranks sharing one sequence (plan/sequence_parallel.py)
     path: str | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
@@ -136,6 +138,7 @@ def load_profile(name_or_path: str) -> Profile:
         raise UserError(f"profile {path.name}", f"is not valid YAML ({str(err).splitlines()[0]})") from None
     _validate_with_accelerate(path)
     _validate_values(raw, path)
+    verify_profile_sp(raw, path.name)
     ds = raw.get("deepspeed_config") or {}
     fsdp = raw.get("fsdp_config") or {}
     dist = str(raw.get("distributed_type", "NO"))
@@ -157,6 +160,7 @@ def load_profile(name_or_path: str) -> Profile:
         nvme_path=str(nvme) if nvme else None,
         zero3_init=bool(ds.get("zero3_init_flag", False)),
         zero3_save_16bit_model=bool(ds.get("zero3_save_16bit_model", False)),
+        sp_size=sp_size_of(raw),
         path=str(path),
         raw=raw,
     )
@@ -239,6 +243,8 @@ def profile_from_env(env: dict | None = None) -> Profile:
             zero_stage=stage, offload_optimizer=opt, offload_param=par, nvme_path=env.get(NVME_ENV),
             zero3_init=env.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true").lower() == "true",
             zero3_save_16bit_model=env.get("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL", "true").lower() == "true",
+            sp_size=int(env.get("PARALLELISM_CONFIG_SP_SIZE", 1))
+            if env.get("ACCELERATE_USE_PARALLELISM_CONFIG", "false").lower() == "true" else 1,
         )
     if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
         fields = _fsdp_fields({f"fsdp_{k[5:].lower()}": v for k, v in env.items() if k.startswith("FSDP_")},

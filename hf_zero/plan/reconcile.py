@@ -12,6 +12,7 @@ from hf_zero.core.errors import UserError
 from hf_zero.data.model_names import get_model_config
 from hf_zero.plan.deepspeed_config import build_deepspeed_config
 from hf_zero.plan.profiles import Profile
+from hf_zero.plan.sequence_parallel import verify_sequence_parallel
 
 __all__ = ["BatchPlan", "plan_batch", "check_profile_accumulation", "reconcile_training_kwargs"]
 
@@ -21,24 +22,35 @@ class BatchPlan:
     micro: int
     accumulation: int
     world: int
+    sp: int = 1  # sequence-parallel ranks sharing each micro-batch: world = data-parallel ranks x sp
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.sp
 
     @property
     def global_batch(self) -> int:
-        # The one place the effective batch is computed: micro batch per rank x accumulation x ranks.
-        return self.micro * self.accumulation * self.world
+        # The one place the effective batch is computed: micro batch per rank x accumulation x data-parallel ranks.
+        return self.micro * self.accumulation * self.dp
 
     def line(self) -> str:
-        return f"{self.micro} micro x {self.accumulation} accum x {self.world} ranks = {self.global_batch} global"
+        ranks = f"{self.world} ranks" if self.sp == 1 else f"{self.dp} dp ({self.world} ranks = {self.dp} dp x " \
+            f"{self.sp} sp)"
+        return f"{self.micro} micro x {self.accumulation} accum x {ranks} = {self.global_batch} global"
 
 
-def plan_batch(micro: int, accumulation: int, world: int, global_batch: int | None) -> BatchPlan:
-    """Check micro x accumulation x world = global; with a fixed global batch, derive accumulation from the world."""
+def plan_batch(micro: int, accumulation: int, world: int, global_batch: int | None, sp: int = 1) -> BatchPlan:
+    """Check micro x accumulation x data-parallel ranks = global; with a fixed global batch, derive accumulation
+    from them. `sp`: sequence-parallel ranks per micro-batch (they count once)."""
     if micro < 1:
         raise UserError("per_device_train_batch_size", f"must be >= 1, got {micro}")
     if accumulation < 1:
         raise UserError("gradient_accumulation_steps", f"must be >= 1, got {accumulation}")
+    if world % sp:
+        verify_sequence_parallel(sp, world)  # the one-line refusal
     if global_batch is None:
-        return BatchPlan(micro, accumulation, world)
+        return BatchPlan(micro, accumulation, world, sp)
+    world = world // sp  # below: data-parallel ranks
     per_step = micro * world
     if global_batch % per_step:
         fits = [m for m in range(1, micro + 1) if global_batch % (m * world) == 0]
@@ -49,7 +61,7 @@ def plan_batch(micro: int, accumulation: int, world: int, global_batch: int | No
             f"{global_batch} is not divisible by micro batch {micro} x {world} ranks",
             hint,
         )
-    return BatchPlan(micro, global_batch // per_step, world)
+    return BatchPlan(micro, global_batch // per_step, world * sp, sp)
 
 
 def check_profile_accumulation(profile: Profile, accum: int, env=os.environ) -> None:
@@ -91,7 +103,8 @@ def reconcile_training_kwargs(
         out["use_cpu"] = True
     accum = int(out.get("gradient_accumulation_steps") or 1)
     check_profile_accumulation(profile, accum)
-    plan = plan_batch(int(out.get("per_device_train_batch_size") or 1), accum, world, global_batch)
+    plan = plan_batch(int(out.get("per_device_train_batch_size") or 1), accum, world, global_batch,
+                      sp=profile.sp_size)
     out["gradient_accumulation_steps"] = plan.accumulation
     # The curriculum lays samples out in step order itself: a random sampler would mix stages.
     out["train_sampling_strategy"] = "sequential"

@@ -72,6 +72,8 @@ class RunPlan:
             "micro_batch": self.batch.micro,
             "grad_accum": self.batch.accumulation,
             "global_batch": self.batch.global_batch,
+            # only under sequence parallelism, where world_size counts sp ranks per data-parallel group
+            **({"sp_size": self.batch.sp, "dp_size": self.batch.dp} if self.batch.sp > 1 else {}),
         }
 
     def to_json(self) -> str:

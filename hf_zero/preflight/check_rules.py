@@ -19,6 +19,7 @@ from hf_zero.plan.fsdp import verify_fsdp
 from hf_zero.plan.hostfile import find_machine_rank, read_hostfile
 from hf_zero.plan.profiles import gpu_count, precision_name
 from hf_zero.plan.reconcile import _profile_precision
+from hf_zero.plan.sequence_parallel import verify_recipe_sp
 
 __all__ = ["verify_profile_keys", "verify_devices", "verify_precision", "verify_launch", "verify_hostfile",
            "verify_offload", "verify_output", "strategy_of", "count_for", "checkpoint_plan", "output_needs",
@@ -294,6 +295,7 @@ def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: l
     if model is None:
         return
     verify_seq_length(get_model_config(model.model_name_or_path), training_kwargs.get("max_seq_length"), stages)
+    verify_recipe_sp(profile.sp_size, world, model, training_kwargs, stages)
     nproc = _nproc(profile, world, dict(os.environ if env is None else env))
     steps = sum(s.steps or 0 for s in stages)  # epoch-based stages are sized after tokenization: not counted here
     needed, what, est = output_needs(count_for(model), profile, nproc, training_kwargs, steps)

@@ -22,6 +22,7 @@ from hf_zero.plan.hostfile import read_hostfile
 from hf_zero.plan.parse import load_yaml_config, parse_recipe_args, recipe_fields
 from hf_zero.plan.profiles import accelerate_precision, gpu_count, load_profile
 from hf_zero.plan.reconcile import check_profile_accumulation, plan_batch
+from hf_zero.plan.sequence_parallel import verify_recipe_kind, verify_recipe_sp
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types
 from hf_zero.preflight.check_rules import (
     verify_devices,
@@ -151,7 +152,12 @@ def _batch(st):
     check_profile_accumulation(st.profile, accum, env={})
     world = st.nproc * st.machines
     micro = st.value("per_device_train_batch_size")
-    st.batch = plan_batch(int(1 if micro is None else micro), accum, world, st.value("global_batch_size"))
+    sp = st.profile.sp_size
+    st.batch = plan_batch(int(1 if micro is None else micro), accum, world, st.value("global_batch_size"), sp=sp)
+    if sp > 1 and st.parsed:
+        verify_recipe_kind(sp, st.types[-1])
+        model = next((a for a in st.parsed if hasattr(a, "model_name_or_path")), None)
+        return f"{st.batch.line()}; {verify_recipe_sp(sp, world, model, st.parsed[-1], st.parsed[-2])}"
     return st.batch.line()
 
 

@@ -21,6 +21,7 @@ from hf_zero.launch.launch_command import ensure_launched
 from hf_zero.plan.parse import pop_flag
 from hf_zero.plan.profiles import Profile, one_rank_note, profile_from_env
 from hf_zero.plan.run_plan import PLAN_ENV, RunPlan, plan_in_worker
+from hf_zero.plan.sequence_parallel import parallelism_config, verify_recipe_kind
 from hf_zero.plan.shipped import check_recipe_matches
 from hf_zero.preflight.check_rules import check_launch_at_start, check_room_at_start
 
@@ -77,6 +78,10 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     # accelerate refuses a DeepSpeed config next to DeepSpeed fields from its YAML, to stop them being silently
     # dropped. Here nothing is dropped: the config hf_zero built *is* those fields (the run plan's DeepSpeed dict).
     os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+    if profile.sp_size > 1:  # Ulysses: accelerate's ParallelismConfig, which the Trainer hands its Accelerator
+        verify_recipe_kind(profile.sp_size, dataclass_types[-1])
+        kwargs["parallelism_config"] = parallelism_config(
+            profile.sp_size, next((a.attn_implementation for a in parsed if hasattr(a, "attn_implementation")), None))
     try:
         training_args = dataclass_types[-1](**kwargs)  # the recipe's TrainingArguments subclass
     except ValueError as err:  # TrainingArguments' own checks of combinations: still a mistake in the recipe

@@ -19,12 +19,14 @@ from hf_zero.plan.run_plan import RunPlan
 from hf_zero.train.callbacks import CurriculumCallback, Zero3UniversalFix
 from hf_zero.train.fsdp import announce_layers, enable_fsdp_on_cpu
 from hf_zero.train.fused_ce import FusedCrossEntropyMixin
+from hf_zero.train.sequence_parallel import SequenceParallelMixin
 from hf_zero.train.throughput import throughput_callback
 
 __all__ = ["CurriculumTrainer", "stage_table", "step_losses", "eval_rounds", "eval_means"]
 
 
-class CurriculumTrainer(FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
+class CurriculumTrainer(SequenceParallelMixin, FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
+    # SequenceParallelMixin: under Ulysses (sp_size > 1) the batches and the loss (sequence_parallel.py).
     # FusedCrossEntropyMixin: compute_loss without full logits, `fused_cross_entropy=` auto|True|False (fused_ce.py).
     # StagedCheckpointMixin: staged, verified checkpoints with a manifest, rotation keeping the best (staging.py).
     def __init__(self, *args, schedule: CurriculumSchedule, plan: RunPlan, **kwargs):

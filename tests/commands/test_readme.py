@@ -187,8 +187,16 @@ def _check_help_recipe(proc, where):
     assert "  --max_seq_length (default: 128)" in proc.stdout and "TrainingArguments field" in proc.stdout
 
 
+def _check_long_context(proc, where):
+    s = json.loads((where / "runs" / "tiny_long_context" / "summary.json").read_text())
+    assert (s["profile"], s["world_size"], s["sp_size"], s["dp_size"], s["global_batch"]) == ("zero3_sp", 2, 2, 1, 2)
+    assert [st["name"] for st in s["stages"]] == ["ctx32", "ctx64", "ctx128"]
+    assert s["eval_loss_after"] < s["eval_loss_before"]
+
+
 CHECKS = {
     "make train": _check_make_train,
+    "hf-zero train --profile zero3_sp --config recipes/configs/tiny_long_context.yaml": _check_long_context,
     "make test-gpu": _check_test_gpu,
     "make train CONFIG=recipes/configs/smollm2_chat.yaml": _check_chat_demo,
     **{c: _check_generate for c in readme_commands() if c.startswith("hf-zero generate")},
