@@ -9,6 +9,8 @@ from pathlib import Path
 
 from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, run_settings
 from hf_zero.core.errors import UserError, flag_hint
+from hf_zero.core.profiles import gpu_count
+from hf_zero.train.model import verify_quantization
 
 
 def _model(st):
@@ -33,7 +35,10 @@ def _model(st):
     verify_seq_length(config, st.value("max_seq_length"), st.parsed[-2])
     st.count = c = count_for(model_args)
     lora = f", LoRA r={model_args.lora_r}: {c.trainable_params:,} trainable" if model_args.use_peft else ""
-    return f"{name}: {type(config).__name__.replace('Config', '')}, {c.total_params:,} parameters{lora}"
+    quantized = verify_quantization(model_args, st.profile, gpu_count() if st.args.gpus is None else st.args.gpus) \
+        if st.profile is not None else None
+    return f"{name}: {type(config).__name__.replace('Config', '')}, {c.total_params:,} parameters{lora}" + (
+        f"; {quantized}" if quantized else "")
 
 
 def _data(st):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
+from hf_zero.train.model import verify_quantization
 
 __all__ = ["verify_profile_keys", "verify_devices", "verify_precision", "verify_launch", "verify_hostfile",
            "verify_offload", "verify_output", "strategy_of", "count_for", "checkpoint_plan", "output_needs",
@@ -288,6 +289,9 @@ def check_launch_at_start(profile, parsed: tuple, world: int, config: str | None
     gpus = gpu_count()
     verify_devices(profile, _nproc(profile, world, env), gpus)
     verify_precision(profile, profile.mixed_precision, {}, gpus, real_gpus=gpus > 0)
+    model = next((a for a in parsed if hasattr(a, "load_in_4bit")), None)
+    if model is not None:
+        verify_quantization(model, profile, gpus)
     if not any(hasattr(a, "model_name_or_path") for a in parsed):
         verify_offload(profile, None, build_cpu_adam=False)
 

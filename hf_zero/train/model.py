@@ -7,7 +7,7 @@ from hf_zero.data.model_names import get_model_config, resolve_model_path
 
 __all__ = ["build_causal_lm", "causal_lm_load_kwargs", "pick_attention", "apply_lora", "lora_kwargs",
            "count_parameters", "is_zero3_partitioned", "base_precision", "base_dtype", "trainable_in_fp32",
-           "describe_weights"]
+           "describe_weights", "quantization_config", "verify_quantization"]
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -25,6 +25,45 @@ def base_dtype(use_peft: bool, profile):
     import torch
 
     return getattr(torch, _DTYPES[base_precision(use_peft, profile)])
+
+
+def verify_quantization(model_args: ModelArguments, profile, gpus: int) -> str | None:
+    """QLoRA's preconditions, for `hf-zero check` and the recipe's start: LoRA (a 4-bit base cannot train), and an
+    engine that carries bitsandbytes' 4-bit weights: the Trainer alone (single_gpu, ddp), DeepSpeed ZeRO and FSDP2
+    (both shard the packed weights stored as 16-bit elements), each run on 2 CPU ranks here; not with NVMe offload
+    (not tried: it swaps parameter partitions through files). None without load_in_4bit, else a one-line verdict."""
+    if not model_args.load_in_4bit:
+        return None
+    from hf_zero.core.errors import UserError
+
+    if not model_args.use_peft:
+        raise UserError("load_in_4bit", "a 4-bit base cannot be trained, only adapters on it",
+                        "add use_peft: true (QLoRA) or drop load_in_4bit")
+    if "nvme" in (profile.offload_param, profile.offload_optimizer):
+        raise UserError("load_in_4bit", f"profile {profile.name} offloads to NVMe, which hf_zero does not run with a "
+                        "4-bit base", "use single_gpu, ddp, zero2, zero3 or fsdp2")
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError("load_in_4bit", "bitsandbytes is not installed", "run `make install`")
+    where = f"{gpus} GPU(s)" if gpus else "the CPU (bitsandbytes' CPU backend)"
+    return f"QLoRA: NF4 base, double quantization, computing in {profile.precision}, on {where}"
+
+
+def quantization_config(model_args: ModelArguments, profile):
+    """transformers' BitsAndBytesConfig for a QLoRA base (None without load_in_4bit): NF4 with double quantization
+    (QLoRA's settings), computing in the profile's precision. Sharded (ZeRO, FSDP2) the packed weights are stored in
+    that dtype too: the engine partitions and gathers them as ordinary floating-point tensors (accelerate leaves
+    integer-stored ones out of FSDP2's sharding, whole on every rank)."""
+    if not model_args.load_in_4bit:
+        return None
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    compute = getattr(torch, _DTYPES[profile.precision])
+    storage = compute if profile.uses_deepspeed or profile.uses_fsdp else torch.uint8
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=storage)
 
 
 def causal_lm_load_kwargs(model_args: ModelArguments, packing: bool = False, half: bool = False,
@@ -69,6 +108,13 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
 
     kwargs = causal_lm_load_kwargs(model_args, packing, profile.precision != "fp32",
                                    base_precision(model_args.use_peft, profile))
+    quantized = quantization_config(model_args, profile)
+    if quantized is not None:
+        import torch
+
+        kwargs.update(quantization_config=quantized, dtype=quantized.bnb_4bit_compute_dtype)
+        if torch.cuda.is_available() and not profile.uses_deepspeed:  # quantized on its own GPU as it loads
+            kwargs["device_map"] = {"": torch.cuda.current_device()}
     path = resolve_model_path(model_args.model_name_or_path)
     vocab = getattr(get_model_config(path), "vocab_size", None)
     from hf_zero.data.chat_template import added_template_tokens, grow_embeddings, train_embeddings
@@ -85,6 +131,12 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
     with waiting_for("the other ranks to build the model (zero.Init under ZeRO-3)"):
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     grown = grow_embeddings(model, tokenizer, vocab)
+    if quantized is not None:
+        from peft import prepare_model_for_kbit_training
+
+        # Norms and embeddings (not quantized) in fp32, as QLoRA trains them; the Trainer turns on gradient
+        # checkpointing itself from the recipe.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if model_args.use_peft:
         model = apply_lora(model, model_args, task_type="CAUSAL_LM")
         if grown:
@@ -112,6 +164,8 @@ def describe_weights(model, profile) -> str:
     """How the weights are held during the run, for the banner: "fp32", or "frozen base bf16, trainable fp32"."""
 
     names = {v: k for k, v in _DTYPES.items()}
+    if any(hasattr(p, "quant_state") for p in model.parameters()):  # bitsandbytes' Params4bit: QLoRA
+        return "frozen base NF4 (4-bit; unquantized layers fp32), trainable fp32"
     if profile.uses_deepspeed and profile.precision != "fp32":  # the engine casts the module when it wraps it
         return f"{profile.precision} (DeepSpeed casts them; fp32 master copy of what trains)"
     held = {train: {names.get(str(p.dtype).removeprefix("torch."), str(p.dtype)) for p in ps}
@@ -142,7 +196,10 @@ def apply_lora(model, model_args: ModelArguments, task_type: str, modules_to_sav
 
 
 def _numel(p) -> int:
-    # Under ZeRO-3 a parameter's local tensor is empty; ds_numel is its full size.
+    # A 4-bit parameter holds two weights a byte; its quant_state has the weight's shape. Under ZeRO-3 a parameter's
+    # local tensor is empty; ds_numel is its full size.
+    if getattr(p, "quant_state", None) is not None:
+        return p.quant_state.shape.numel()
     return getattr(p, "ds_numel", p.numel())
 
 
