@@ -287,9 +287,14 @@ def pick_profile(gpus: int | None = None, model=None, gpu_memory_bytes: int | No
         import torch
 
         gpu_memory_bytes = torch.cuda.get_device_properties(0).total_memory
-    choices = candidates(gpus)
+    choices = candidates(gpus, recipe.lora is not None, recipe.load_in_4bit)
     # The recipe's own micro-batch: hf-zero train runs it as written.
     found = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16", choices=choices, only_own=True)
+    if found["profile"] and found["load_in_4bit"] and not recipe.load_in_4bit:  # its base, as for its micro-batch
+        from hf_zero.core.errors import UserError
+
+        raise UserError("load_in_4bit", f"{gpus} GPU{'s' if gpus > 1 else ''} found: {found['reason']}",
+                        f"run: {found['command']}" if found["command"] else "add load_in_4bit: true to the recipe")
     if found["profile"]:
         return found["profile"], f"{gpus} GPU{'s' if gpus > 1 else ''} found: {found['profile']} on {gpus} " \
             f"rank{'s' if gpus > 1 else ''} is {found['reason']}"

@@ -151,13 +151,13 @@ def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, s
     head = (4 * ls.hidden + (r * ls.hidden if full else 0) + (e * ls.hidden if ls.lm_head_trainable else 0)) * tokens
     loss_bwd, loss_fwd = 12 * vocab * tokens, (8 if mode == "fp32" else 10) * vocab * tokens
     casts = 2 if mode == "autocast" else 0  # bytes per weight element of a 16-bit autocast copy
-    linear, layer_linear = ls.linear, ls.layer_linear
-    if quantized:  # a 4-bit linear is dequantized by bitsandbytes, not autocast (the caller adds that copy)
-        linear, layer_linear = ls.linear_trainable + (0 if ls.lm_head_trainable else ls.lm_head), 0
+    linear, layer_linear, lm_head = ls.linear, ls.layer_linear, ls.lm_head
+    if quantized:  # 4-bit linears are dequantized by bitsandbytes, not autocast (the caller adds that copy); the
+        linear, layer_linear, lm_head = ls.linear_trainable, 0, 0  # head is held in 16 bits (embeddings_in_16bit)
     if not checkpointing:
         return {"backward": layers * layer + head + loss_bwd + casts * linear}
     kept = layers * r * ls.hidden * tokens  # each layer's input
-    lm_cast = casts * ls.lm_head
+    lm_cast = casts * lm_head
     return {"forward": kept + head + loss_fwd + casts * ls.linear_trainable + (0 if ls.lm_head_trainable else lm_cast),
             "backward": kept + head + loss_bwd + lm_cast,
             "recompute": r * ls.hidden * tokens + layer + casts * layer_linear}

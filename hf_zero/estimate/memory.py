@@ -48,8 +48,8 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload_
 # the ZeRO strategy just ahead of it does not.
 SPEED_ORDER = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "zero2_offload", "zero3_offload_optimizer", "zero3_offload",
                "fsdp2_offload", "zero3_nvme")
-# Where a 4-bit base (QLoRA) runs, as hf_zero.train.model.verify_quantization allows it
-QLORA_STRATEGIES = ("ddp", "zero2", "zero3", "fsdp2")
+# Where a 4-bit base (QLoRA) runs, as hf_zero.train.model.verify_quantization allows it: not with NVMe offload
+QLORA_STRATEGIES = tuple(s for s in STRATEGIES if s != "zero3_nvme")
 PRECISIONS = ("fp32", "bf16", "fp16")
 CONVENTIONS = ("deepspeed", "paper")
 _DS = {"zero2": ("zero2", dict(cpu_offload=False)), "zero2_offload": ("zero2", dict(cpu_offload=True)),
@@ -74,6 +74,7 @@ class ModelCount:
     param_shapes: tuple = ()  # (dim0, numel, trainable) per parameter: FSDP2's padded dim-0 shards
     shard_groups: tuple = ()  # FSDP2's largest group and tail group (elements, trainable): hf_zero.estimate.fsdp
     quantizable: tuple = ()  # elements of each linear weight a 4-bit base (QLoRA) quantizes: nf4_bytes
+    embeddings: tuple = ()  # elements of the input and output embedding weights (one if tied)
 
     def persistent_params(self, threshold: int) -> int:  # ZeRO-3 keeps params with numel <= threshold whole
         return sum(n for n in self.param_numels if n <= threshold)
@@ -124,6 +125,9 @@ def count_model(config_or_name, lora=None) -> ModelCount:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     quantizable = tuple(m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                         and m is not head and "lora_" not in name)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tables = {id(w): w.numel() for w in (getattr(embed, "weight", None), getattr(head, "weight", None))
+              if w is not None}
     return ModelCount(
         total_params=sum(p.numel() for p in params), largest_layer_params=layer,
         trainable_params=sum(p.numel() for p in params if p.requires_grad), largest_trainable_layer_params=tlayer,
@@ -131,7 +135,7 @@ def count_model(config_or_name, lora=None) -> ModelCount:
         hidden_size=_attr(text, "hidden_size", "d_model", "n_embd"),
         num_heads=_attr(text, "num_attention_heads", "n_head"), vocab_size=_attr(text, "vocab_size"),
         param_numels=tuple(p.numel() for p in params), name=name, param_shapes=shapes, shard_groups=groups,
-        quantizable=quantizable,
+        quantizable=quantizable, embeddings=tuple(tables.values()),
         layer=describe_layers(model, getattr(model, "config", config), text) if text is not None else None)
 
 
@@ -144,17 +148,22 @@ def nf4_bytes(count: ModelCount) -> tuple[int, int]:
     return sum(-(-n // 2) for n in count.quantizable), sum(b + 4 * -(-b // 256) + 4 + 4 * (16 + 256) for b in blocks)
 
 
-def _packed_shapes(count: ModelCount, unit: int) -> tuple:
-    """FSDP2's per-parameter shapes with each 4-bit weight as the 1-column tensor of `unit`-byte elements that holds
-    it (bitsandbytes' Params4bit). A frozen parameter whose size a quantized linear has stands for it: the bytes are
-    the same whichever it is."""
+def _packed_shapes(count: ModelCount, p: int) -> tuple:
+    """FSDP2's per-parameter shapes in 4-byte elements (its frozen bytes per element, fsdp.shard_states): each 4-bit
+    weight the 1-column tensor that holds it (bitsandbytes' Params4bit, in p-byte elements), the embeddings in p
+    bytes. A frozen parameter whose size a quantized linear has stands for it: the bytes are the same whichever it
+    is."""
     from collections import Counter
 
-    left, shapes = Counter(count.quantizable), []
+    packed, tables, shapes = Counter(count.quantizable), Counter(count.embeddings), []
     for dim0, numel, trainable in count.param_shapes:
-        if not trainable and left[numel]:
-            left[numel] -= 1
-            dim0 = numel = -(-numel // (2 * unit))
+        if not trainable and packed[numel]:
+            packed[numel] -= 1
+            dim0 = -(-numel // (2 * p))
+            dim0, numel = -(-dim0 * p // 4), -(-dim0 * p // 4)
+        elif not trainable and tables[numel]:
+            tables[numel] -= 1
+            dim0, numel = dim0 * p // 4, numel * p // 4
         shapes.append((dim0, numel, trainable))
     return tuple(shapes)
 
@@ -269,9 +278,14 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     constants = dequantized = 0
     if quantized:  # the packed weights counted as elements of the dtype they are held in: the rows below apply
         packed, constants = nf4_bytes(c)
-        unit = 2 if mixed and strategy.startswith("zero") else 4  # DeepSpeed casts the rest to 16 bits too
+        # Elements of `unit` bytes: DeepSpeed casts everything to p bytes; the Trainer and FSDP2 hold the norms in
+        # fp32 and the embeddings in p bytes (hf_zero.train.model.embeddings_in_16bit).
+        unit = p16 = 2 if mixed else 4
+        if not strategy.startswith("zero"):
+            unit, tables = 4, sum(c.embeddings)
+            c = replace(c, total_params=c.total_params - tables + tables * p16 // unit)
         c = replace(c, total_params=c.total_params - sum(c.quantizable) + packed // unit,
-                    param_shapes=_packed_shapes(c, unit))
+                    param_shapes=_packed_shapes(c, p16))
         f, dequantized = 4, (2 if mixed else 4) * max(c.quantizable)
     (params, grads, optim, gathered), cpu_rank, nvme_rank = _states(strategy, c, n, mixed, convention, f)
     # Each rank reads the model as it loads it: DeepSpeed in fp32, the Trainer and FSDP2 the base in f bytes.

@@ -30,8 +30,9 @@ def base_dtype(use_peft: bool, profile):
 def verify_quantization(model_args: ModelArguments, profile, gpus: int) -> str | None:
     """QLoRA's preconditions, for `hf-zero check` and the recipe's start: LoRA (a 4-bit base cannot train), and an
     engine that carries bitsandbytes' 4-bit weights: the Trainer alone (single_gpu, ddp), DeepSpeed ZeRO and FSDP2
-    (both shard the packed weights stored as 16-bit elements), each run on 2 CPU ranks here; not with NVMe offload
-    (not tried: it swaps parameter partitions through files). None without load_in_4bit, else a one-line verdict."""
+    with or without CPU offload (both shard the packed weights stored as 16-bit elements), each run on 2 CPU ranks
+    here; not NVMe offload (not tried: it swaps parameter partitions through files). None without load_in_4bit,
+    else a one-line verdict."""
     if not model_args.load_in_4bit:
         return None
     from hf_zero.core.errors import UserError
@@ -41,7 +42,7 @@ def verify_quantization(model_args: ModelArguments, profile, gpus: int) -> str |
                         "add use_peft: true (QLoRA) or drop load_in_4bit")
     if "nvme" in (profile.offload_param, profile.offload_optimizer):
         raise UserError("load_in_4bit", f"profile {profile.name} offloads to NVMe, which hf_zero does not run with a "
-                        "4-bit base", "use single_gpu, ddp, zero2, zero3 or fsdp2")
+                        "4-bit base", "use a profile without NVMe, e.g. zero3_offload")
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -134,15 +135,26 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
     if quantized is not None:
         from peft import prepare_model_for_kbit_training
 
-        # Norms and embeddings (not quantized) in fp32, as QLoRA trains them; the Trainer turns on gradient
-        # checkpointing itself from the recipe.
+        # The Trainer turns on gradient checkpointing itself from the recipe.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        embeddings_in_16bit(model, quantized.bnb_4bit_compute_dtype)
     if model_args.use_peft:
         model = apply_lora(model, model_args, task_type="CAUSAL_LM")
         if grown:
             train_embeddings(model)
         trainable_in_fp32(model)
     return model
+
+
+def embeddings_in_16bit(model, dtype) -> None:
+    """prepare_model_for_kbit_training upcasts every weight bitsandbytes left unquantized to fp32: right for the
+    norms' statistics, but the frozen input and output embeddings are the largest of them (2 GiB more in fp32 for
+    Llama-3.1-8B), and autocast casts the output head back to 16 bits for its matmul anyway. They stay in the compute
+    dtype, as a 16-bit LoRA base holds them."""
+    for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
+        weight = getattr(layer, "weight", None)
+        if weight is not None and not weight.requires_grad and weight.is_floating_point():
+            weight.data = weight.data.to(dtype)
 
 
 def trainable_in_fp32(model) -> list[str]:
@@ -165,7 +177,7 @@ def describe_weights(model, profile) -> str:
 
     names = {v: k for k, v in _DTYPES.items()}
     if any(hasattr(p, "quant_state") for p in model.parameters()):  # bitsandbytes' Params4bit: QLoRA
-        return "frozen base NF4 (4-bit; unquantized layers fp32), trainable fp32"
+        return "frozen base NF4 (4-bit; embeddings 16-bit, norms fp32), trainable fp32"
     if profile.uses_deepspeed and profile.precision != "fp32":  # the engine casts the module when it wraps it
         return f"{profile.precision} (DeepSpeed casts them; fp32 master copy of what trains)"
     held = {train: {names.get(str(p.dtype).removeprefix("torch."), str(p.dtype)) for p in ps}
