@@ -126,6 +126,13 @@ def _check_estimate_lora_8b(proc, where):
     assert "recommended: profile single_gpu" in proc.stdout
 
 
+def _check_estimate_qlora_8b(proc, where):
+    """On a 12 GiB GPU nothing 16-bit fits on one process: QLoRA, said so."""
+    ddp = next(line for line in proc.stdout.splitlines() if line.startswith("ddp 4-bit"))
+    assert ddp.split()[-7:-4] == ["9.46", "GiB", "backward"], ddp  # peak/GPU, as the README's table says
+    assert "recommended: profile single_gpu" in proc.stdout and "QLoRA (add load_in_4bit: true" in proc.stdout
+
+
 def _check_test_gpu(proc, where):
     from hf_zero.core.profiles import gpu_count
 
@@ -173,6 +180,8 @@ CHECKS = {
         _check_estimate_recipe,
     "hf-zero estimate --model benchmarks/models/llama-3.1-8b --use-peft --gradient-checkpointing --seq-len 2048 "
     "--gpus-per-node 1 --gpu-memory 24GiB": _check_estimate_lora_8b,
+    "hf-zero estimate --model benchmarks/models/llama-3.1-8b --use-peft --gradient-checkpointing --seq-len 2048 "
+    "--gpus-per-node 1 --gpu-memory 12GiB": _check_estimate_qlora_8b,
     "hf-zero export runs/tiny_ckpt --out runs/tiny_final_hf --overwrite": _check_export_run,
     "hf-zero train --help-recipe": _check_help_recipe,
 }

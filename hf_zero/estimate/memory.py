@@ -321,7 +321,8 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     mode = "fp32" if not mixed else "autocast" if strategy == "ddp" and not frozen16 else "half"
     phases = {} if c.layer is None else step_bytes(
         c.layer, c.num_layers, c.vocab_size, mode, micro_batch, seq_len, grad_checkpointing, attn,
-        full=c.trainable_params == c.total_params, quantized=quantized)
+        full=c.trainable_params == c.total_params, quantized=quantized,
+        frozen_inputs=strategy.startswith("zero3") and not quantized)  # bitsandbytes' 4-bit matmul is its own
     phases = {name: act + dequantized for name, act in phases.items()}
     peaks = {name: resident + act + (grads_bwd if name == "recompute" else 0) for name, act in phases.items()}
     # FSDP2 reshards every group by the end of backward: nothing is gathered at its optimizer step.
