@@ -8,20 +8,29 @@ a plain 16-bit model that answers as the 4-bit model with its adapter did.
 """
 
 import json
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
-from conftest import REPO, launch_recipe, read_summary
+import yaml
+from conftest import REPO, launch_recipe, read_summary, run_cmd
+from scale_helpers import write_short_config
+from test_gpu import NPROC, RECIPE_YAML, SMOL_SHAPE
 
 from hf_zero.core.config import ModelArguments
 from hf_zero.core.errors import UserError
-from hf_zero.core.profiles import load_profile
+from hf_zero.core.profiles import gpu_count, load_profile
 from hf_zero.estimate.measure import measure_engine_bytes
 from hf_zero.estimate.memory import count_model, estimate, nf4_bytes
 from hf_zero.estimate.recipe import RecipeMemory, lora_fields, plan
-from hf_zero.train.model import (build_causal_lm, count_parameters, describe_weights, quantization_config,
-                                 verify_quantization)
+from hf_zero.train.model import (
+    build_causal_lm,
+    count_parameters,
+    describe_weights,
+    quantization_config,
+    verify_quantization,
+)
 
 GIB = 2**30
 LLAMA_8B = REPO / "benchmarks" / "models" / "llama-3.1-8b"
@@ -46,8 +55,6 @@ def test_load_in_4bit_needs_lora_and_a_profile_without_nvme():
 
 
 def test_check_and_the_recipe_refuse_load_in_4bit_without_lora(tmp_path):
-    from conftest import run_cmd
-
     from hf_zero.tools.check_rules import check_launch_at_start
 
     with pytest.raises(UserError, match="^load_in_4bit"):
@@ -206,3 +213,38 @@ def test_qlora_export_merges_into_a_plain_16bit_model(qlora_runs, tmp_path):
     # the merge rounds base + BA to bf16 once: within bf16's steps of logits near 1
     assert torch.allclose(got, want, atol=0.05), (got - want).abs().max()
     assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+
+
+# ---------------------------------------------------------------- on a GPU (`make test-gpu`)
+
+@pytest.mark.gpu
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("profile", ["single_gpu", "zero3"])
+def test_qlora_on_a_gpu_peaks_within_10_percent_of_the_estimate(profile, tmp_path):
+    """The 4-bit row against torch.cuda.max_memory_allocated on SmolLM2-135M's shape (test_gpu.py's model), as every
+    profile's 16-bit row is checked there; not run on a machine without a GPU."""
+    if gpu_count() == 0:
+        pytest.skip("no CUDA GPU on this machine (torch.cuda.device_count() == 0)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from hf_zero.data.model_names import TINY_TOKENIZER_DIR
+
+    model = tmp_path / "smol-rand"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(**SMOL_SHAPE), dtype=torch.float32).save_pretrained(model)
+    AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR).save_pretrained(model)
+    config = write_short_config(RECIPE_YAML, tmp_path / "short.yaml", [2, 2, 2], load_in_4bit=True)
+    nproc = 1 if profile == "single_gpu" else NPROC
+    out = tmp_path / "run"
+    run_cmd([sys.executable, "-m", "hf_zero.cli", "train", "--profile", profile, "--nproc", nproc, "--precision",
+             "bf16", "--config", config, "--model_name_or_path", model, "--output_dir", out, "--disable_tqdm",
+             "true"], env={"HF_ZERO_BENCH": "1"}, timeout=1800)
+    measured = max(json.loads(p.read_text())["device_peak_bytes"] for p in out.glob("bench_rank*.json"))
+    recipe = yaml.safe_load(config.read_text())
+    seq = max(s.get("max_seq_length") or recipe.get("max_seq_length", 128) for s in recipe["stages"])
+    proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "estimate", "--config", config, "--model", model, "--profile",
+                    profile, "--gpus-per-node", nproc, "--precision", "bf16", "--seq-len", seq, "--json"])
+    (row,) = json.loads(proc.stdout)["strategies"]
+    assert row["frozen_base"] == "nf4"
+    estimate_total = row["gpu_bytes_per_rank"]["total"]
+    assert abs(estimate_total - measured) <= 0.10 * measured, (profile, estimate_total, measured)

@@ -181,11 +181,15 @@ def run(args) -> int:
     kw = dict(gpus_per_node=gpn, nodes=nodes, precision=precision, seq_len=recipe.seq_len,
               grad_checkpointing=recipe.gradient_checkpointing, convention=args.convention,
               attn_implementation=recipe.attn_implementation)
-    # LoRA: with a 16-bit base and, as rows of their own, QLoRA's 4-bit base where it runs (a 4-bit recipe: those only)
+    # LoRA over every strategy: QLoRA's 4-bit base as rows of their own where it is most used; a 4-bit recipe: only
+    # those, under every strategy that runs it
     rows = [(s, None) for s in strategies if not recipe.load_in_4bit]
     if recipe.lora is not None and args.convention == "deepspeed":
         rows += [(s, "nf4") for s in strategies if s in memory.QLORA_STRATEGIES and (
-            recipe.load_in_4bit or prof or len(strategies) == 1 or s in ("ddp", "zero3", "fsdp2"))]
+            recipe.load_in_4bit or len(strategies) > 1 and s in ("ddp", "zero3", "fsdp2"))]
+    if not rows:
+        raise UserError("load_in_4bit", f"no {args.convention}-convention estimate of a 4-bit base under "
+                        f"{', '.join(strategies)}", "use the deepspeed convention and a profile without NVMe")
     estimates = [memory.estimate(count, s, frozen_base=base, micro_batch=batch.micro,
                                  grad_accumulation=batch.accumulation, gpu_memory_bytes=usable,
                                  cpu_memory_bytes=cpu_mem, **kw) for s, base in rows]
@@ -235,7 +239,8 @@ def _print_table(summary, inputs, convention, estimates, rec) -> None:
                                 "total")]
         if e["name"].startswith("fsdp"):  # FSDP2 has resharded every layer by its optimizer step
             cells[3] -= g["gathered"]
-        rows.append([e["name"] + (" 4-bit" if e.get("frozen_base") == "nf4" else ""), *map(_human, cells), e["peak"], _human(e["cpu_bytes_per_node"]),
+        name = e["name"] + (" 4-bit" if e.get("frozen_base") == "nf4" else "")
+        rows.append([name, *map(_human, cells), e["peak"], _human(e["cpu_bytes_per_node"]),
                      _human(e["nvme_bytes"]) if e["nvme_bytes"] else "-",
                      {None: "-", True: "yes", False: "no"}[e["fits"]]])
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]

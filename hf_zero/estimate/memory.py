@@ -31,6 +31,7 @@ is in place); ZeRO-3 reduce + prefetch buckets + persistent params (numel <= thr
 hf_zero's "auto": h², 0.9·h², 10·h (DeepSpeed's defaults 5e8, 5e7, 1e5 when h is unknown).
 fsdp2 / fsdp2_offload (torch FSDP2, one shard group per decoder layer): hf_zero/estimate/fsdp.py, 16Ψ/N at the step in
 fp32 and bf16 (the sharded fp32 parameters are the master copy); its gathered layers exist only in forward/backward.
+QLoRA (frozen_base="nf4"): the quantized linears as nf4_bytes, as the engines hold them (see `estimate`).
 """
 
 from __future__ import annotations
