@@ -44,7 +44,7 @@ class ModelArguments:
     load_in_4bit: bool = field(
         default=False,
         metadata={"help": "QLoRA: hold the frozen base in 4 bits (bitsandbytes NF4, double quantization, computing "
-                          "in the profile's precision); needs use_peft. single_gpu, ddp and zero3 profiles."},
+                          "in the profile's precision); needs use_peft; any profile but zero3_nvme."},
     )
 
 

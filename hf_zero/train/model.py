@@ -115,7 +115,9 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
 
         kwargs.update(quantization_config=quantized, dtype=quantized.bnb_4bit_compute_dtype)
         if torch.cuda.is_available() and not profile.uses_deepspeed:  # quantized on its own GPU as it loads
-            kwargs["device_map"] = {"": torch.cuda.current_device()}
+            import os
+
+            kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", "0"))}
     path = resolve_model_path(model_args.model_name_or_path)
     vocab = getattr(get_model_config(path), "vocab_size", None)
     from hf_zero.data.chat_template import added_template_tokens, grow_embeddings, train_embeddings
@@ -177,7 +179,9 @@ def describe_weights(model, profile) -> str:
 
     names = {v: k for k, v in _DTYPES.items()}
     if any(hasattr(p, "quant_state") for p in model.parameters()):  # bitsandbytes' Params4bit: QLoRA
-        return "frozen base NF4 (4-bit; embeddings 16-bit, norms fp32), trainable fp32"
+        rest = sorted({names.get(str(p.dtype).removeprefix("torch."), str(p.dtype)) for p in model.parameters()
+                       if not p.requires_grad and p.is_floating_point() and not hasattr(p, "quant_state")})
+        return f"frozen base NF4 (4-bit; the rest {', '.join(rest) or '-'}), trainable fp32"
     if profile.uses_deepspeed and profile.precision != "fp32":  # the engine casts the module when it wraps it
         return f"{profile.precision} (DeepSpeed casts them; fp32 master copy of what trains)"
     held = {train: {names.get(str(p.dtype).removeprefix("torch."), str(p.dtype)) for p in ps}
