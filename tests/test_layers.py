@@ -40,6 +40,7 @@ CYCLES = set()
 # launcher only pay once they read a recipe; each of those imports sits in the function that needs it.
 _TRANSFORMERS = "loads transformers: imported where a recipe is read, not when the command or launcher starts"
 LOCAL = {
+    'hf_zero.checkpoint.export -> hf_zero.core.config': _TRANSFORMERS,
     'hf_zero.bench.execute -> hf_zero.train.bench_probe': _TRANSFORMERS,
     'hf_zero.bench.plan -> hf_zero.core.config': _TRANSFORMERS,
     'hf_zero.bench.plan -> hf_zero.data.curriculum': _TRANSFORMERS,

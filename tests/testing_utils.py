@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import yaml
 from safetensors.torch import load_file
 
@@ -437,3 +438,13 @@ class SingleHostSlurm:
                     break
                 time.sleep(0.1)
         shutil.rmtree(self.state, ignore_errors=True)
+
+# ---------------------------------------------------------------- GPU runs (tests/train/test_gpu.py, QLoRA's GPU test)
+
+# Two ranks cannot share one GPU: launches on a GPU machine use min(2, GPUs) ranks.
+GPU_NPROC = min(2, torch.cuda.device_count())
+GPU_RECIPE_YAML = REPO / "recipes" / "configs" / "smollm2_shakespeare.yaml"
+# SmolLM2-135M's shape (the calibration's `smol-rand`), built with random weights: no download.
+SMOL_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                  num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
+                  max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=1)

@@ -23,6 +23,8 @@ from hf_zero.checkpoint.safe_load import check_checkpoint, safe_checkpoint_loadi
 from hf_zero.checkpoint.store import MANIFEST_NAME, find_resume_checkpoint, list_checkpoints, validate_checkpoint
 from hf_zero.core.errors import UserError
 from hf_zero.data.model_names import resolve_model_path
+from hf_zero.plan.profiles import Profile
+from hf_zero.plan.quantization import quantization_config
 
 __all__ = ["export_checkpoint", "DTYPES"]
 
@@ -163,6 +165,24 @@ def _auto_class(task_type: str | None):
     return getattr(transformers, name)
 
 
+def _quantization(folder: Path):
+    """The BitsAndBytesConfig a QLoRA run (load_in_4bit) loaded its base with, from the checkpoint's record (a run's
+    final folder: the run's summary.json beside it); None for any other run."""
+    for record in (folder / "hf_zero_checkpoint.json", folder.parent / "summary.json"):
+        if record.is_file():
+            info = json.loads(record.read_text())
+            if not (info.get("settings") or {}).get("load_in_4bit"):
+                return None
+            from dataclasses import replace
+
+            from hf_zero.core.config import ModelArguments
+
+            precision = {"fp32": "no"}.get(info.get("precision"), info.get("precision") or "no")
+            return quantization_config(ModelArguments(use_peft=True, load_in_4bit=True),
+                                       replace(Profile(name="export"), mixed_precision=precision))
+    return None
+
+
 def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | None) -> int:
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -171,7 +191,13 @@ def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | 
     name = base_path = base_model or config.get("base_model_name_or_path")
     try:
         base_path = resolve_model_path(name)  # hf_zero's offline names, as adapters record them
-        base = _auto_class(config.get("task_type")).from_pretrained(base_path, dtype=torch.float32)
+        quantized = _quantization(folder)
+        if quantized is None:
+            base = _auto_class(config.get("task_type")).from_pretrained(base_path, dtype=torch.float32)
+        else:  # the base the adapter trained on: quantized as in the run, then dequantized to plain linears
+            base = _auto_class(config.get("task_type")).from_pretrained(
+                base_path, quantization_config=quantized, dtype=quantized.bnb_4bit_compute_dtype)
+            base = base.dequantize().to(torch.float32)
     except (OSError, ValueError) as err:
         raise UserError("--base-model", f"cannot load the base model {base_path!r} ({str(err).splitlines()[0][:120]})",
                         "pass --base-model with the folder of the model the adapter was trained on") from None

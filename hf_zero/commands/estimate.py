@@ -51,6 +51,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--nodes", type=int, help="number of nodes (default: the profile's, else 1)")
     parser.add_argument("--precision", choices=PRECISIONS, help="default: the profile's, else bf16")
     parser.add_argument("--use-peft", action="store_true", default=None, help="LoRA: train adapters only")
+    parser.add_argument("--load-in-4bit", action="store_true", default=None,
+                        help="QLoRA: LoRA on a 4-bit NF4 base (the recipe's load_in_4bit)")
     parser.add_argument("--lora-r", type=int, metavar="R", help="LoRA rank (default: the recipe's, else 16)")
     parser.add_argument("--lora-target-modules", nargs="+", metavar="NAME", help="default: peft's for the model")
     parser.add_argument("--micro-batch", type=int, help="samples per rank per step (default: the recipe's, else 1)")
@@ -87,6 +89,7 @@ def _recipe(args):
                         "give one of them")
     use_peft = args.use_peft
     flags = {"model_name_or_path": args.model, "use_peft": "true" if use_peft else None,
+             "load_in_4bit": "true" if args.load_in_4bit else None,
              "lora_r": at_least("--lora-r", args.lora_r),
              "per_device_train_batch_size": at_least("--micro-batch", args.micro_batch),
              "gradient_accumulation_steps": at_least("--gradient-accumulation", args.gradient_accumulation),
@@ -102,14 +105,18 @@ def _recipe(args):
         from hf_zero.core.config import ModelArguments
         context = getattr(get_model_config(str(args.model)).get_text_config(), "max_position_embeddings", 0) or 2048
         margs = ModelArguments(model_name_or_path=str(args.model), use_peft=bool(use_peft),
+                               load_in_4bit=bool(args.load_in_4bit),
                                **({"lora_r": args.lora_r} if args.lora_r else {}))
         recipe = RecipeMemory(model=str(args.model), micro=args.micro_batch or 1,
                               accumulation=args.gradient_accumulation or 1, seq_len=min(context, 2048),
                               lora=lora_fields(margs), gradient_checkpointing=bool(args.gradient_checkpointing),
-                              attn_implementation=flags["attn_implementation"])
+                              attn_implementation=flags["attn_implementation"],
+                              load_in_4bit=bool(args.load_in_4bit and use_peft))
     if recipe.lora is not None and args.lora_target_modules:
         recipe = replace(recipe, lora={**recipe.lora, "target_modules": args.lora_target_modules},
                          flags=recipe.flags + (("lora_target_modules", tuple(args.lora_target_modules)),))
+    if recipe.lora is None and args.load_in_4bit:
+        raise UserError("--load-in-4bit", "a 4-bit base cannot be trained, only adapters on it", "add --use-peft")
     if recipe.lora is None and (args.lora_target_modules or args.lora_r):
         raise UserError("--lora-r/--lora-target-modules", "given without LoRA", "add --use-peft")
     if args.seq_len and recipe.seq_len != args.seq_len:  # stages with their own lengths: this estimate only
@@ -137,15 +144,26 @@ def run(args) -> int:
     kw = dict(gpus_per_node=gpn, nodes=nodes, precision=precision, seq_len=recipe.seq_len,
               grad_checkpointing=recipe.gradient_checkpointing, convention=args.convention,
               attn_implementation=recipe.attn_implementation, sp_size=sp)
-    estimates = memory.estimate_all(count, strategies, micro_batch=batch.micro, grad_accumulation=batch.accumulation,
-                                    gpu_memory_bytes=usable, cpu_memory_bytes=cpu_mem, **kw)
+    # LoRA over every strategy: QLoRA's 4-bit base as rows of their own where it is most used; a 4-bit recipe: only
+    # those, under every strategy that runs it
+    rows = [(s, None) for s in strategies if not recipe.load_in_4bit]
+    if recipe.lora is not None and args.convention == "deepspeed":
+        rows += [(s, "nf4") for s in strategies if s in memory.QLORA_STRATEGIES and (
+            recipe.load_in_4bit or len(strategies) > 1 and s in ("ddp", "zero3", "fsdp2"))]
+    if not rows:
+        raise UserError("load_in_4bit", f"no {args.convention}-convention estimate of a 4-bit base under "
+                        f"{', '.join(strategies)}", "use the deepspeed convention and a profile without NVMe")
+    estimates = [memory.estimate(count, s, frozen_base=base, micro_batch=batch.micro,
+                                 grad_accumulation=batch.accumulation, gpu_memory_bytes=usable,
+                                 cpu_memory_bytes=cpu_mem, **kw) for s, base in rows]
     rec = None
     if gpu_mem is not None:
         choices = [(prof.name, strategies[0])] if prof else None
         rec = plan(recipe, gpn, gpu_mem, nodes=nodes, precision=precision, cpu_memory_bytes=cpu_mem, choices=choices,
                    sp_size=sp)
         if rec["profile"]:
-            rec["largest_micro_batch"] = memory.largest_micro_batch(count, rec["strategy"], usable, cpu_mem, **kw)
+            rec["largest_micro_batch"] = memory.largest_micro_batch(
+                count, rec["strategy"], usable, cpu_mem, frozen_base="nf4" if rec["load_in_4bit"] else None, **kw)
     layer = count.layer
     summary = {"name": recipe.model, "params": count.total_params, "largest_layer_params": count.largest_layer_params,
                "trainable_params": count.trainable_params, "num_layers": count.num_layers,
@@ -188,7 +206,8 @@ def _print_table(summary, inputs, convention, estimates, rec) -> None:
                                 "total")]
         if e["name"].startswith("fsdp"):  # FSDP2 has resharded every layer by its optimizer step
             cells[3] -= g["gathered"]
-        rows.append([e["name"], *map(_human, cells), e["peak"], _human(e["cpu_bytes_per_node"]),
+        name = e["name"] + (" 4-bit" if e.get("frozen_base") == "nf4" else "")
+        rows.append([name, *map(_human, cells), e["peak"], _human(e["cpu_bytes_per_node"]),
                      _human(e["nvme_bytes"]) if e["nvme_bytes"] else "-",
                      {None: "-", True: "yes", False: "no"}[e["fits"]]])
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]

@@ -47,6 +47,11 @@ class ModelArguments:
     lora_target_modules: list[str] | None = field(
         default=None, metadata={"help": "Module names to adapt (e.g. q_proj v_proj); default: peft's for the model."}
     )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={"help": "QLoRA: hold the frozen base in 4 bits (bitsandbytes NF4, double quantization, computing "
+                          "in the profile's precision); needs use_peft; any profile but zero3_nvme."},
+    )
 
 
 @dataclass

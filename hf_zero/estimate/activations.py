@@ -106,15 +106,15 @@ def describe_layers(model, config, text) -> LayerShape | None:
         attn_implementation=getattr(config, "_attn_implementation", None) or "sdpa")
 
 
-def _layer_bytes(ls: LayerShape, mode: str, seq: int, attn: str, full: bool) -> float:
-    """Bytes one decoder layer saves for backward, per token."""
+def _layer_bytes(ls: LayerShape, mode: str, seq: int, attn: str, full: bool, frozen_inputs: bool = False) -> float:
+    """Bytes one decoder layer saves for backward, per token; `frozen_inputs`: frozen linears save their input too."""
     e = 4 if mode == "fp32" else 2  # matmuls and attention
     r = 2 if mode == "half" else 4  # residual stream and norm outputs
     h, q, i = ls.hidden, ls.q_dim, ls.intermediate
 
     def inputs(width: int, role: str, linears: int, low: bool) -> float:
         """Saved inputs of the linears of one role reading one tensor; `low`: that tensor is already 16-bit."""
-        base = linears if full else 0
+        base = linears if full or frozen_inputs else 0
         own_casts = mode == "autocast" and not low  # autocast casts a non-leaf fp32 input once per linear
         saved = 2 * width * base if own_casts else (e * width if base else 0)
         shared = bool(base) and not own_casts  # the one shared input is already counted
@@ -139,8 +139,12 @@ def _layer_bytes(ls: LayerShape, mode: str, seq: int, attn: str, full: bool) -> 
 
 
 def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, seq: int, checkpointing: bool,
-               attn: str | None = None, full: bool = True, sp: int = 1) -> dict:
+               attn: str | None = None, full: bool = True, sp: int = 1, quantized: bool = False,
+               frozen_inputs: bool = False) -> dict:
     """Bytes alive besides model states at each candidate peak of one training step (all tokens of a micro-batch):
+    `frozen_inputs`: every linear saves its input, frozen or not, as ZeRO-3's does (LinearFunctionForZeroStage3,
+    which zero.Init installs as torch.nn.functional.linear under memory_efficient_linear, DeepSpeed's default:
+    its setup_context saves input and weight whatever needs a gradient);
     "backward" (all saved activations + the loss's 12 V per token + autocast copies; with checkpointing the layer
     inputs instead), and with checkpointing "forward" (the loss forward with every cached autocast copy) and
     "recompute" (one layer recomputed; the caller adds the gradients accumulated by then).
@@ -151,15 +155,19 @@ def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, s
     attn = attn or ls.attn_implementation
     tokens = micro * seq / sp
     e, r = (4, 4) if mode == "fp32" else (2, 2 if mode == "half" else 4)
-    layer = _layer_bytes(ls, mode, seq if sp == 1 else 0, attn, full) * tokens
+    layer = _layer_bytes(ls, mode, seq if sp == 1 else 0, attn, full, frozen_inputs) * tokens
     a2a = 2 * e * (2 * ls.q_dim + 2 * ls.kv_dim) * tokens if sp > 1 else 0  # transient: one layer's at a time
-    head = (4 * ls.hidden + (r * ls.hidden if full else 0) + (e * ls.hidden if ls.lm_head_trainable else 0)) * tokens
+    head = (4 * ls.hidden + (r * ls.hidden if full else 0)
+            + (e * ls.hidden if ls.lm_head_trainable or frozen_inputs else 0)) * tokens
     loss_bwd, loss_fwd = 12 * vocab * tokens, (8 if mode == "fp32" else 10) * vocab * tokens
     casts = 2 if mode == "autocast" else 0  # bytes per weight element of a 16-bit autocast copy
+    linear, layer_linear, lm_head = ls.linear, ls.layer_linear, ls.lm_head
+    if quantized:  # 4-bit linears are dequantized by bitsandbytes, not autocast (the caller adds that copy); the
+        linear, layer_linear, lm_head = ls.linear_trainable, 0, 0  # head is held in 16 bits (embeddings_in_16bit)
     if not checkpointing:
-        return {"backward": layers * layer + head + loss_bwd + casts * ls.linear + a2a}
+        return {"backward": layers * layer + head + loss_bwd + casts * linear + a2a}
     kept = layers * r * ls.hidden * tokens  # each layer's input
-    lm_cast = casts * ls.lm_head
+    lm_cast = casts * lm_head
     return {"forward": kept + head + loss_fwd + casts * ls.linear_trainable + (0 if ls.lm_head_trainable else lm_cast),
             "backward": kept + head + loss_bwd + lm_cast,
-            "recompute": r * ls.hidden * tokens + layer + casts * ls.layer_linear + a2a}
+            "recompute": r * ls.hidden * tokens + layer + casts * layer_linear + a2a}

@@ -132,13 +132,23 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
+def _quantization_constants(holder) -> list:
+    """A 4-bit (bitsandbytes) weight's absmax, offset and code tables, and those of its double quantization: held
+    beside the packed weight, whole on every rank (by the weight, and by its module, which keeps them when FSDP2
+    replaces the weight by a shard)."""
+    state = getattr(holder, "quant_state", None)
+    nested = getattr(state, "state2", None)
+    return [t for s in (state, nested) if s is not None for t in (s.absmax, s.code, getattr(s, "offset", None))
+            if t is not None]
+
+
 def measure_engine_bytes(engine_or_model, optimizer=None) -> dict:
     """Bytes this rank holds now: {"params", "grads", "optimizer"} (+ "gathered_params", "buffers").
 
     Each storage counts once (a view of a DeepSpeed flat buffer counts the buffer), first-come in this order:
     - params: ZeRO-3 each param's `ds_tensor` (local partition; whole params gathered right now, e.g. persistent
       ones, and their whole gradients in backward, go to "gathered_params"); otherwise `param.data` (ZeRO-1/2: views
-      of `bit16_groups_flat`).
+      of `bit16_groups_flat`); a 4-bit weight's quantization constants.
     - optimizer: fp32 master partitions (`single_partition_of_fp32_groups`, ZeRO-3 `fp32_partitioned_groups_flat`)
       + the torch optimizer's state (Adam's moments exist after the first step).
     - buffers: the IPG reduce buckets (before grads: a param.grad may be a view into one).
@@ -171,6 +181,7 @@ def measure_engine_bytes(engine_or_model, optimizer=None) -> dict:
     params = list(module.parameters())
     add("params", *[getattr(p, "ds_tensor", p.data) for p in params], *attrs("bit16_groups_flat",
                                                                              "fp16_partitioned_groups_flat"))
+    add("params", *[_quantization_constants(x) for x in (*params, *module.modules())])
     # ZeRO-3's whole working copies: gathered params and, in backward, their whole gradients before reduce-scatter
     add("gathered_params", *[t for p in params if hasattr(p, "ds_tensor") for t in (p.data, p.grad)])
     masters = list(_tensors(attrs("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat")))
@@ -185,7 +196,10 @@ def measure_engine_bytes(engine_or_model, optimizer=None) -> dict:
 
 
 def parameter_numel(p) -> int:
-    # Under ZeRO-3 a parameter's local tensor is empty; ds_numel is its full size.
+    # A 4-bit parameter holds two weights a byte; its quant_state has the weight's shape. Under ZeRO-3 a parameter's
+    # local tensor is empty; ds_numel is its full size.
+    if getattr(p, "quant_state", None) is not None:
+        return p.quant_state.shape.numel()
     return getattr(p, "ds_numel", p.numel())
 
 

@@ -31,13 +31,14 @@ is in place); ZeRO-3 reduce + prefetch buckets + persistent params (numel <= thr
 hf_zero's "auto": h², 0.9·h², 10·h (DeepSpeed's defaults 5e8, 5e7, 1e5 when h is unknown).
 fsdp2 / fsdp2_offload (torch FSDP2, one shard group per decoder layer): hf_zero/estimate/fsdp.py, 16Ψ/N at the step in
 fp32 and bf16 (the sharded fp32 parameters are the master copy); its gathered layers exist only in forward/backward.
+QLoRA (frozen_base="nf4"): the quantized linears as nf4_bytes, as the engines hold them (see `estimate`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
@@ -47,8 +48,8 @@ from hf_zero.estimate.activations import ATTENTION, describe_layers, step_bytes
 from hf_zero.estimate.fsdp import describe_shards
 from hf_zero.plan.profiles import PRECISIONS, list_profiles, load_profile
 
-__all__ = ["strategies_for", "STRATEGIES", "SPEED_ORDER", "ModelCount", "count_model", "estimate", "estimate_all",
-           "recommend", "largest_micro_batch"]
+__all__ = ["strategies_for", "STRATEGIES", "SPEED_ORDER", "QLORA_STRATEGIES", "ModelCount", "count_model",
+           "nf4_bytes", "estimate", "estimate_all", "recommend", "largest_micro_batch"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload_optimizer", "zero3_offload",
               "zero3_nvme", "fsdp2", "fsdp2_offload")
@@ -56,7 +57,8 @@ STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload_
 # the ZeRO strategy just ahead of it does not.
 SPEED_ORDER = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "zero2_offload", "zero3_offload_optimizer", "zero3_offload",
                "fsdp2_offload", "zero3_nvme")
-
+# Where a 4-bit base (QLoRA) runs, as hf_zero.plan.quantization.verify_quantization allows it: not with NVMe offload
+QLORA_STRATEGIES = tuple(s for s in STRATEGIES if s != "zero3_nvme")
 CONVENTIONS = ("deepspeed", "paper")
 _DS = {"zero2": ("zero2", dict(cpu_offload=False)), "zero2_offload": ("zero2", dict(cpu_offload=True)),
        "zero3": ("zero3", dict(cpu_offload=False, cpu_offload_params=False)),
@@ -79,6 +81,8 @@ class ModelCount:
     layer: object = None  # hf_zero.estimate.activations.LayerShape: what the activation count needs
     param_shapes: tuple = ()  # (dim0, numel, trainable) per parameter: FSDP2's padded dim-0 shards
     shard_groups: tuple = ()  # FSDP2's largest group and tail group (elements, trainable): hf_zero.estimate.fsdp
+    quantizable: tuple = ()  # elements of each linear weight a 4-bit base (QLoRA) quantizes: nf4_bytes
+    embeddings: tuple = ()  # elements of the input and output embedding weights (one if tied)
 
     def persistent_params(self, threshold: int) -> int:  # ZeRO-3 keeps params with numel <= threshold whole
         return sum(n for n in self.param_numels if n <= threshold)
@@ -119,6 +123,13 @@ def count_model(config_or_name, lora=None) -> ModelCount:
                      for keep in (lambda p: True, lambda p: p.requires_grad))
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     shapes, groups = describe_shards(model)
+    # transformers' bitsandbytes integration quantizes every linear but the output embeddings (get_keys_to_not_convert)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    quantizable = tuple(m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+                        and m is not head and "lora_" not in name)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tables = {id(w): w.numel() for w in (getattr(embed, "weight", None), getattr(head, "weight", None))
+              if w is not None}
     return ModelCount(
         total_params=sum(p.numel() for p in params), largest_layer_params=layer,
         trainable_params=sum(p.numel() for p in params if p.requires_grad), largest_trainable_layer_params=tlayer,
@@ -126,7 +137,37 @@ def count_model(config_or_name, lora=None) -> ModelCount:
         hidden_size=_attr(text, "hidden_size", "d_model", "n_embd"),
         num_heads=_attr(text, "num_attention_heads", "n_head"), vocab_size=_attr(text, "vocab_size"),
         param_numels=tuple(p.numel() for p in params), name=name, param_shapes=shapes, shard_groups=groups,
+        quantizable=quantizable, embeddings=tuple(tables.values()),
         layer=describe_layers(model, getattr(model, "config", config), text) if text is not None else None)
+
+
+def nf4_bytes(count: ModelCount) -> tuple[int, int]:
+    """(packed weights, quantization constants) of a 4-bit base as bitsandbytes holds it (NF4 in blocks of 64, double
+    quantization): two weights a byte; per tensor an 8-bit absmax per block, an fp32 absmax per 256 blocks, an fp32
+    offset and two fp32 code tables (16 NF4 levels, 256 for the 8-bit absmax). The constants are attributes of each
+    weight (its quant_state), not parameters: no engine shards them."""
+    blocks = [-(-n // 64) for n in count.quantizable]
+    return sum(-(-n // 2) for n in count.quantizable), sum(b + 4 * -(-b // 256) + 4 + 4 * (16 + 256) for b in blocks)
+
+
+def _packed_shapes(count: ModelCount, p: int) -> tuple:
+    """FSDP2's per-parameter shapes in 4-byte elements (its frozen bytes per element, fsdp.shard_states): each 4-bit
+    weight the 1-column tensor that holds it (bitsandbytes' Params4bit, in p-byte elements), the embeddings in p
+    bytes. A frozen parameter whose size a quantized linear has stands for it: the bytes are the same whichever it
+    is."""
+    from collections import Counter
+
+    packed, tables, shapes = Counter(count.quantizable), Counter(count.embeddings), []
+    for dim0, numel, trainable in count.param_shapes:
+        if not trainable and packed[numel]:
+            packed[numel] -= 1
+            dim0 = -(-numel // (2 * p))
+            dim0, numel = -(-dim0 * p // 4), -(-dim0 * p // 4)
+        elif not trainable and tables[numel]:
+            tables[numel] -= 1
+            dim0, numel = dim0 * p // 4, numel * p // 4
+        shapes.append((dim0, numel, trainable))
+    return tuple(shapes)
 
 
 def _deepspeed_estimators():
@@ -209,11 +250,19 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     `attn_implementation`: eager, sdpa or flash_attention_2 (default: the model's, as transformers picks it);
     `flash_attention=True` is the same as flash_attention_2. `frozen_base`: the precision frozen (LoRA base)
     weights are held in under ddp and FSDP2: default `precision`, as hf_zero loads them; "fp32" for a run that
-    loads its base in fp32 (DeepSpeed casts the model itself: its rows do not depend on it). `sp_size`: Ulysses
-    sequence parallelism, each sequence's activations split over sp_size of the ranks (activations.step_bytes)."""
+    loads its base in fp32 (DeepSpeed casts the model itself: its rows do not depend on it); "nf4" for QLoRA
+    (load_in_4bit) under QLORA_STRATEGIES: nf4_bytes for the linears, the rest fp32 under the Trainer (peft's
+    prepare_model_for_kbit_training) and 16-bit under DeepSpeed and FSDP2, which shard the packed weights as
+    16-bit elements (bnb_4bit_quant_storage) and hold every rank's constants whole; one linear at a time is
+    dequantized to a 16-bit copy in forward and backward. `sp_size`: Ulysses sequence parallelism, each
+    sequence's activations split over sp_size of the ranks (activations.step_bytes)."""
     attn = "flash_attention_2" if flash_attention else attn_implementation
     frozen_base = frozen_base or precision
-    if strategy not in STRATEGIES or precision not in PRECISIONS or frozen_base not in PRECISIONS or \
+    quantized = frozen_base == "nf4"
+    if quantized and (strategy not in QLORA_STRATEGIES or not count.quantizable or convention != "deepspeed"
+                      or count.trainable_params == count.total_params):
+        raise ValueError(f"no 4-bit base under {strategy=} / {convention=} without LoRA or linears")
+    if strategy not in STRATEGIES or precision not in PRECISIONS or frozen_base not in (*PRECISIONS, "nf4") or \
             convention not in CONVENTIONS or micro_batch < 1 or seq_len < 1 or grad_accumulation < 1 or \
             sp_size < 1 or attn not in (None, *ATTENTION):
         raise ValueError(f"bad {strategy=} / {precision=} / {convention=} / {micro_batch=} / {seq_len=} / "
@@ -225,6 +274,18 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
         raise ValueError(f"{world_size=} is not {gpus_per_node=} x {nodes=}")
     c, mixed = count, precision != "fp32"
     f = 4 if frozen_base == "fp32" else 2
+    constants = dequantized = 0
+    if quantized:  # the packed weights counted as elements of the dtype they are held in: the rows below apply
+        packed, constants = nf4_bytes(c)
+        # Elements of `unit` bytes: DeepSpeed casts everything to p bytes; the Trainer and FSDP2 hold the norms in
+        # fp32 and the embeddings in p bytes (hf_zero.train.model.embeddings_in_16bit).
+        unit = p16 = 2 if mixed else 4
+        if not strategy.startswith("zero"):
+            unit, tables = 4, sum(c.embeddings)
+            c = replace(c, total_params=c.total_params - tables + tables * p16 // unit)
+        c = replace(c, total_params=c.total_params - sum(c.quantizable) + packed // unit,
+                    param_shapes=_packed_shapes(c, p16))
+        f, dequantized = 4, (2 if mixed else 4) * max(c.quantizable)
     (params, grads, optim, gathered), cpu_rank, nvme_rank = _states(strategy, c, n, mixed, convention, f)
     # Each rank reads the model as it loads it: DeepSpeed in fp32, the Trainer and FSDP2 the base in f bytes.
     loaded = 4 * c.total_params if strategy.startswith("zero") else \
@@ -244,11 +305,13 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
         cpu, gpu_ms = _deepspeed_estimators()[fn](**args)[:2]
         optim = gpu_ms - int(params) - int(grads) - int(gathered)
         source = f"deepspeed estimate_{fn}_model_states_mem_needs"
-    gpu = {"params": int(params), "grads": int(grads), "optimizer": int(optim), "gathered": int(gathered)}
+    gpu = {"params": int(params + constants), "grads": int(grads), "optimizer": int(optim),
+           "gathered": int(gathered)}
     gpu["model_states"] = sum(gpu.values())
     gpu["buffers"] = int(_buffers(strategy, c, n, mixed, reduce_bucket_size, prefetch_bucket_size,
                                   param_persistence_threshold))
     resident, grads_bwd = _resident(strategy, c, n, mixed, max_reuse_distance, f)
+    resident += constants
     if grad_accumulation > 1:  # gradients stay allocated between the micro-batches of one optimizer step
         resident, grads_bwd = resident + grads_bwd, 0
     # Autocast over fp32 weights keeps an fp32 residual stream and 16-bit weight copies; over a 16-bit frozen base
@@ -257,7 +320,9 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     mode = "fp32" if not mixed else "autocast" if strategy == "ddp" and not frozen16 else "half"
     phases = {} if c.layer is None else step_bytes(
         c.layer, c.num_layers, c.vocab_size, mode, micro_batch, seq_len, grad_checkpointing, attn,
-        full=c.trainable_params == c.total_params, sp=sp_size)
+        full=c.trainable_params == c.total_params, sp=sp_size, quantized=quantized,
+        frozen_inputs=strategy.startswith("zero3") and not quantized)  # bitsandbytes' 4-bit matmul is its own
+    phases = {name: act + dequantized for name, act in phases.items()}
     peaks = {name: resident + act + (grads_bwd if name == "recompute" else 0) for name, act in phases.items()}
     # FSDP2 reshards every group by the end of backward: nothing is gathered at its optimizer step.
     peaks["optimizer step"] = gpu["model_states"] - (gpu["gathered"] if strategy.startswith("fsdp") else 0)
@@ -275,6 +340,7 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     fits = None if gpu_memory_bytes is None else \
         gpu["total"] <= gpu_memory_bytes and (cpu_memory_bytes is None or cpu <= cpu_memory_bytes)
     return {"name": strategy, "convention": convention, "source": source, "gpu_bytes_per_rank": gpu, "peak": phase,
+            "frozen_base": frozen_base if c.trainable_params < c.total_params else None,
             "cpu_bytes_per_node": int(cpu), "offloaded_bytes_per_rank": int(cpu_rank),
             "nvme_bytes": int(gpn * nvme_rank), "checkpoint_bytes": int(ckpt),
             "fits": fits}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.data.model_names import get_model_config
-from hf_zero.estimate.memory import count_model, estimate
+from hf_zero.estimate.memory import QLORA_STRATEGIES, count_model, estimate
 from hf_zero.plan.parse import parse_recipe_args
 from hf_zero.plan.profiles import gpu_count, load_profile
 from hf_zero.plan.reconcile import plan_batch
@@ -45,6 +45,7 @@ class RecipeMemory:
     attn_implementation: str | None = None
     path: str | None = None
     flags: tuple = field(default=(), compare=False)  # overrides a train command must repeat
+    load_in_4bit: bool = False  # QLoRA: the frozen base in 4 bits
 
 
 def lora_fields(model_args) -> dict | None:
@@ -76,22 +77,36 @@ def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
         seq_len=longest.max_seq_length if longest and longest.max_seq_length else seq,
         stage=longest.name if longest else None, lora=lora_fields(model_args), packing=bool(training.get("packing")),
         gradient_checkpointing=bool(training.get("gradient_checkpointing")),
-        attn_implementation=model_args.attn_implementation, path=path, flags=tuple(flags))
+        attn_implementation=model_args.attn_implementation, path=path, flags=tuple(flags),
+        load_in_4bit=bool(model_args.load_in_4bit and model_args.use_peft))
 
 
-def candidates(world: int) -> list[tuple[str, str]]:
-    """(profile, memory strategy), fastest first. One GPU: single_gpu, then ZeRO-2 (bf16 weights: its activations
-    are smaller than autocast's fp32 stream, measured 33.6 vs 37.0 GiB), then ZeRO-3 with everything offloaded.
-    FSDP2 comes right after its ZeRO counterpart, so ZeRO (the established path) wins where both fit and FSDP2 is
-    picked where only it does (it holds no separate fp32 master copy); at one GPU only its offload saves memory."""
+def candidates(world: int, lora: bool = False, load_in_4bit: bool = False) -> list[tuple]:
+    """(profile, memory strategy[, "nf4" for a 4-bit base]), fastest first. One GPU: single_gpu, then ZeRO-2 (bf16
+    weights: its activations are smaller than autocast's fp32 stream, measured 33.6 vs 37.0 GiB), then ZeRO-3 with
+    everything offloaded. FSDP2 comes right after its ZeRO counterpart, so ZeRO (the established path) wins where
+    both fit and FSDP2 is picked where only it does (it holds no separate fp32 master copy); at one GPU only its
+    offload saves memory. `lora`: QLoRA (the base in 4 bits, as the run's own GPU computes it) before any
+    offload, and on one GPU before a ZeRO profile on its one process; `load_in_4bit`: the recipe's own QLoRA, under
+    the profiles that run it."""
     if world == 1:
-        return [("single_gpu", "ddp"), ("zero2", "zero2"), ("zero3_offload", "zero3_offload"),
-                ("fsdp2_offload", "fsdp2_offload")]
-    return [("zero2", "zero2"), ("zero3", "zero3"), ("fsdp2", "fsdp2"), ("zero3_offload", "zero3_offload"),
-            ("fsdp2_offload", "fsdp2_offload")]
+        plain = [("single_gpu", "ddp"), ("zero2", "zero2"), ("zero3_offload", "zero3_offload"),
+                 ("fsdp2_offload", "fsdp2_offload")]
+        qlora = [("single_gpu", "ddp", "nf4")]
+    else:
+        plain = [("zero2", "zero2"), ("zero3", "zero3"), ("fsdp2", "fsdp2"), ("zero3_offload", "zero3_offload"),
+                 ("fsdp2_offload", "fsdp2_offload")]
+        qlora = [("zero2", "zero2", "nf4"), ("zero3", "zero3", "nf4"), ("fsdp2", "fsdp2", "nf4")]
+    if load_in_4bit:
+        return [(p, s, "nf4") for p, s in plain if s in QLORA_STRATEGIES]
+    if not lora:
+        return plain
+    cut = 1 if world == 1 else 3
+    return plain[:cut] + qlora + plain[cut:]
 
 
-def _command(recipe: RecipeMemory, profile: str, gpn: int, nodes: int, precision: str, micro: int, accum: int):
+def _command(recipe: RecipeMemory, profile: str, gpn: int, nodes: int, precision: str, micro: int, accum: int,
+             qlora: bool = False):
     """The `hf-zero train` line that runs this plan (None without a recipe file to run)."""
     if not recipe.path:
         return None
@@ -99,6 +114,7 @@ def _command(recipe: RecipeMemory, profile: str, gpn: int, nodes: int, precision
     cmd += ["--nodes", str(nodes)] if nodes > 1 else []
     cmd += ["--precision", precision] if load_profile(profile).precision != precision else []
     cmd += ["--config", recipe.path]
+    cmd += ["--load_in_4bit", "true"] if qlora and not recipe.load_in_4bit else []
     for key, value in recipe.flags:
         if key not in ("per_device_train_batch_size", "gradient_accumulation_steps"):
             cmd += [f"--{key}", *(map(str, value) if isinstance(value, (list, tuple)) else [str(value)])]
@@ -109,16 +125,18 @@ def _command(recipe: RecipeMemory, profile: str, gpn: int, nodes: int, precision
 
 
 def _first_fit(count, recipe, world, estimate_kw, usable, cpu_memory, choices, only_own=False):
-    """(profile, strategy, micro, accumulation, estimate) of the fastest launch that fits, else None; `only_own`:
-    at the recipe's own micro-batch only."""
+    """(profile, strategy, micro, accumulation, estimate, 4-bit base) of the fastest launch that fits, else None;
+    `only_own`: at the recipe's own micro-batch only."""
     per_rank = (recipe.global_batch or recipe.micro * recipe.accumulation * world) // world
     micros = [recipe.micro] if only_own else [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
-    for profile, strategy in choices:
+    for profile, strategy, *base in choices:
+        qlora = bool(base) or recipe.load_in_4bit
         for micro in micros:
             est = estimate(count, strategy, micro_batch=micro, grad_accumulation=per_rank // micro,
-                           gpu_memory_bytes=usable, cpu_memory_bytes=cpu_memory, **estimate_kw)
+                           gpu_memory_bytes=usable, cpu_memory_bytes=cpu_memory,
+                           frozen_base="nf4" if qlora else None, **estimate_kw)
             if est["fits"]:
-                return profile, strategy, micro, per_rank // micro, est
+                return profile, strategy, micro, per_rank // micro, est, qlora
     return None
 
 
@@ -141,29 +159,32 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
               grad_checkpointing=recipe.gradient_checkpointing, attn_implementation=recipe.attn_implementation,
               sp_size=sp_size)
     usable = int(gpu_memory_bytes * (1 - HEADROOM))
-    choices = choices or candidates(gpus_per_node * nodes)
+    choices = choices or candidates(gpus_per_node * nodes, recipe.lora is not None, recipe.load_in_4bit)
     found = _first_fit(count, recipe, world, kw, usable, cpu_memory_bytes, choices, only_own)
     if found is None:
         return _what_would_fit(count, recipe, world, kw, usable, gpu_memory_bytes, cpu_memory_bytes, choices,
                                only_own)
-    profile, strategy, micro, accum, est = found
+    profile, strategy, micro, accum, est, qlora = found
     peak = est["gpu_bytes_per_rank"]["total"]
-    names = [p for p, _ in choices]
-    reason = (f"the fastest of {', '.join(names)} that fits: " if len(names) > 1 else f"{profile} fits: ") + (
+    names = list(dict.fromkeys(p + (" (QLoRA)" if base else "") for p, _, *base in choices))
+    switch = qlora and not recipe.load_in_4bit
+    reason = ("QLoRA (add load_in_4bit: true: the frozen base in 4-bit NF4): " if switch else
+              "") + (f"the fastest of {', '.join(names)} that fits: " if len(names) > 1 else f"{profile} fits: ") + (
               f"peak {human_bytes(peak)} in {precision} of {human_bytes(gpu_memory_bytes)} per GPU, "
               f"{human_bytes(gpu_memory_bytes - peak)} "
               f"({100 * (1 - peak / gpu_memory_bytes):.0f}%) left; {HEADROOM_WHY}")
     return {"profile": profile, "strategy": strategy, "nproc": gpus_per_node, "nodes": nodes, "micro_batch": micro,
             "accumulation": accum, "global_batch": micro * accum * world, "precision": precision,
-            "peak_bytes": peak, "headroom_bytes": gpu_memory_bytes - peak, "reason": reason,
-            "command": _command(recipe, profile, gpus_per_node, nodes, precision, micro, accum)}
+            "peak_bytes": peak, "headroom_bytes": gpu_memory_bytes - peak, "reason": reason, "load_in_4bit": qlora,
+            "command": _command(recipe, profile, gpus_per_node, nodes, precision, micro, accum, switch)}
 
 
 def _what_would_fit(count, recipe, world, kw, usable, gpu_memory, cpu_memory, choices, only_own) -> dict:
     """The smallest estimate tried (the last choice at the smallest micro-batch) and what would fit instead."""
-    last, strategy = choices[-1]
+    last, strategy, *base = choices[-1]
     micro = recipe.micro if only_own else 1
-    need = estimate(count, strategy, micro_batch=micro, **kw)["gpu_bytes_per_rank"]["total"]
+    need = estimate(count, strategy, micro_batch=micro, frozen_base="nf4" if base or recipe.load_in_4bit else None,
+                    **kw)["gpu_bytes_per_rank"]["total"]
     hint = "use more GPUs, LoRA (use_peft: true) or a shorter max_seq_length"
     if not recipe.gradient_checkpointing:
         hit = _first_fit(count, recipe, world, {**kw, "grad_checkpointing": True}, usable, cpu_memory, choices,
@@ -199,9 +220,12 @@ def pick_profile(gpus: int | None = None, model=None, gpu_memory_bytes: int | No
         import torch
 
         gpu_memory_bytes = torch.cuda.get_device_properties(0).total_memory
-    choices = candidates(gpus)
+    choices = candidates(gpus, recipe.lora is not None, recipe.load_in_4bit)
     # The recipe's own micro-batch: hf-zero train runs it as written.
     found = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16", choices=choices, only_own=True)
+    if found["profile"] and found["load_in_4bit"] and not recipe.load_in_4bit:  # its base, as for its micro-batch
+        raise UserError("load_in_4bit", f"{gpus} GPU{'s' if gpus > 1 else ''} found: {found['reason']}",
+                        f"run: {found['command']}" if found["command"] else "add load_in_4bit: true to the recipe")
     if found["profile"]:
         return found["profile"], f"{gpus} GPU{'s' if gpus > 1 else ''} found: {found['profile']} on {gpus} " \
             f"rank{'s' if gpus > 1 else ''} is {found['reason']}"

@@ -97,6 +97,8 @@ class Profile:
 
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+# torch dtype names by precision (getattr(torch, name): torch loads only where a dtype is built)
+TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def precision_name(mixed_precision: str) -> str:

@@ -15,6 +15,8 @@ from hf_zero.data.chat import FormatOptions
 from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
 from hf_zero.estimate.memory import estimate
 from hf_zero.plan.parse import build_stage
+from hf_zero.plan.profiles import gpu_count
+from hf_zero.plan.quantization import verify_quantization
 from hf_zero.preflight.check_rules import (
     count_for,
     output_needs,
@@ -44,7 +46,10 @@ def _model(st):
     verify_seq_length(config, st.value("max_seq_length"), st.parsed[-2])
     st.count = c = count_for(model_args)
     lora = f", LoRA r={model_args.lora_r}: {c.trainable_params:,} trainable" if model_args.use_peft else ""
-    return f"{name}: {type(config).__name__.replace('Config', '')}, {c.total_params:,} parameters{lora}"
+    quantized = verify_quantization(model_args, st.profile, gpu_count() if st.args.gpus is None else st.args.gpus) \
+        if st.profile is not None else None
+    return f"{name}: {type(config).__name__.replace('Config', '')}, {c.total_params:,} parameters{lora}" + (
+        f"; {quantized}" if quantized else "")
 
 
 def _data(st):

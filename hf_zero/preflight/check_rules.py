@@ -18,6 +18,7 @@ from hf_zero.estimate.memory import count_model, estimate
 from hf_zero.plan.fsdp import verify_fsdp
 from hf_zero.plan.hostfile import find_machine_rank, read_hostfile
 from hf_zero.plan.profiles import gpu_count, precision_name
+from hf_zero.plan.quantization import verify_quantization
 from hf_zero.plan.reconcile import _profile_precision
 from hf_zero.plan.sequence_parallel import verify_recipe_sp
 
@@ -280,6 +281,9 @@ def check_launch_at_start(profile, parsed: tuple, world: int, config: str | None
     gpus = gpu_count()
     verify_devices(profile, _nproc(profile, world, env), gpus)
     verify_precision(profile, profile.mixed_precision, {}, gpus, real_gpus=gpus > 0)
+    model = next((a for a in parsed if hasattr(a, "load_in_4bit")), None)
+    if model is not None:
+        verify_quantization(model, profile, gpus)
     if not any(hasattr(a, "model_name_or_path") for a in parsed):
         verify_offload(profile, None, build_cpu_adam=False)
 

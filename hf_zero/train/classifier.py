@@ -63,6 +63,9 @@ def build_classifier(model_args: ModelArguments, kind: str, label_names: list[st
     import torch
     from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification
 
+    if model_args.load_in_4bit:
+        raise UserError("load_in_4bit", "the classifier recipe has no 4-bit base (QLoRA is the causal-LM recipe's)",
+                        "drop load_in_4bit")
     path = resolve_model_path(model_args.model_name_or_path)
     dtype = base_dtype(model_args.use_peft, profile) if profile is not None and kind == "text" else torch.float32
     auto = AutoModelForImageClassification if kind == "image" else AutoModelForSequenceClassification

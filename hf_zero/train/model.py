@@ -9,12 +9,13 @@ from hf_zero.core.errors import UserError
 from hf_zero.data.chat_template import added_template_tokens, grow_embeddings, train_embeddings
 from hf_zero.data.model_names import get_model_config, resolve_model_path
 from hf_zero.estimate.measure import count_parameters
+from hf_zero.plan.profiles import TORCH_DTYPES
+from hf_zero.plan.quantization import quantization_config
 
 __all__ = ["build_causal_lm", "causal_lm_load_kwargs", "pick_attention", "apply_lora", "lora_kwargs",
            "count_parameters", "is_zero3_partitioned", "base_precision", "base_dtype", "trainable_in_fp32",
            "describe_weights"]
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def base_precision(use_peft: bool, profile) -> str:
@@ -29,7 +30,9 @@ def base_dtype(use_peft: bool, profile):
     """base_precision as the torch dtype `from_pretrained` takes."""
     import torch
 
-    return getattr(torch, _DTYPES[base_precision(use_peft, profile)])
+    return getattr(torch, TORCH_DTYPES[base_precision(use_peft, profile)])
+
+
 
 
 def causal_lm_load_kwargs(model_args: ModelArguments, packing: bool = False, half: bool = False,
@@ -39,7 +42,7 @@ def causal_lm_load_kwargs(model_args: ModelArguments, packing: bool = False, hal
     `pick_attention`."""
     import torch
 
-    kwargs = {"dtype": getattr(torch, _DTYPES[base])}
+    kwargs = {"dtype": getattr(torch, TORCH_DTYPES[base])}
     attention = pick_attention(model_args, packing, half)
     if attention:
         kwargs["attn_implementation"] = attention
@@ -72,6 +75,15 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
 
     kwargs = causal_lm_load_kwargs(model_args, packing, profile.precision != "fp32",
                                    base_precision(model_args.use_peft, profile))
+    quantized = quantization_config(model_args, profile)
+    if quantized is not None:
+        import torch
+
+        kwargs.update(quantization_config=quantized, dtype=quantized.bnb_4bit_compute_dtype)
+        if torch.cuda.is_available() and not profile.uses_deepspeed:  # quantized on its own GPU as it loads
+            import os
+
+            kwargs["device_map"] = {"": int(os.environ.get("LOCAL_RANK", "0"))}
     path = resolve_model_path(model_args.model_name_or_path)
     vocab = getattr(get_model_config(path), "vocab_size", None)
     # Tokens a chat template added (hf_zero.data.chat_template) get new embedding rows; any other surplus is a
@@ -82,12 +94,29 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
     with waiting_for("the other ranks to build the model (zero.Init under ZeRO-3)"):
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     grown = grow_embeddings(model, tokenizer, vocab)
+    if quantized is not None:
+        from peft import prepare_model_for_kbit_training
+
+        # The Trainer turns on gradient checkpointing itself from the recipe.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        embeddings_in_16bit(model, quantized.bnb_4bit_compute_dtype)
     if model_args.use_peft:
         model = apply_lora(model, model_args, task_type="CAUSAL_LM")
         if grown:
             train_embeddings(model)
         trainable_in_fp32(model)
     return model
+
+
+def embeddings_in_16bit(model, dtype) -> None:
+    """prepare_model_for_kbit_training upcasts every weight bitsandbytes left unquantized to fp32: right for the
+    norms' statistics, but the frozen input and output embeddings are the largest of them (2 GiB more in fp32 for
+    Llama-3.1-8B), and autocast casts the output head back to 16 bits for its matmul anyway. They stay in the compute
+    dtype, as a 16-bit LoRA base holds them."""
+    for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
+        weight = getattr(layer, "weight", None)
+        if weight is not None and not weight.requires_grad and weight.is_floating_point():
+            weight.data = weight.data.to(dtype)
 
 
 def trainable_in_fp32(model) -> list[str]:
@@ -107,8 +136,11 @@ def trainable_in_fp32(model) -> list[str]:
 
 def describe_weights(model, profile) -> str:
     """How the weights are held during the run, for the banner: "fp32", or "frozen base bf16, trainable fp32"."""
-
-    names = {v: k for k, v in _DTYPES.items()}
+    names = {v: k for k, v in TORCH_DTYPES.items()}
+    if any(hasattr(p, "quant_state") for p in model.parameters()):  # bitsandbytes' Params4bit: QLoRA
+        rest = sorted({names.get(str(p.dtype).removeprefix("torch."), str(p.dtype)) for p in model.parameters()
+                       if not p.requires_grad and p.is_floating_point() and not hasattr(p, "quant_state")})
+        return f"frozen base NF4 (4-bit; the rest {', '.join(rest) or '-'}), trainable fp32"
     if profile.uses_deepspeed and profile.precision != "fp32":  # the engine casts the module when it wraps it
         return f"{profile.precision} (DeepSpeed casts them; fp32 master copy of what trains)"
     held = {train: {names.get(str(p.dtype).removeprefix("torch."), str(p.dtype)) for p in ps}

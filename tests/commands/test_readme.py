@@ -90,10 +90,13 @@ SLOW |= {"make train"}
 # Commands that start a launcher and its ranks: kept out of `make test-fast` (tests/conftest.py checks the split).
 LAUNCHES = {c for c in COMMANDS if re.search(r"\b(make train|hf-zero train|accelerate launch|make bench)\b", c)
             and "--dry-run" not in c and "--help" not in c}
+# Commands that read what a launch wrote (export, generate, a resume's files under runs/): in the same tier as the
+# launch, which runs before them in page order.
+READS_A_RUN = {c for c in COMMANDS if c not in LAUNCHES and re.search(r"(?<=\s)(?<!--out )runs/", c)}
 
 
 def _marks(cmd):
-    return [pytest.mark.slow] * (cmd in SLOW) + [pytest.mark.multiproc] * (cmd in LAUNCHES)
+    return [pytest.mark.slow] * (cmd in SLOW) + [pytest.mark.multiproc] * (cmd in LAUNCHES | READS_A_RUN)
 
 
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in COMMANDS])
@@ -151,6 +154,13 @@ def _check_estimate_lora_8b(proc, where):
     assert "recommended: profile single_gpu" in proc.stdout
 
 
+def _check_estimate_qlora_8b(proc, where):
+    """On a 12 GiB GPU nothing 16-bit fits on one process: QLoRA, said so."""
+    ddp = next(line for line in proc.stdout.splitlines() if line.startswith("ddp 4-bit"))
+    assert ddp.split()[-7:-4] == ["9.46", "GiB", "backward"], ddp  # peak/GPU, as the estimate page's table says
+    assert "recommended: profile single_gpu" in proc.stdout and "QLoRA (add load_in_4bit: true" in proc.stdout
+
+
 def _check_test_gpu(proc, where):
     from hf_zero.plan.profiles import gpu_count
 
@@ -206,6 +216,8 @@ CHECKS = {
         _check_estimate_recipe,
     "hf-zero estimate --model benchmarks/models/llama-3.1-8b --use-peft --gradient-checkpointing --seq-len 2048 "
     "--gpus-per-node 1 --gpu-memory 24GiB": _check_estimate_lora_8b,
+    "hf-zero estimate --model benchmarks/models/llama-3.1-8b --use-peft --gradient-checkpointing --seq-len 2048 "
+    "--gpus-per-node 1 --gpu-memory 12GiB": _check_estimate_qlora_8b,
     "hf-zero export runs/tiny_ckpt --out runs/tiny_final_hf --overwrite": _check_export_run,
     "hf-zero train --help-recipe": _check_help_recipe,
 }

@@ -12,20 +12,17 @@ import math
 import sys
 
 import pytest
-from testing_utils import REPO, read_summary, run_cmd, write_short_config
+from testing_utils import GPU_NPROC as NPROC
+from testing_utils import GPU_RECIPE_YAML as RECIPE_YAML
+from testing_utils import REPO, SMOL_SHAPE, read_summary, run_cmd, write_short_config
 
 from hf_zero.plan.profiles import gpu_count, list_profiles, load_profile
 
 GPUS = gpu_count()
-NPROC = min(2, GPUS)
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU on this machine (torch.cuda.device_count() == 0)")]
 
-RECIPE_YAML = REPO / "recipes" / "configs" / "smollm2_shakespeare.yaml"
 STEPS = [2, 2, 2]  # per stage: every stage (and its sequence length) runs
-SMOL_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                  num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
-                  max_position_embeddings=2048, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0, pad_token_id=1)
 ESTIMATE_RTOL = 0.10  # the estimate within 10% of the measured peak
 
 
