@@ -56,6 +56,9 @@ SLOW |= {"make train"}
 # Commands that start a launcher and its ranks: kept out of `make test-fast` (tests/conftest.py checks the split).
 LAUNCHES = {c for c in COMMANDS if re.search(r"\b(make train|hf-zero train|accelerate launch|make bench)\b", c)
             and "--dry-run" not in c and "--help" not in c}
+# ... and those that read what a launch wrote (`hf-zero export runs/tiny_ckpt`): they run after it, in README order.
+WRITTEN = {run for c in LAUNCHES for run in re.findall(r"runs/\w+", c)}
+LAUNCHES |= {c for c in COMMANDS if any(run in c for run in WRITTEN)}
 
 
 def _marks(cmd):
