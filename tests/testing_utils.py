@@ -299,7 +299,7 @@ def write_short_config(src: Path, dst: Path, steps: list[int], **overrides) -> P
         # A warmup as long as the stage never reaches its peak LR, which the stage checks refuse: shorten it too.
         warmup = {"warmup_steps": min(stage["warmup_steps"], n - 1)} if "warmup_steps" in stage else {}
         stages.append({**stage, "steps": n, "data": data_paths, **warmup})
-    data.update(stages=stages, eval_samples=0, **overrides)
+    data.update({"stages": stages, "eval_samples": 0, **overrides})  # eval_samples may be overridden
     dst.write_text(yaml.safe_dump(data, sort_keys=False))
     return dst
 

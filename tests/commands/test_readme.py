@@ -90,13 +90,13 @@ SLOW |= {"make train"}
 # Commands that start a launcher and its ranks: kept out of `make test-fast` (tests/conftest.py checks the split).
 LAUNCHES = {c for c in COMMANDS if re.search(r"\b(make train|hf-zero train|accelerate launch|make bench)\b", c)
             and "--dry-run" not in c and "--help" not in c}
-# Commands that read what a launch wrote (export, generate, a resume's files under runs/): in the same tier as the
-# launch, which runs before them in page order.
-READS_A_RUN = {c for c in COMMANDS if c not in LAUNCHES and re.search(r"(?<=\s)(?<!--out )runs/", c)}
+# ... and those that read what a launch wrote (`hf-zero export runs/tiny_ckpt`): they run after it, in README order.
+WRITTEN = {run for c in LAUNCHES for run in re.findall(r"runs/\w+", c)}
+LAUNCHES |= {c for c in COMMANDS if any(run in c for run in WRITTEN)}
 
 
 def _marks(cmd):
-    return [pytest.mark.slow] * (cmd in SLOW) + [pytest.mark.multiproc] * (cmd in LAUNCHES | READS_A_RUN)
+    return [pytest.mark.slow] * (cmd in SLOW) + [pytest.mark.multiproc] * (cmd in LAUNCHES)
 
 
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in COMMANDS])

@@ -19,6 +19,10 @@ def _start(tmp_path, argv, **env):
 
 def test_a_plain_process_leaves_no_mark(tmp_path):
     assert _start(tmp_path, ["-c", "pass"]) == []
+    # A stand-in that only records a launch command line (tests/launch/test_slurm.py's fake python) is no launcher.
+    script = tmp_path / "python"
+    script.write_text("pass\n")
+    assert _start(tmp_path, [script, "-m", "accelerate.commands.launch", "--num_processes", "2"]) == []
 
 
 @pytest.mark.parametrize("how", ["rank", "launcher"])

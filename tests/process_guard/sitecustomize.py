@@ -6,11 +6,26 @@ import os
 import sys
 
 _MARKS = os.environ.get("HF_ZERO_TEST_GROUP_MARKS")
+
+
+def _is_launcher(argv: list) -> bool:
+    """What this interpreter runs (`-m MODULE` or a script; not the arguments after it) is a launcher."""
+    rest = argv[1:]
+    for i, arg in enumerate(rest):
+        if arg == "-m":
+            return rest[i + 1:i + 2] in (["accelerate.commands.launch"], ["torch.distributed.run"],
+                                         ["hf_zero.launch.launcher"])
+        if arg == "-c":
+            return False
+        if not arg.startswith("-"):
+            name = os.path.basename(arg)
+            return name == "torchrun" or (name == "accelerate" and rest[i + 1:i + 2] == ["launch"])
+    return False
+
+
 if _MARKS:
-    _argv = [os.path.basename(a) for a in getattr(sys, "orig_argv", sys.argv)]
-    _LAUNCHERS = ("accelerate.commands.launch", "hf_zero.launch.launcher", "torch.distributed.run", "torchrun")
-    _launcher = any(a in _LAUNCHERS for a in _argv) or ("accelerate" in _argv and "launch" in _argv)
-    if _launcher or os.environ.get("TORCHELASTIC_RUN_ID"):  # torch elastic sets it in every rank it starts
+    _argv = list(getattr(sys, "orig_argv", sys.argv))
+    if _is_launcher(_argv) or os.environ.get("TORCHELASTIC_RUN_ID"):  # torch elastic sets it in every rank it starts
         try:
             with open(os.path.join(_MARKS, str(os.getpid())), "w") as _f:
                 _f.write(" ".join(getattr(sys, "orig_argv", sys.argv)))
