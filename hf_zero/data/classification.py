@@ -307,7 +307,6 @@ class ImageSource:
         return len(self.images)
 
     def __getitem__(self, i: int) -> dict:
-
         from PIL import Image
 
         img = Image.fromarray(self.images[i]).resize((self.side, self.side), Image.Resampling.BICUBIC)

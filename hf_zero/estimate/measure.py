@@ -72,7 +72,6 @@ class StepPeakRecorder:
                 self.restore.append(opt)
 
     def _snapshot(self, where: str) -> None:
-
         now = measure_engine_bytes(self.model, optimizer=self.optimizer)
         for kind in KINDS:
             self.peaks[where][kind] = max(self.peaks[where][kind], now[kind])
