@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, differences
+from hf_zero.checkpoint.convert import complete_universal, convert_in_place, converted_for, needs_conversion
 from hf_zero.checkpoint.safe_load import check_checkpoint, safe_load
 from hf_zero.checkpoint.store import (
     _TRASH_DIR,
@@ -55,29 +56,31 @@ def _broadcast(value):
     return box[0]
 
 
-def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
-    """Raise UserError when this run cannot continue the checkpoint; return True when the rank count changed and
-    the DeepSpeed state must be converted first."""
+def _check_compatible(checkpoint: Path, meta: dict, ctx) -> tuple[bool, str | None]:
+    """Raise UserError when this run cannot continue the checkpoint; else (universal, convert): whether DeepSpeed
+    loads it as a universal checkpoint (another rank count or ZeRO stage), and the engine format it is converted
+    to first ("fsdp2", "deepspeed"; checkpoint/convert.py), if another engine wrote it."""
     prof, plan = ctx.profile, ctx.plan
     name = checkpoint.name
     if not meta:
         _say(f"warning: {name} has no hf_zero metadata; resuming without compatibility checks")
-        return False
+        return False, None
     written = _format_of(meta.get("engine")
                          or ("deepspeed" if meta.get("zero_stage") else _engine_on_disk(checkpoint)))
     now = _format_of(prof.engine)
-    if written != now:
+    convert = needs_conversion(meta, prof.engine, int(prof.zero_stage or 0)) if written != now else None
+    if written != now and convert is None:
         raise UserError("profile", f"{name} was written with profile {meta.get('profile')} ({written} checkpoint) but "
                         f"this run uses {prof.name} ({now}), which cannot read it",
                         f"resume with profile {meta.get('profile')}, or `hf-zero export {checkpoint} --out DIR` and "
                         f"start a new run from DIR with {flag_hint('--fresh_start true')}")
-    stage_now = int(prof.zero_stage or 0) if prof.uses_deepspeed else 0
-    if int(meta.get("zero_stage", 0)) != stage_now:
-        raise UserError("profile", f"{name} was written with profile {meta.get('profile')} "
-                        f"(ZeRO-{meta.get('zero_stage')}) but this run uses {prof.name} (ZeRO-{stage_now}), whose "
-                        "optimizer state is laid out differently",
-                        f"resume with profile {meta.get('profile')}, or `hf-zero export {checkpoint} --out DIR` and "
-                        f"start a new run from DIR with {flag_hint('--fresh_start true')}")
+    before, precision = meta.get("precision"), getattr(plan, "precision", None)
+    if before and precision and before != precision and "fp16" in (before, precision) \
+            and (convert or prof.uses_deepspeed):
+        raise UserError("precision", f"{name} was trained in {before} and this run uses {precision}: fp16 keeps "
+                        "a loss scale (and, under ZeRO, fp16 weights beside the fp32 masters) the others do not",
+                        f"resume with {flag_hint('--' + meta['precision'] + ' true')} (PRECISION="
+                        f"{meta['precision']}), or start a new run with {flag_hint('--fresh_start true')}")
     if meta.get("global_batch") != plan.batch.global_batch:
         raise UserError("global_batch_size", f"{name} was trained with a global batch of {meta.get('global_batch')} "
                         f"({meta.get('micro_batch')} micro x {meta.get('grad_accum')} accum x "
@@ -85,11 +88,16 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
                         "data order and the LR schedule",
                         f"pass {flag_hint('--global_batch_size ' + str(meta.get('global_batch')))} "
                         f"(accumulation adapts to the rank count) or {flag_hint('--fresh_start true')}")
-    if meta.get("world_size") == plan.world or not prof.uses_deepspeed:
+    if not prof.uses_deepspeed:
         # The Trainer's own checkpoints do not depend on the rank count; FSDP2's distributed checkpoints record
         # each tensor's global shape and reshard on load.
-        return False
-    return True
+        return False, convert
+    stage_now = int(prof.zero_stage or 0)
+    # Another ZeRO stage lays the optimizer state out differently: its universal checkpoint is what every stage
+    # loads, like another rank count; so is a checkpoint `hf-zero convert` wrote.
+    universal = (convert is not None or int(meta.get("zero_stage", 0)) != stage_now
+                 or meta.get("world_size") != plan.world or (meta.get("converted") or {}).get("layout") == "universal")
+    return universal, convert
 
 
 def _engine_on_disk(checkpoint: Path) -> str:
@@ -114,6 +122,7 @@ def convert_to_universal(checkpoint: Path) -> Path:
     tag = (checkpoint / "latest").read_text().strip()
     final = checkpoint / f"{tag}{UNIVERSAL_SUFFIX}"
     if (final / ".complete").is_file():
+        complete_universal(final)  # one converted before this could load it under another stage
         return final
     tmp = checkpoint / f"{tag}{UNIVERSAL_SUFFIX}.partial"
     for stale in (tmp, final):
@@ -134,6 +143,7 @@ def convert_to_universal(checkpoint: Path) -> Path:
         raise UserError("resume", f"DeepSpeed could not convert {checkpoint.name} for another number of ranks "
                         f"({last.strip()[:160]})", "resume with the number of processes that wrote it, or "
                         f"`hf-zero export {checkpoint} --out DIR` and start a new run from DIR")
+    complete_universal(tmp)
     (tmp / ".complete").write_text("ok\n")
     os.rename(tmp, final)
     (checkpoint / "latest_universal").write_text(final.name)
@@ -177,7 +187,7 @@ def _choose(ctx, fresh_start: bool) -> dict:
     # loader here, on rank 0, before any rank's engine reads one.
     check_checkpoint(checkpoint)
     meta = read_metadata(checkpoint)
-    universal = _check_compatible(checkpoint, meta, ctx)
+    universal, convert = _check_compatible(checkpoint, meta, ctx)
     changed = []
     if settings is not None:
         changed = check_resume_settings(checkpoint.name, meta.get("settings"), settings,
@@ -194,11 +204,21 @@ def _choose(ctx, fresh_start: bool) -> dict:
              if universal else "")
     if ctx.profile.uses_fsdp and meta.get("world_size") not in (None, ctx.plan.world):
         ranks = f"; written by {_ranks(meta.get('world_size'))}, resharded on load for {_ranks(ctx.plan.world)}"
+    switch = convert or (meta and ctx.profile.uses_deepspeed
+                         and int(meta.get("zero_stage", 0)) != int(ctx.profile.zero_stage or 0))
+    if switch:
+        done = (converted_for(checkpoint, convert) if convert
+                else converted_for(checkpoint, "deepspeed"))
+        ranks = ""
+        _say(f"{checkpoint.name}: {meta.get('profile')} on {_ranks(meta.get('world_size'))} -> {ctx.profile.name} on "
+             f"{_ranks(ctx.plan.world)}; " + ("converted before (kept inside the checkpoint)" if done else
+                                              "converting once (kept inside the checkpoint)")
+             + "; weights, fp32 masters, Adam moments and steps, LR schedule, data position and RNG carry over")
     _say(f"resuming from {checkpoint} at step {meta.get('global_step', '?')}{where}{ranks}")
     if changed:
         diff = differences(meta["settings"], settings)
         _say(f"applying from step {meta.get('global_step', '?')}: " + "; ".join(diff[k] for k in changed))
-    return {"resume": str(checkpoint), "universal": universal}
+    return {"resume": str(checkpoint), "universal": universal, **({"convert": convert} if convert else {})}
 
 
 def _read_json(path: Path) -> dict:
@@ -229,7 +249,10 @@ def prepare_resume(ctx, fresh_start: bool = False) -> str | None:
     if int(os.environ.get("RANK", "0")) == 0:
         try:
             decision = _choose(ctx, fresh_start)
-            if decision.get("universal"):
+            if decision.get("convert"):
+                convert_in_place(Path(decision["resume"]), decision["convert"], convert_to_universal)
+            elif decision.get("universal") and (Path(decision["resume"]) / "latest").is_file():
+                # (`hf-zero convert` writes the universal checkpoint alone: nothing to convert)
                 convert_to_universal(Path(decision["resume"]))
         except UserError as err:
             decision = {"error": (err.field, err.problem, err.fix)}
