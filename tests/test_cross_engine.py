@@ -223,3 +223,36 @@ def test_convert_bad_input_is_one_line(tmp_path):
     proc = run_cmd([hf_zero, "convert", tmp_path / "nowhere", "--to", "fsdp2", "--out", tmp_path / "o"],
                    check=False)
     assert proc.returncode == 2 and proc.stderr.startswith("hf-zero: error: CHECKPOINT: ")
+
+
+# ---------------------------------------------------------------- the long matrix (slow)
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, config, chain):
+    """An uninterrupted run per source profile, started the first time a pair asks for it (zero3: the chain's)."""
+    runs = {"zero3": chain.ref}
+
+    def get(profile):
+        if profile not in runs:
+            runs[profile] = tmp_path_factory.mktemp("src") / profile
+            launch_recipe(profile, runs[profile], *COMMON, config=config)
+        return runs[profile]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("source, target, step, nproc", [
+    ("zero2", "zero3", 9, None),
+    ("zero3", "zero2", 12, None),
+    ("fsdp2", "zero2", 9, 1),
+    ("zero2", "fsdp2_offload", 12, None),
+    ("zero3_offload", "zero1", 9, None),
+])
+def test_matrix(sources, chain, tmp_path, config, source, target, step, nproc):
+    out = tmp_path / f"{source}-to-{target}"
+    proc = resume(target, sources(source), step, out, config, nproc=nproc)
+    ranks = "1 rank" if nproc == 1 else "2 ranks"
+    assert f"checkpoint-{step}: {source} on 2 ranks -> {target} on {ranks}; converting once" in proc.stdout
+    assert max_loss_diff(out, chain.ref, step) <= TOL
+    assert max_weight_diff(out, chain.ref) <= TOL
