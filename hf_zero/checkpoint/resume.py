@@ -32,7 +32,8 @@ from hf_zero.checkpoint.store import (
 from hf_zero.core.errors import RunComplete, UserError, flag_hint
 from hf_zero.core.lazy import trainer_callback
 
-__all__ = ["prepare_resume", "complete_message", "convert_to_universal", "Zero3UniversalFix", "UNIVERSAL_SUFFIX"]
+__all__ = ["prepare_resume", "complete_message", "convert_to_universal", "Zero3UniversalFix", "UNIVERSAL_SUFFIX",
+           "profile_switch", "check_profile_switch"]
 
 UNIVERSAL_SUFFIX = "_universal"
 _REFUSED = "hf-zero: error: checkpoint: "
@@ -98,6 +99,28 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> tuple[bool, str | No
     universal = (convert is not None or int(meta.get("zero_stage", 0)) != stage_now
                  or meta.get("world_size") != plan.world or (meta.get("converted") or {}).get("layout") == "universal")
     return universal, convert
+
+
+def profile_switch(checkpoint: Path, meta: dict, profile, world: int, convert: str | None) -> str | None:
+    """What changes when the checkpoint resumes under another engine or ZeRO stage (None: neither changes), e.g.
+    `checkpoint-40: zero3 on 2 ranks -> fsdp2 on 1 rank; converting once (kept inside the checkpoint)`."""
+    stage_change = bool(meta) and profile.uses_deepspeed and int(meta.get("zero_stage", 0)) != int(profile.zero_stage
+                                                                                                  or 0)
+    if not (convert or stage_change):
+        return None
+    done = converted_for(checkpoint, convert or "deepspeed")
+    return (f"{checkpoint.name}: {meta.get('profile')} on {_ranks(meta.get('world_size'))} -> {profile.name} on "
+            f"{_ranks(world)}; " + ("converted before (kept inside the checkpoint)" if done else
+                                    "converting once (kept inside the checkpoint)"))
+
+
+def check_profile_switch(checkpoint: Path, profile, world: int, batch, precision: str | None) -> str | None:
+    """`hf-zero check`: the resume's own checks and its profile-switch line, before any process starts."""
+    meta = read_metadata(checkpoint)
+    plan = type("Plan", (), {"batch": batch, "world": world, "precision": precision})
+    ctx = type("Ctx", (), {"profile": profile, "plan": plan})
+    _, convert = _check_compatible(checkpoint, meta, ctx)
+    return profile_switch(checkpoint, meta, profile, world, convert)
 
 
 def _engine_on_disk(checkpoint: Path) -> str:
@@ -204,16 +227,10 @@ def _choose(ctx, fresh_start: bool) -> dict:
              if universal else "")
     if ctx.profile.uses_fsdp and meta.get("world_size") not in (None, ctx.plan.world):
         ranks = f"; written by {_ranks(meta.get('world_size'))}, resharded on load for {_ranks(ctx.plan.world)}"
-    switch = convert or (meta and ctx.profile.uses_deepspeed
-                         and int(meta.get("zero_stage", 0)) != int(ctx.profile.zero_stage or 0))
+    switch = profile_switch(checkpoint, meta, ctx.profile, ctx.plan.world, convert)
     if switch:
-        done = (converted_for(checkpoint, convert) if convert
-                else converted_for(checkpoint, "deepspeed"))
         ranks = ""
-        _say(f"{checkpoint.name}: {meta.get('profile')} on {_ranks(meta.get('world_size'))} -> {ctx.profile.name} on "
-             f"{_ranks(ctx.plan.world)}; " + ("converted before (kept inside the checkpoint)" if done else
-                                              "converting once (kept inside the checkpoint)")
-             + "; weights, fp32 masters, Adam moments and steps, LR schedule, data position and RNG carry over")
+        _say(f"{switch}; weights, fp32 masters, Adam moments and steps, LR schedule, data position and RNG carry over")
     _say(f"resuming from {checkpoint} at step {meta.get('global_step', '?')}{where}{ranks}")
     if changed:
         diff = differences(meta["settings"], settings)
