@@ -94,8 +94,7 @@ def convert_in_place(checkpoint: Path, target: str, to_universal) -> None:
     meta = read_metadata(checkpoint)
     with safe_checkpoint_loading():
         if target == "fsdp2":
-            universal = to_universal(checkpoint)
-            _replace_dcp(checkpoint, universal)
+            _replace_dcp(checkpoint, to_universal(checkpoint))
         else:
             _write_universal(checkpoint, checkpoint, meta)
 
@@ -103,7 +102,7 @@ def convert_in_place(checkpoint: Path, target: str, to_universal) -> None:
 def _replace_dcp(checkpoint: Path, universal: Path) -> None:
     tmp = checkpoint / ".converting_fsdp2"
     shutil.rmtree(tmp, ignore_errors=True)
-    universal_to_dcp(universal, tmp)
+    universal_to_dcp(universal, tmp, checkpoint)
     for name in (FSDP_OPTIM_DIR, FSDP_MODEL_DIR):  # the model folder last: its .complete marks the conversion done
         shutil.rmtree(checkpoint / name, ignore_errors=True)
         os.rename(tmp / name, checkpoint / name)
@@ -258,10 +257,13 @@ def _dcp_save(state: dict, sources: dict, folder: Path) -> None:
                  no_dist=True)
 
 
-def universal_to_dcp(universal: Path, dest: Path) -> None:
+def universal_to_dcp(universal: Path, dest: Path, checkpoint: Path | None = None) -> None:
     """dest/pytorch_model_fsdp_0 (fp32 weights) and dest/optimizer_0 (both Adam moments, step, param groups), in
     the layout accelerate's FSDP2 save writes: {"model": {name: tensor}} and {"optimizer": {"state": {name: {...}},
-    "param_groups": [{..., "params": [names]}]}}."""
+    "param_groups": [{..., "params": [names]}]}}. A LoRA `checkpoint` adds the frozen base weights FSDP2 loads and
+    a universal checkpoint lacks (_frozen_base_weights)."""
+    import torch
+
     universal, dest = Path(universal), Path(dest)
     groups = universal_groups(universal)
     zero = universal / "zero"
@@ -272,6 +274,10 @@ def universal_to_dcp(universal: Path, dest: Path) -> None:
     for name in names:
         model[name] = _meta_like(zero / name / "fp32.pt", shapes.get(name))
         model_src[f"model.{name}"] = _reader(zero / name / "fp32.pt", model[name].shape)
+    if checkpoint is not None and (Path(checkpoint) / "adapter_config.json").is_file():
+        for name, (shape, dtype, read) in _frozen_base_weights(Path(checkpoint), set(model)).items():
+            model[name] = torch.empty(shape, dtype=dtype, device="meta")
+            model_src[f"model.{name}"] = read
     defaults = _adamw_defaults()
     state, optim_src, param_groups = {}, {}, []
     for group in groups:
@@ -287,6 +293,49 @@ def universal_to_dcp(universal: Path, dest: Path) -> None:
     _dcp_save({"model": model}, model_src, dest / FSDP_MODEL_DIR)
     _dcp_save({"optimizer": {"state": state, "param_groups": param_groups}}, optim_src, dest / FSDP_OPTIM_DIR)
     (dest / FSDP_MODEL_DIR / ".complete").write_text("ok\n")
+
+
+def _frozen_base_weights(checkpoint: Path, have: set) -> dict:
+    """LoRA: name -> (shape, dtype, reader) of each frozen base weight of the PeftModel that `have` lacks, read one
+    at a time from the base model's safetensors (FSDP2's checkpoint holds the whole PeftModel; a universal one only
+    what the optimizer holds). The names are the PeftModel's, from peft itself on a meta-device model."""
+    import torch
+    from peft import PeftConfig, get_peft_model
+    from safetensors import safe_open
+
+    from hf_zero.train.fsdp import _config_of, _meta_model
+
+    base = read_metadata(checkpoint).get("base_model_path")
+    files = sorted(Path(base).glob("*.safetensors")) if base and Path(base).is_dir() else []
+    if not files:
+        raise UserError("checkpoint", f"{checkpoint.name} is a LoRA checkpoint whose base model ({base}) is not on "
+                        "this machine; FSDP2 needs its frozen weights", "convert it where the base model is")
+    where = {}
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            where.update({key: file for key in f.keys()})
+    with torch.device("meta"):
+        model = get_peft_model(_meta_model(_config_of(base), head=True), PeftConfig.from_pretrained(str(checkpoint)))
+    out = {}
+    for name, param in model.named_parameters():
+        key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        if name in have or param.requires_grad or key not in where:
+            continue
+        with safe_open(str(where[key]), "pt") as f:
+            piece = f.get_slice(key)
+            shape, dtype = piece.get_shape(), _dtype(piece.get_dtype())
+
+        def read(file=where[key], key=key):
+            with safe_open(str(file), "pt") as f:
+                return f.get_tensor(key).contiguous()
+        out[name] = (shape, dtype, read)
+    return out
+
+
+def _dtype(name: str):
+    import torch
+
+    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[name]
 
 
 def _meta_like(path: Path, shape=None):
@@ -401,6 +450,23 @@ def run(args) -> int:
     return 0
 
 
+def _universal_outside(source: Path, work: Path) -> Path:
+    """DeepSpeed's universal conversion of `source`, written under `work`: the source checkpoint is only read (a
+    view of it, its `latest` and tag folder linked, is what resume.py's converter writes into)."""
+    from hf_zero.checkpoint.resume import convert_to_universal  # resume.py imports this module
+
+    if not (source / "latest").is_file() and converted_for(source, "deepspeed"):  # `hf-zero convert` wrote it
+        tag = (source / "latest_universal").read_text().strip()
+        shutil.copytree(source / tag, work / ".source" / tag)
+        return work / ".source" / tag
+    view = work / ".source"
+    view.mkdir()
+    tag = (source / "latest").read_text().strip()
+    for name in ("latest", tag):
+        (view / name).symlink_to((source / name).resolve())
+    return convert_to_universal(view)
+
+
 def convert_checkpoint(checkpoint, profile_name: str, out, nproc: int | None = None) -> Path:
     """out/checkpoint-N: the checkpoint in the layout `profile_name` loads on `nproc` ranks without converting
     again (a universal checkpoint for ZeRO, distributed checkpoints for FSDP2), the engine-free files copied."""
@@ -441,17 +507,14 @@ def convert_checkpoint(checkpoint, profile_name: str, out, nproc: int | None = N
                     shutil.copytree(source / name, tmp / name)
                 (tmp / FSDP_MODEL_DIR / ".complete").write_text("ok\n")
             else:
-                from hf_zero.checkpoint.resume import convert_to_universal
-
-                universal_to_dcp(convert_to_universal(source), tmp)
+                universal_to_dcp(_universal_outside(source, tmp), tmp, source)
         elif written == "fsdp2":
             _write_universal(source, tmp, meta)
         else:
-            from hf_zero.checkpoint.resume import convert_to_universal
-
-            universal = convert_to_universal(source)
-            shutil.copytree(universal, tmp / universal.name)
+            universal = _universal_outside(source, tmp)
+            os.rename(universal, tmp / universal.name)
             (tmp / "latest_universal").write_text(universal.name)
+        shutil.rmtree(tmp / ".source", ignore_errors=True)
     world = nproc or meta.get("world_size") or 1
     new_meta = {**meta, "profile": profile.name, "engine": profile.engine,
                 "zero_stage": int(profile.zero_stage or 0) if profile.uses_deepspeed else 0, "world_size": world,
