@@ -57,7 +57,10 @@ def max_loss_diff(out, ref, after: int) -> float:
 
 
 def max_weight_diff(a, b) -> float:
-    wa, wb = (load_file(str(Path(run) / "final" / "model.safetensors")) for run in (a, b))
+    """Over the final model's weights (LoRA: the adapter's)."""
+    name = "adapter_model.safetensors" if (Path(a) / "final" / "adapter_model.safetensors").is_file() \
+        else "model.safetensors"
+    wa, wb = (load_file(str(Path(run) / "final" / name)) for run in (a, b))
     assert wa.keys() == wb.keys()
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
@@ -240,46 +243,39 @@ def test_convert_bad_input_is_one_line(tmp_path):
 
 # ---------------------------------------------------------------- the long matrix (slow)
 
+LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_dropout", "0", "--lora_target_modules", "q_proj", "v_proj"]
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory, config, chain):
-    """An uninterrupted run per source profile, started the first time a pair asks for it (zero3: the chain's)."""
-    runs = {"zero3": chain.ref}
+    """An uninterrupted run per (source profile, LoRA), started the first time a pair asks for it."""
+    runs = {("zero3", False): chain.ref}
 
-    def get(profile):
-        if profile not in runs:
-            runs[profile] = tmp_path_factory.mktemp("src") / profile
-            launch_recipe(profile, runs[profile], *COMMON, config=config)
-        return runs[profile]
+    def get(profile, lora=False):
+        if (profile, lora) not in runs:
+            out = tmp_path_factory.mktemp("src") / f"{profile}{'-lora' if lora else ''}"
+            launch_recipe(profile, out, *COMMON, *(LORA if lora else []), config=config)
+            runs[profile, lora] = out
+        return runs[profile, lora]
     return get
 
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("source, target, step, nproc", [
-    ("zero2", "zero3", 9, None),
-    ("zero3", "zero2", 12, None),
-    ("fsdp2", "zero2", 9, 1),
-    ("zero2", "fsdp2_offload", 12, None),
-    ("zero3_offload", "zero1", 9, None),
+@pytest.mark.parametrize("source, target, step, nproc, lora", [
+    ("zero2", "zero3", 9, None, False),
+    ("zero3", "zero2", 12, None, False),
+    ("fsdp2", "zero2", 9, 1, False),
+    ("zero2", "fsdp2_offload", 12, None, False),
+    ("zero3_offload", "zero1", 9, None, False),
+    ("zero3", "fsdp2", 9, 1, True),
+    ("fsdp2", "zero2", 12, None, True),
 ])
-def test_matrix(sources, chain, tmp_path, config, source, target, step, nproc):
+def test_matrix(sources, tmp_path, config, source, target, step, nproc, lora):
     out = tmp_path / f"{source}-to-{target}"
-    proc = resume(target, sources(source), step, out, config, nproc=nproc)
+    proc = resume(target, sources(source, lora), step, out, config, nproc=nproc, extra=LORA if lora else ())
     ranks = "1 rank" if nproc == 1 else "2 ranks"
     assert f"checkpoint-{step}: {source} on 2 ranks -> {target} on {ranks}; converting once" in proc.stdout
-    assert max_loss_diff(out, chain.ref, step) <= TOL
-    assert max_weight_diff(out, chain.ref) <= TOL
-
-
-def test_check_says_what_a_resume_under_another_profile_changes(tmp_path, capsys):
-    from hf_zero.cli import main
-
-    out = tmp_path / "run"
-    _checkpoint(out)
-    rc = main(["check", "--profile", "fsdp2", "--nproc", "1", "--config", str(TINY), "--output-dir", str(out),
-               "--global_batch_size", "4"])
-    lines = capsys.readouterr().out.splitlines()
-    output = next(line for line in lines if line.split(" ", 2)[1].rstrip(":") == "output")
-    assert rc == 0 and output.startswith("ok ")
-    assert output.endswith("resume: checkpoint-6: zero3 on 2 ranks -> fsdp2 on 1 rank; converting once (kept inside "
-                           "the checkpoint)")
+    ref = sources("zero3", lora)  # every engine trains the same losses here (module docstring)
+    assert max_loss_diff(out, ref, step) <= TOL
+    assert max_weight_diff(out, ref) <= TOL

@@ -260,24 +260,22 @@ def _dcp_save(state: dict, sources: dict, folder: Path) -> None:
 def universal_to_dcp(universal: Path, dest: Path, checkpoint: Path | None = None) -> None:
     """dest/pytorch_model_fsdp_0 (fp32 weights) and dest/optimizer_0 (both Adam moments, step, param groups), in
     the layout accelerate's FSDP2 save writes: {"model": {name: tensor}} and {"optimizer": {"state": {name: {...}},
-    "param_groups": [{..., "params": [names]}]}}. A LoRA `checkpoint` adds the frozen base weights FSDP2 loads and
-    a universal checkpoint lacks (_frozen_base_weights)."""
-    import torch
-
+    "param_groups": [{..., "params": [names]}]}}. For a LoRA `checkpoint` the model part is the adapter alone, named
+    as peft's state dict names it (the Trainer saves and loads FSDP2 adapters that way)."""
     universal, dest = Path(universal), Path(dest)
     groups = universal_groups(universal)
     zero = universal / "zero"
     # Every parameter folder gives a weight (ZeRO-1/2 universal checkpoints also hold LoRA's frozen base weights).
     names = sorted(p.name for p in zero.iterdir() if (p / "fp32.pt").is_file())
     shapes = _shapes(universal)
+    peft = checkpoint is not None and (Path(checkpoint) / "adapter_config.json").is_file()
+    if peft:  # the adapter only: what the optimizer trains
+        names = [n for group in groups for n in group["names"]]
     model, model_src = {}, {}
     for name in names:
-        model[name] = _meta_like(zero / name / "fp32.pt", shapes.get(name))
-        model_src[f"model.{name}"] = _reader(zero / name / "fp32.pt", model[name].shape)
-    if checkpoint is not None and (Path(checkpoint) / "adapter_config.json").is_file():
-        for name, (shape, dtype, read) in _frozen_base_weights(Path(checkpoint), set(model)).items():
-            model[name] = torch.empty(shape, dtype=dtype, device="meta")
-            model_src[f"model.{name}"] = read
+        key = _adapter_key(name) if peft else name
+        model[key] = _meta_like(zero / name / "fp32.pt", shapes.get(name))
+        model_src[f"model.{key}"] = _reader(zero / name / "fp32.pt", model[key].shape)
     defaults = _adamw_defaults()
     state, optim_src, param_groups = {}, {}, []
     for group in groups:
@@ -289,53 +287,20 @@ def universal_to_dcp(universal: Path, dest: Path, checkpoint: Path | None = None
                 optim_src[f"optimizer.state.{name}.{m}"] = _reader(zero / name / f"{m}.pt", entry[m].shape)
             entry["step"] = _as_step(group["step"] if group["step"] is not None else 0)
             state[name] = entry
+    if len(param_groups) == 1:
+        # The Trainer's groups are [weight decay, no weight decay]; DeepSpeed drops an empty one (LoRA trains no
+        # norm), FSDP2 keeps it, and its loader pairs groups by position and wants the empty one present.
+        param_groups.append({**param_groups[0], "weight_decay": 0.0, "params": []})
     dest.mkdir(parents=True, exist_ok=True)
     _dcp_save({"model": model}, model_src, dest / FSDP_MODEL_DIR)
     _dcp_save({"optimizer": {"state": state, "param_groups": param_groups}}, optim_src, dest / FSDP_OPTIM_DIR)
     (dest / FSDP_MODEL_DIR / ".complete").write_text("ok\n")
 
 
-def _frozen_base_weights(checkpoint: Path, have: set) -> dict:
-    """LoRA: name -> (shape, dtype, reader) of each frozen base weight of the PeftModel that `have` lacks, read one
-    at a time from the base model's safetensors (FSDP2's checkpoint holds the whole PeftModel; a universal one only
-    what the optimizer holds). The names are the PeftModel's, from peft itself on a meta-device model."""
-    import torch
-    from peft import PeftConfig, get_peft_model
-    from safetensors import safe_open
-
-    from hf_zero.train.fsdp import _config_of, _meta_model
-
-    base = read_metadata(checkpoint).get("base_model_path")
-    files = sorted(Path(base).glob("*.safetensors")) if base and Path(base).is_dir() else []
-    if not files:
-        raise UserError("checkpoint", f"{checkpoint.name} is a LoRA checkpoint whose base model ({base}) is not on "
-                        "this machine; FSDP2 needs its frozen weights", "convert it where the base model is")
-    where = {}
-    for file in files:
-        with safe_open(str(file), "pt") as f:
-            where.update({key: file for key in f.keys()})
-    with torch.device("meta"):
-        model = get_peft_model(_meta_model(_config_of(base), head=True), PeftConfig.from_pretrained(str(checkpoint)))
-    out = {}
-    for name, param in model.named_parameters():
-        key = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        if name in have or param.requires_grad or key not in where:
-            continue
-        with safe_open(str(where[key]), "pt") as f:
-            piece = f.get_slice(key)
-            shape, dtype = piece.get_shape(), _dtype(piece.get_dtype())
-
-        def read(file=where[key], key=key):
-            with safe_open(str(file), "pt") as f:
-                return f.get_tensor(key).contiguous()
-        out[name] = (shape, dtype, read)
-    return out
-
-
-def _dtype(name: str):
-    import torch
-
-    return {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}[name]
+def _adapter_key(name: str) -> str:
+    """A LoRA parameter's name in peft's state dict: without the adapter's name (get_peft_model_state_dict), e.g.
+    `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`; hf_zero trains peft's "default" adapter."""
+    return name.replace(".default.", ".")
 
 
 def _meta_like(path: Path, shape=None):
@@ -404,11 +369,16 @@ def dcp_to_universal(source: Path, universal: Path, step: int, world: int, globa
     model_entries = {k[len("model."):]: v for k, v in _dcp_entries(model_dir).items()
                      if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
     optim_entries = _dcp_entries(optim_dir)
-    groups = read_dcp_groups(optim_dir)
+    groups = [g for g in read_dcp_groups(optim_dir) if g["params"]]  # DeepSpeed keeps no empty group
+    # The parameters' names are the optimizer's (the model's own); a LoRA model part is keyed as peft names it.
+    trained = {n for g in groups for n in g["params"]}
+    names = {name: name if name in model_entries else _adapter_key(name) for name in trained}
+    names.update({key: key for key in model_entries if key not in names.values()})  # frozen weights, if saved
     zero = universal / "zero"
-    for name, meta in model_entries.items():
+    for name, key in names.items():
+        meta = model_entries[key]
         (zero / name).mkdir(parents=True, exist_ok=True)
-        torch.save({"param": _dcp_tensor(model_dir, f"model.{name}", meta), "cat_dim": 0}, zero / name / "fp32.pt")
+        torch.save({"param": _dcp_tensor(model_dir, f"model.{key}", meta), "cat_dim": 0}, zero / name / "fp32.pt")
         for m in (*_MOMENTS, "step"):
             key = f"optimizer.state.{name}.{m}"
             if key in optim_entries:
@@ -421,7 +391,7 @@ def dcp_to_universal(source: Path, universal: Path, step: int, world: int, globa
                                                    if s is not None},
                                          "param_groups": [{**h, "params": [i]} for i, h in enumerate(hyper)]},
                 "ds_version": deepspeed.__version__}, zero / "optimizer_state.pt")
-    shapes = [{n: model_entries[n].size for n in g["params"]} for g in groups]
+    shapes = [{n: model_entries[names[n]].size for n in g["params"]} for g in groups]
     states = {"module": None, "buffer_names": [], "optimizer": None, "param_shapes": shapes,
               "frozen_param_shapes": {}, "shared_params": {}, "frozen_param_fragments": {}, "lr_scheduler": None,
               "data_sampler": None, "random_ltd": None, "skipped_steps": 0, "global_steps": step,
