@@ -130,11 +130,13 @@ def test_convert_round_trips_and_resumes_without_converting_again(chain, tmp_pat
         ("zero2", 2, 2, "universal")
     # The converted checkpoint resumes under its profile with nothing to convert (the 2-rank run of the CLI's
     # output; its losses match the reference).
-    proc = run_cmd([REPO / ".venv" / "bin" / "hf-zero", "convert", f2, "--to", "zero2", "--out", tmp_path / "e"])
+    proc = run_cmd([REPO / ".venv" / "bin" / "hf-zero", "convert", f2, "--to", "zero2", "--nproc", "2", "--out",
+                    tmp_path / "e"])
     assert "resume with --output_dir" in proc.stdout
     out = tmp_path / "e"
     proc = launch_recipe("zero2", out, *COMMON, config=config)
-    assert "converting" not in proc.stdout and "resuming from" in proc.stdout
+    assert "converting" not in proc.stdout
+    assert "converted by `hf-zero convert`, loaded as a universal checkpoint on 2 ranks" in proc.stdout
     assert max_loss_diff(out, chain.ref, 15) <= TOL
 
 

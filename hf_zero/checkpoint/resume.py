@@ -225,6 +225,8 @@ def _choose(ctx, fresh_start: bool) -> dict:
     where = f" (stage '{stage['name']}', {stage['steps_done']}/{stage['steps']} steps done)" if stage else ""
     ranks = (f"; written by {_ranks(meta.get('world_size'))}, converting for {_ranks(ctx.plan.world)}"
              if universal else "")
+    if universal and meta.get("converted"):  # `hf-zero convert` wrote the universal checkpoint: loaded as it is
+        ranks = f"; converted by `hf-zero convert`, loaded as a universal checkpoint on {_ranks(ctx.plan.world)}"
     if ctx.profile.uses_fsdp and meta.get("world_size") not in (None, ctx.plan.world):
         ranks = f"; written by {_ranks(meta.get('world_size'))}, resharded on load for {_ranks(ctx.plan.world)}"
     switch = profile_switch(checkpoint, meta, ctx.profile, ctx.plan.world, convert)
