@@ -281,3 +281,17 @@ def test_matrix(sources, tmp_path, config, source, target, step, nproc, lora):
     ref = sources("zero3", lora)  # every engine trains the same losses here (module docstring)
     assert max_loss_diff(out, ref, step) <= TOL
     assert max_weight_diff(out, ref) <= TOL
+
+
+def test_check_says_what_a_resume_under_another_profile_changes(tmp_path, capsys):
+    from hf_zero.cli import main
+
+    out = tmp_path / "run"
+    _checkpoint(out)
+    rc = main(["check", "--profile", "fsdp2", "--nproc", "1", "--config", str(TINY), "--output-dir", str(out),
+               "--global_batch_size", "4"])
+    lines = capsys.readouterr().out.splitlines()
+    output = next(line for line in lines if line.split(" ", 2)[1].rstrip(":") == "output")
+    assert rc == 0 and output.startswith("ok ")
+    assert output.endswith("resume: checkpoint-6: zero3 on 2 ranks -> fsdp2 on 1 rank; converting once (kept inside "
+                           "the checkpoint)")
