@@ -42,7 +42,7 @@ from hf_zero.checkpoint.store import (
 from hf_zero.core.errors import UserError
 from hf_zero.train.fsdp import FSDP_MODEL_DIR
 
-__all__ = ["FSDP_OPTIM_DIR", "engine_of", "describe", "needs_conversion", "converted_for", "convert_in_place",
+__all__ = ["FSDP_OPTIM_DIR", "engine_of", "needs_conversion", "converted_for", "convert_in_place",
            "complete_universal", "universal_groups", "universal_to_dcp", "dcp_to_universal", "read_dcp_groups",
            "convert_checkpoint", "add_arguments", "run"]
 
@@ -61,12 +61,7 @@ def engine_of(meta: dict) -> str:
     return "fsdp2" if engine.startswith("fsdp") else engine
 
 
-def describe(meta: dict, profile_name, world) -> str:
-    ranks = f"{world} rank" if world == 1 else f"{world} ranks"
-    return f"{profile_name} on {ranks}"
-
-
-def needs_conversion(meta: dict, target_engine: str, target_stage: int) -> str | None:
+def needs_conversion(meta: dict, target_engine: str) -> str | None:
     """The engine format the checkpoint must be converted to before `target` can load it, or None. A ZeRO stage
     change within DeepSpeed goes through the universal checkpoint like a rank change does (resume.py)."""
     source = engine_of(meta)

@@ -1,6 +1,7 @@
 """Resuming: pick the newest complete checkpoint, check it against this run BEFORE any engine exists, and make a
-checkpoint written with another number of ranks loadable (DeepSpeed's universal checkpoint; FSDP2's distributed
-checkpoints reshard on load by themselves), or stop with one line that says what to do.
+checkpoint written with another number of ranks, another ZeRO stage or the other engine loadable (DeepSpeed's
+universal checkpoint; FSDP2's distributed checkpoints reshard on load by themselves; between the two,
+checkpoint/convert.py), or stop with one line that says what to do.
 
 Same command again -> resume from the latest complete checkpoint, or, when the run already finished (summary.json
 is written last), say so and touch nothing; `--fresh_start true` -> start from step 0 (everything the previous run
@@ -69,7 +70,7 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> tuple[bool, str | No
     written = _format_of(meta.get("engine")
                          or ("deepspeed" if meta.get("zero_stage") else _engine_on_disk(checkpoint)))
     now = _format_of(prof.engine)
-    convert = needs_conversion(meta, prof.engine, int(prof.zero_stage or 0)) if written != now else None
+    convert = needs_conversion(meta, prof.engine) if written != now else None
     if written != now and convert is None:
         raise UserError("profile", f"{name} was written with profile {meta.get('profile')} ({written} checkpoint) but "
                         f"this run uses {prof.name} ({now}), which cannot read it",
@@ -260,8 +261,9 @@ def complete_message(out: Path) -> str:
 
 def prepare_resume(ctx, fresh_start: bool = False) -> str | None:
     """The checkpoint this run resumes from (None: start fresh), decided on rank 0 and shared with every rank.
-    Call after setup_run and before the Trainer is built: a rank-count change converts the checkpoint and tells
-    DeepSpeed to load it as universal (for this first resume only; later checkpoints are normal ones)."""
+    Call after setup_run and before the Trainer is built: a rank-count or ZeRO-stage change converts the checkpoint
+    and tells DeepSpeed to load it as universal (for this first resume only; later checkpoints are normal ones); an
+    engine change converts it first (checkpoint/convert.py)."""
     import torch.distributed as dist
 
     decision = None
