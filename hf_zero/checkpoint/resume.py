@@ -105,9 +105,8 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> tuple[bool, str | No
 def profile_switch(checkpoint: Path, meta: dict, profile, world: int, convert: str | None) -> str | None:
     """What changes when the checkpoint resumes under another engine or ZeRO stage (None: neither changes), e.g.
     `checkpoint-40: zero3 on 2 ranks -> fsdp2 on 1 rank; converting once (kept inside the checkpoint)`."""
-    stage_change = bool(meta) and profile.uses_deepspeed and int(meta.get("zero_stage", 0)) != int(profile.zero_stage
-                                                                                                  or 0)
-    if not (convert or stage_change):
+    stage_change = profile.uses_deepspeed and int(meta.get("zero_stage", 0)) != int(profile.zero_stage or 0)
+    if not meta or not (convert or stage_change):
         return None
     done = converted_for(checkpoint, convert or "deepspeed")
     return (f"{checkpoint.name}: {meta.get('profile')} on {_ranks(meta.get('world_size'))} -> {profile.name} on "
@@ -117,10 +116,13 @@ def profile_switch(checkpoint: Path, meta: dict, profile, world: int, convert: s
 
 def check_profile_switch(checkpoint: Path, profile, world: int, batch, precision: str | None) -> str | None:
     """`hf-zero check`: the resume's own checks and its profile-switch line, before any process starts."""
+    from types import SimpleNamespace
+
     meta = read_metadata(checkpoint)
-    plan = type("Plan", (), {"batch": batch, "world": world, "precision": precision})
-    ctx = type("Ctx", (), {"profile": profile, "plan": plan})
-    _, convert = _check_compatible(checkpoint, meta, ctx)
+    if not meta:  # nothing to compare (the ranks say so in a warning)
+        return None
+    plan = SimpleNamespace(batch=batch, world=world, precision=precision)
+    _, convert = _check_compatible(checkpoint, meta, SimpleNamespace(profile=profile, plan=plan))
     return profile_switch(checkpoint, meta, profile, world, convert)
 
 
