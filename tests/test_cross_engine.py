@@ -96,6 +96,16 @@ def test_zero3_on_2_ranks_resumes_under_fsdp2_on_1(chain):
     # The conversion stays inside the checkpoint, where FSDP2 reads it; the run's own checkpoints are FSDP2's.
     kept = chain.to_fsdp / "checkpoint-9"
     assert (kept / FSDP_MODEL_DIR / ".complete").is_file() and (kept / FSDP_OPTIM_DIR).is_dir()
+    # A second resume from it finds the conversion and does not convert again.
+    from hf_zero.checkpoint.convert import convert_in_place
+    from hf_zero.checkpoint.resume import convert_to_universal, profile_switch
+    from hf_zero.core.profiles import load_profile
+
+    line = profile_switch(kept, read_metadata(kept), load_profile("fsdp2"), 1, "fsdp2")
+    assert line.endswith("fsdp2 on 1 rank; converted before (kept inside the checkpoint)")
+    written = {p: p.stat().st_mtime_ns for p in kept.rglob("*")}
+    convert_in_place(kept, "fsdp2", convert_to_universal)
+    assert {p: p.stat().st_mtime_ns for p in kept.rglob("*")} == written
     meta = read_metadata(chain.to_fsdp / "checkpoint-12")
     assert (meta["profile"], meta["engine"], meta["world_size"]) == ("fsdp2", "fsdp2", 1)
 
