@@ -7,7 +7,9 @@ the optimizer's state dicts keyed by parameter name) is what FSDP2 reshards. Bot
 weight and both Adam moments, and per group the hyper-parameters; conversion maps one onto the other a parameter at
 a time (a distributed checkpoint is written by a planner that reads each tensor from its universal file only when
 it is written, and read back one key at a time), so no step holds the model. Everything else in a checkpoint
-(scheduler.pt, trainer_state.json, rng_state*.pth, hf_zero_checkpoint.json) is the Trainer's and engine-free.
+(scheduler.pt, trainer_state.json, rng_state*.pth, hf_zero_checkpoint.json) is the Trainer's and engine-free, but
+for one list: the scheduler keeps a base LR per optimizer group, and DeepSpeed drops an empty group FSDP2 keeps
+(train/trainer.py sizes it to the optimizer on resume).
 
 Measured on DeepSpeed 0.19.8 / torch 2.13: a universal checkpoint written from ZeRO-1/2 does not load under ZeRO-3
 as it is (ZeRO-3 looks for `zero_pp_rank_0_mp_rank_00_model_states.pt` and takes the Adam step from
