@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "preflight: every configuration mistake in one line each, before any process starts"),
     "export": ("hf_zero.commands.export",
                "write a Hugging Face folder from any checkpoint (ZeRO shards consolidated)"),
+    "convert": ("hf_zero.commands.convert",
+                "rewrite a checkpoint for another profile (ZeRO stage, FSDP2) so a run resumes from it there"),
     "bench": ("hf_zero.commands.bench", "DDP vs ZeRO-1/2/3/offload side by side: time, memory, loss parity"),
     "slurm": ("hf_zero.commands.slurm", "write an sbatch script that runs a recipe on N nodes"),
     "preview": ("hf_zero.commands.preview",

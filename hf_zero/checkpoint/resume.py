@@ -1,6 +1,7 @@
 """Resuming: pick the newest complete checkpoint, check it against this run BEFORE any engine exists, and make a
-checkpoint written with another number of ranks loadable (DeepSpeed's universal checkpoint; FSDP2's distributed
-checkpoints reshard on load by themselves), or stop with one line that says what to do.
+checkpoint written with another number of ranks, another ZeRO stage or the other engine loadable (DeepSpeed's
+universal checkpoint; FSDP2's distributed checkpoints reshard on load by themselves; between the two,
+checkpoint/convert.py), or stop with one line that says what to do.
 
 Same command again -> resume from the latest complete checkpoint, or, when the run already finished (summary.json
 is written last), say so and touch nothing; `--fresh_start true` -> start from step 0 (everything the previous run
@@ -12,13 +13,11 @@ what the checkpoint (or the finished run) trained: checkpoint/compare.py.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, differences
+from hf_zero.checkpoint.convert import convert_in_place, convert_to_universal, converted_for, needs_conversion
 from hf_zero.checkpoint.fsdp import is_fsdp_checkpoint
 from hf_zero.checkpoint.safe_load import check_checkpoint
 from hf_zero.checkpoint.store import (
@@ -32,10 +31,9 @@ from hf_zero.checkpoint.store import (
 from hf_zero.core.console import rank
 from hf_zero.core.errors import RunComplete, UserError, flag_hint
 
-__all__ = ["prepare_resume", "complete_message", "convert_to_universal", "resume_note", "UNIVERSAL_SUFFIX"]
+__all__ = ["prepare_resume", "complete_message", "resume_note",
+           "profile_switch", "check_profile_switch"]
 
-UNIVERSAL_SUFFIX = "_universal"
-_REFUSED = "hf-zero: error: checkpoint: "
 
 
 def resume_note(message: str) -> None:
@@ -57,29 +55,31 @@ def _broadcast(value):
     return box[0]
 
 
-def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
-    """Raise UserError when this run cannot continue the checkpoint; return True when the rank count changed and
-    the DeepSpeed state must be converted first."""
+def _check_compatible(checkpoint: Path, meta: dict, ctx) -> tuple[bool, str | None]:
+    """Raise UserError when this run cannot continue the checkpoint; else (universal, convert): whether DeepSpeed
+    loads it as a universal checkpoint (another rank count or ZeRO stage), and the engine format it is converted
+    to first ("fsdp2", "deepspeed"; checkpoint/convert.py), if another engine wrote it."""
     prof, plan = ctx.profile, ctx.plan
     name = checkpoint.name
     if not meta:
         resume_note(f"warning: {name} has no hf_zero metadata; resuming without compatibility checks")
-        return False
+        return False, None
     written = _format_of(meta.get("engine")
                          or ("deepspeed" if meta.get("zero_stage") else _engine_on_disk(checkpoint)))
     now = _format_of(prof.engine)
-    if written != now:
+    convert = needs_conversion(meta, prof.engine) if written != now else None
+    if written != now and convert is None:
         raise UserError("profile", f"{name} was written with profile {meta.get('profile')} ({written} checkpoint) but "
                         f"this run uses {prof.name} ({now}), which cannot read it",
                         f"resume with profile {meta.get('profile')}, or `hf-zero export {checkpoint} --out DIR` and "
                         f"start a new run from DIR with {flag_hint('--fresh_start true')}")
-    stage_now = int(prof.zero_stage or 0) if prof.uses_deepspeed else 0
-    if int(meta.get("zero_stage", 0)) != stage_now:
-        raise UserError("profile", f"{name} was written with profile {meta.get('profile')} "
-                        f"(ZeRO-{meta.get('zero_stage')}) but this run uses {prof.name} (ZeRO-{stage_now}), whose "
-                        "optimizer state is laid out differently",
-                        f"resume with profile {meta.get('profile')}, or `hf-zero export {checkpoint} --out DIR` and "
-                        f"start a new run from DIR with {flag_hint('--fresh_start true')}")
+    before, precision = meta.get("precision"), getattr(plan, "precision", None)
+    if before and precision and before != precision and "fp16" in (before, precision) \
+            and (convert or prof.uses_deepspeed):
+        raise UserError("precision", f"{name} was trained in {before} and this run uses {precision}: fp16 keeps "
+                        "a loss scale (and, under ZeRO, fp16 weights beside the fp32 masters) the others do not",
+                        f"resume with {flag_hint('--' + meta['precision'] + ' true')} (PRECISION="
+                        f"{meta['precision']}), or start a new run with {flag_hint('--fresh_start true')}")
     if meta.get("global_batch") != plan.batch.global_batch:
         raise UserError("global_batch_size", f"{name} was trained with a global batch of {meta.get('global_batch')} "
                         f"({meta.get('micro_batch')} micro x {meta.get('grad_accum')} accum x "
@@ -87,11 +87,40 @@ def _check_compatible(checkpoint: Path, meta: dict, ctx) -> bool:
                         "data order and the LR schedule",
                         f"pass {flag_hint('--global_batch_size ' + str(meta.get('global_batch')))} "
                         f"(accumulation adapts to the rank count) or {flag_hint('--fresh_start true')}")
-    if meta.get("world_size") == plan.world or not prof.uses_deepspeed:
+    if not prof.uses_deepspeed:
         # The Trainer's own checkpoints do not depend on the rank count; FSDP2's distributed checkpoints record
         # each tensor's global shape and reshard on load.
-        return False
-    return True
+        return False, convert
+    stage_now = int(prof.zero_stage or 0)
+    # Another ZeRO stage lays the optimizer state out differently: its universal checkpoint is what every stage
+    # loads, like another rank count; so is a checkpoint `hf-zero convert` wrote.
+    universal = (convert is not None or int(meta.get("zero_stage", 0)) != stage_now
+                 or meta.get("world_size") != plan.world or (meta.get("converted") or {}).get("layout") == "universal")
+    return universal, convert
+
+
+def profile_switch(checkpoint: Path, meta: dict, profile, world: int, convert: str | None) -> str | None:
+    """What changes when the checkpoint resumes under another engine or ZeRO stage (None: neither changes), e.g.
+    `checkpoint-40: zero3 on 2 ranks -> fsdp2 on 1 rank; converting once (kept inside the checkpoint)`."""
+    stage_change = profile.uses_deepspeed and int(meta.get("zero_stage", 0)) != int(profile.zero_stage or 0)
+    if not meta or not (convert or stage_change):
+        return None
+    done = converted_for(checkpoint, convert or "deepspeed")
+    return (f"{checkpoint.name}: {meta.get('profile')} on {_ranks(meta.get('world_size'))} -> {profile.name} on "
+            f"{_ranks(world)}; " + ("converted before (kept inside the checkpoint)" if done else
+                                    "converting once (kept inside the checkpoint)"))
+
+
+def check_profile_switch(checkpoint: Path, profile, world: int, batch, precision: str | None) -> str | None:
+    """`hf-zero check`: the resume's own checks and its profile-switch line, before any process starts."""
+    from types import SimpleNamespace
+
+    meta = read_metadata(checkpoint)
+    if not meta:  # nothing to compare (the ranks say so in a warning)
+        return None
+    plan = SimpleNamespace(batch=batch, world=world, precision=precision)
+    _, convert = _check_compatible(checkpoint, meta, SimpleNamespace(profile=profile, plan=plan))
+    return profile_switch(checkpoint, meta, profile, world, convert)
 
 
 def _engine_on_disk(checkpoint: Path) -> str:
@@ -107,37 +136,6 @@ def _format_of(engine: str) -> str:
         return "DeepSpeed ZeRO"
     return engine.upper() if engine.startswith("fsdp") else "plain Trainer"
 
-
-def convert_to_universal(checkpoint: Path) -> Path:
-    """DeepSpeed's ds_to_universal into checkpoint/<tag>_universal (where DeepSpeed looks for it), written under a
-    temporary name first so an interrupted conversion is redone, never half-used."""
-    tag = (checkpoint / "latest").read_text().strip()
-    final = checkpoint / f"{tag}{UNIVERSAL_SUFFIX}"
-    if (final / ".complete").is_file():
-        return final
-    tmp = checkpoint / f"{tag}{UNIVERSAL_SUFFIX}.partial"
-    for stale in (tmp, final):
-        shutil.rmtree(stale, ignore_errors=True)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    # --inject_missing_state: ZeRO-1/2 checkpoints lack state the converter wants; harmless for ZeRO-3. The
-    # converter loads every shard with weights_only=False: it runs under hf_zero's safe loader.
-    cmd = [sys.executable, "-m", "hf_zero.checkpoint.safe_load", "deepspeed.checkpoint.ds_to_universal",
-           "--input_folder", str(checkpoint / tag), "--output_folder", str(tmp), "--inject_missing_state",
-           "--num_extract_workers", "1", "--num_merge_workers", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        last = ([ln for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()] or ["no output"])[-1]
-        if last.startswith(_REFUSED):  # the safe loader's one line: passed on as it is
-            field, rest = last[len("hf-zero: error: "):].split(": ", 1)
-            raise UserError(field, *rest.split("; ", 1))
-        raise UserError("resume", f"DeepSpeed could not convert {checkpoint.name} for another number of ranks "
-                        f"({last.strip()[:160]})", "resume with the number of processes that wrote it, or "
-                        f"`hf-zero export {checkpoint} --out DIR` and start a new run from DIR")
-    (tmp / ".complete").write_text("ok\n")
-    os.rename(tmp, final)
-    (checkpoint / "latest_universal").write_text(final.name)
-    return final
 
 
 def _choose(ctx, fresh_start: bool) -> dict:
@@ -177,7 +175,7 @@ def _choose(ctx, fresh_start: bool) -> dict:
     # loader here, on rank 0, before any rank's engine reads one.
     check_checkpoint(checkpoint)
     meta = read_metadata(checkpoint)
-    universal = _check_compatible(checkpoint, meta, ctx)
+    universal, convert = _check_compatible(checkpoint, meta, ctx)
     changed = []
     if settings is not None:
         changed = check_resume_settings(checkpoint.name, meta.get("settings"), settings,
@@ -193,13 +191,20 @@ def _choose(ctx, fresh_start: bool) -> dict:
     where = f" (stage '{stage['name']}', {stage['steps_done']}/{stage['steps']} steps done)" if stage else ""
     ranks = (f"; written by {_ranks(meta.get('world_size'))}, converting for {_ranks(ctx.plan.world)}"
              if universal else "")
+    if universal and meta.get("converted"):  # `hf-zero convert` wrote the universal checkpoint: loaded as it is
+        ranks = f"; converted by `hf-zero convert`, loaded as a universal checkpoint on {_ranks(ctx.plan.world)}"
     if ctx.profile.uses_fsdp and meta.get("world_size") not in (None, ctx.plan.world):
         ranks = f"; written by {_ranks(meta.get('world_size'))}, resharded on load for {_ranks(ctx.plan.world)}"
+    switch = profile_switch(checkpoint, meta, ctx.profile, ctx.plan.world, convert)
+    if switch:
+        ranks = ""
+        resume_note(f"{switch}; weights, fp32 masters, Adam moments and steps, LR schedule, data position and RNG "
+                    "carry over")
     resume_note(f"resuming from {checkpoint} at step {meta.get('global_step', '?')}{where}{ranks}")
     if changed:
         diff = differences(meta["settings"], settings)
         resume_note(f"applying from step {meta.get('global_step', '?')}: " + "; ".join(diff[k] for k in changed))
-    return {"resume": str(checkpoint), "universal": universal}
+    return {"resume": str(checkpoint), "universal": universal, **({"convert": convert} if convert else {})}
 
 
 def _read_json(path: Path) -> dict:
@@ -222,15 +227,19 @@ def complete_message(out: Path) -> str:
 
 def prepare_resume(ctx, fresh_start: bool = False) -> str | None:
     """The checkpoint this run resumes from (None: start fresh), decided on rank 0 and shared with every rank.
-    Call after setup_run and before the Trainer is built: a rank-count change converts the checkpoint and tells
-    DeepSpeed to load it as universal (for this first resume only; later checkpoints are normal ones)."""
+    Call after setup_run and before the Trainer is built: a rank-count or ZeRO-stage change converts the checkpoint
+    and tells DeepSpeed to load it as universal (for this first resume only; later checkpoints are normal ones); an
+    engine change converts it first (checkpoint/convert.py)."""
     import torch.distributed as dist
 
     decision = None
     if rank() == 0:
         try:
             decision = _choose(ctx, fresh_start)
-            if decision.get("universal"):
+            if decision.get("convert"):
+                convert_in_place(Path(decision["resume"]), decision["convert"], convert_to_universal)
+            elif decision.get("universal") and (Path(decision["resume"]) / "latest").is_file():
+                # (`hf-zero convert` writes the universal checkpoint alone: nothing to convert)
                 convert_to_universal(Path(decision["resume"]))
         except UserError as err:
             decision = {"error": (err.field, err.problem, err.fix)}

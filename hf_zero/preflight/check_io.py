@@ -8,6 +8,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, run_settings
+from hf_zero.checkpoint.resume import check_profile_switch
 from hf_zero.checkpoint.store import list_checkpoints, read_metadata, validate_checkpoint
 from hf_zero.core.errors import UserError, flag_hint
 from hf_zero.core.validate import yaml_lines
@@ -110,8 +111,11 @@ def _output(st):
     from hf_zero.data.curriculum import build_schedule
     *instances, stages, training = st.parsed
     where = st.args.output_dir or training["output_dir"]
+    switch = None
     if not st.value("fresh_start"):
-        _compare_with_output(where, run_settings(instances, stages, training), training)
+        checkpoint = _compare_with_output(where, run_settings(instances, stages, training), training)
+        if checkpoint is not None and st.batch is not None:
+            switch = check_profile_switch(checkpoint, st.profile, st.batch.world, st.batch, st.profile.precision)
     if (Path(where) / "summary.json").is_file() and not st.value("fresh_start") and not training.get(
             "resume_from_checkpoint"):
         st.args.finished_run = where  # `hf-zero train` says so without launching
@@ -125,12 +129,14 @@ def _output(st):
     else:
         steps = sum(int(s.get("steps") or 0) for s in st.raw.get("stages") or [] if isinstance(s, dict))
     needed, what, _ = output_needs(st.count, st.profile, st.nproc, training, steps)
-    return verify_output(where, needed, what)
+    verdict = verify_output(where, needed, what)
+    return f"{verdict}; resume: {switch}" if switch else verdict
 
 
-def _compare_with_output(where, settings: dict, training: dict) -> None:
+def _compare_with_output(where, settings: dict, training: dict) -> Path | None:
     """The ranks' comparison (checkpoint/compare.py), before any launch: a finished run asked with other settings,
-    or the checkpoint a resume would take trained with other settings, is one line here."""
+    or the checkpoint a resume would take trained with other settings, is one line here. Returns that
+    checkpoint."""
     import json
 
     out = Path(where)
@@ -150,3 +156,4 @@ def _compare_with_output(where, settings: dict, training: dict) -> None:
     if checkpoint is not None:
         check_resume_settings(checkpoint.name, read_metadata(checkpoint).get("settings"), settings,
                               training.get("allow_changes"))
+    return checkpoint

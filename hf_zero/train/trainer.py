@@ -74,6 +74,11 @@ class CurriculumTrainer(SequenceParallelMixin, FusedCrossEntropyMixin, StagedChe
         scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)  # accelerate's wrapper
         fresh = getattr(self, "fresh_groups", None)
         groups = scheduler.optimizer.param_groups
+        if hasattr(scheduler, "lr_lambdas") and len(scheduler.base_lrs) != len(groups):
+            # A checkpoint of another engine (checkpoint/convert.py): DeepSpeed drops an empty param group (LoRA's
+            # no-decay one), FSDP2 keeps it. Every group shares the one base LR the schedule scales.
+            scheduler.base_lrs = [scheduler.base_lrs[0]] * len(groups)
+            scheduler._last_lr = [scheduler._last_lr[0]] * len(groups)
         if not fresh or len(fresh) != len(groups) or not hasattr(scheduler, "lr_lambdas"):
             return
         for group, new in zip(groups, fresh):

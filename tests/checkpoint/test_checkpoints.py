@@ -127,16 +127,18 @@ def _ctx(tmp_path, world=1, global_batch=4, stage=2, fresh=False):
 
 
 
-def test_resume_refuses_another_global_batch_or_zero_stage_before_training(tmp_path):
+def test_resume_refuses_another_global_batch_or_engine_before_training(tmp_path):
     from hf_zero.checkpoint.resume import _choose
 
     with_meta(tmp_path)
     with pytest.raises(UserError) as err:
         _choose(_ctx(tmp_path, world=1, global_batch=2), fresh_start=False)
     assert err.value.field == "global_batch_size" and "--global_batch_size 4" in err.value.fix
-    with pytest.raises(UserError) as err:
-        _choose(_ctx(tmp_path, world=2, stage=3), fresh_start=False)
+    with pytest.raises(UserError) as err:  # a ZeRO checkpoint under DDP: no optimizer layout to convert to
+        _choose(_ctx(tmp_path, world=2, stage=0), fresh_start=False)
     assert err.value.field == "profile" and "hf-zero export" in err.value.fix
+    # Another ZeRO stage is converted through the universal checkpoint (tests/test_cross_engine.py).
+    assert _choose(_ctx(tmp_path, world=2, stage=3), fresh_start=False)["universal"] is True
     # Another rank count with the same global batch is not an error: it is converted.
     assert _choose(_ctx(tmp_path, world=1), fresh_start=False) == {"resume": str(tmp_path / "checkpoint-6"),
                                                                    "universal": True}

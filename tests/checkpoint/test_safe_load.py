@@ -16,7 +16,8 @@ import pytest
 import torch
 from testing_utils import REPO, TINY
 
-from hf_zero.checkpoint.resume import _choose, convert_to_universal
+from hf_zero.checkpoint.convert import convert_to_universal
+from hf_zero.checkpoint.resume import _choose
 from hf_zero.checkpoint.safe_load import (
     ALLOWED,
     FORCE_ENV,

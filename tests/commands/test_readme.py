@@ -193,6 +193,12 @@ def _check_export_run(proc, where):
     assert (where / "runs" / "tiny_final_hf" / "model.safetensors").is_file()
 
 
+def _check_profile_switch(proc, where):
+    assert "checkpoint-10: zero3 on 2 ranks -> fsdp2 on 1 rank; converting once (kept inside the checkpoint)" \
+        in proc.stdout
+    assert json.loads((where / "runs" / "tiny_switch" / "summary.json").read_text())["world_size"] == 1
+
+
 def _check_help_recipe(proc, where):
     assert "  --max_seq_length (default: 128)" in proc.stdout and "TrainingArguments field" in proc.stdout
 
@@ -220,6 +226,9 @@ CHECKS = {
     "--gpus-per-node 1 --gpu-memory 12GiB": _check_estimate_qlora_8b,
     "hf-zero export runs/tiny_ckpt --out runs/tiny_final_hf --overwrite": _check_export_run,
     "hf-zero train --help-recipe": _check_help_recipe,
+    "accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 1 recipes/curriculum.py --config "
+    "recipes/configs/tiny_curriculum.yaml --output_dir runs/tiny_switch --global_batch_size 4 --save_strategy steps "
+    "--save_steps 5 --resume_from_checkpoint runs/tiny_switch/checkpoint-10": _check_profile_switch,
 }
 
 
