@@ -112,7 +112,7 @@ class MemoryMeasureCallback(TrainerCallback):
                   **self.recorder.result()}
         self.recorder, self.done = None, True
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.output_dir / f"memory_rank{rank}.json", record)
+        write_json_atomic(self.output_dir / f"memory_rank{rank()}.json", record)
 
 
 def read_measurements(output_dir) -> list[dict]:

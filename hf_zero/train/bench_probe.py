@@ -87,4 +87,4 @@ class BenchProbeCallback(TrainerCallback):
                   "step_end": self.end, "train_end": time.time(), "ddp_bucket_bytes": self.buckets, **peak_memory(),
                   "fingerprint": self.fingerprint}
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.output_dir / f"bench_rank{rank}.json", record)
+        write_json_atomic(self.output_dir / f"bench_rank{rank()}.json", record)
