@@ -129,7 +129,7 @@ def test_recipe_refuses_fsdp_mistakes_before_the_engine(tmp_path):
     assert err.value.field == "save_only_model"
 
 
-def test_resume_refuses_a_checkpoint_of_another_engine(tmp_path):
+def test_resume_converts_a_checkpoint_of_another_engine_and_refuses_ddp(tmp_path):
     from types import SimpleNamespace
 
     from hf_zero.checkpoint.resume import _choose
@@ -142,9 +142,12 @@ def test_resume_refuses_a_checkpoint_of_another_engine(tmp_path):
         return SimpleNamespace(profile=load_profile(name), plan=plan,
                                training_args=SimpleNamespace(output_dir=str(tmp_path), resume_from_checkpoint=None))
 
-    with pytest.raises(UserError) as err:
-        _choose(ctx("zero2", 2), fresh_start=False)
-    assert "(FSDP2 checkpoint)" in err.value.problem and f"hf-zero export {ck}" in err.value.fix
+    # Under ZeRO the FSDP2 checkpoint is converted once (tests/checkpoint/test_cross_engine.py runs it end to end).
+    decision = _choose(ctx("zero2", 2), fresh_start=False)
+    assert decision["resume"] == str(ck) and decision.get("convert")
+    with pytest.raises(UserError) as err:  # DDP keeps no sharded optimizer state to convert to
+        _choose(ctx("ddp", 2), fresh_start=False)
+    assert err.value.field == "profile" and "hf-zero export" in err.value.fix
     # Another rank count needs no conversion: distributed checkpoints reshard on load.
     assert _choose(ctx("fsdp2", 1), fresh_start=False) == {"resume": str(ck), "universal": False}
 
