@@ -124,6 +124,17 @@ def _guards():
 
     yield "_action_groups", lambda: argparse_actions() and accelerate_groups()
 
+    def ulysses_groups():
+        """What train/sequence_parallel.py calls to build its batch adapter around DeepSpeed's Ulysses group."""
+        from deepspeed.utils import groups
+
+        return all(callable(getattr(groups, n, None)) for n in (
+            "_get_sequence_parallel_world_size", "_get_sequence_parallel_rank", "_get_sequence_parallel_group"))
+
+    yield "_get_sequence_parallel_world_size", ulysses_groups
+    yield "_get_sequence_parallel_rank", ulysses_groups
+    yield "_get_sequence_parallel_group", ulysses_groups
+
 
 @pytest.mark.parametrize("name", [i.name for i in INTERNALS if i.name != "_save_checkpoint"])
 def test_each_private_name_still_means_what_hf_zero_relies_on(name):

@@ -57,6 +57,13 @@ INTERNALS: tuple[Internal, ...] = (
              "the keys accelerate understands under deepspeed_config: / fsdp_config:, read from its own parser"),
     Internal("_group_actions", "argparse's argument group", ("preflight/check_rules.py",),
              "(with _action_groups) the arguments of one group of accelerate's launch parser"),
+    Internal("_get_sequence_parallel_world_size", "deepspeed.utils.groups", ("train/sequence_parallel.py",),
+             "the Ulysses group DeepSpeed set up for the Trainer: hf_zero rebuilds the Trainer's batch adapter around "
+             "it (equal-length batches for gloo, the resume skip) and has no public handle on the group"),
+    Internal("_get_sequence_parallel_rank", "deepspeed.utils.groups", ("train/sequence_parallel.py",),
+             "(with _get_sequence_parallel_world_size) this rank's place in its Ulysses group"),
+    Internal("_get_sequence_parallel_group", "deepspeed.utils.groups", ("train/sequence_parallel.py",),
+             "(with _get_sequence_parallel_world_size) the process group the adapter gathers batches over"),
 )
 
 ACCELERATE_STATE_REWRITE = Internal(
