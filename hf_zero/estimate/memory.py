@@ -92,6 +92,15 @@ def _attr(config, *names) -> int:
     return next((int(getattr(config, n)) for n in names if getattr(config, n, None)), 0)
 
 
+def _embeddings(model, getter: str):
+    """The model's input or output embedding module, None where it has none: transformers raises NotImplementedError
+    for models without one (an image classifier's ResNet) instead of returning None."""
+    try:
+        return getattr(model, getter)() if hasattr(model, getter) else None
+    except NotImplementedError:
+        return None
+
+
 def count_model(config_or_name, lora=None) -> ModelCount:
     """Counts from a config (or name/path, or an nn.Module) built on the meta device: no weights read. `lora`: a rank,
     a dict of LoraConfig fields (r, target_modules, lora_dropout, ...) or a LoraConfig; the real peft model is built
@@ -124,10 +133,10 @@ def count_model(config_or_name, lora=None) -> ModelCount:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     shapes, groups = describe_shards(model)
     # transformers' bitsandbytes integration quantizes every linear but the output embeddings (get_keys_to_not_convert)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _embeddings(model, "get_output_embeddings")
     quantizable = tuple(m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                         and m is not head and "lora_" not in name)
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embed = _embeddings(model, "get_input_embeddings")
     tables = {id(w): w.numel() for w in (getattr(embed, "weight", None), getattr(head, "weight", None))
               if w is not None}
     return ModelCount(

@@ -278,3 +278,12 @@ def test_measured_engine_bytes_match_the_estimate():
         if stage == "3":  # ZeRO-3 keeps its gradient partition and its reduce bucket (4096 fp32) all run
             assert r["step"]["grads"] == r["backward"]["grads"]
             assert r["step"]["buffers"] == 4 * 4096
+
+
+def test_a_model_without_embeddings_is_counted():
+    """An image classifier's ResNet has no embedding tables; transformers raises instead of returning None (the
+    digits recipe's start-up check counts it before its run)."""
+    from transformers import ResNetConfig
+
+    count = count_model(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8], depths=[1], num_labels=10))
+    assert count.total_params > 0 and count.embeddings == ()
