@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from testing_utils import REPO, TINY, launch_recipe, run_cmd
 
@@ -34,15 +33,9 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def config(tmp_path_factory):
-    data = yaml.safe_load(TINY.read_text())
-    for stage in data["stages"]:
-        stage["steps"] = 8
-        stage["data"] = [str((TINY.parent / d).resolve()) for d in
-                         (stage["data"] if isinstance(stage["data"], list) else [stage["data"]])]
-    path = tmp_path_factory.mktemp("config") / "tiny24.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+def config(tiny24_config):
+    """The tiny curriculum with 8 steps per stage (the session's, shared with the checkpoint tests)."""
+    return tiny24_config
 
 
 def losses(out) -> dict[int, float]:
