@@ -39,14 +39,18 @@ train: install
 		$(if $(MACHINE_RANK),--machine-rank $(MACHINE_RANK)) $(if $(MAIN_IP),--main-ip $(MAIN_IP)) \
 		$(if $(HOSTFILE),--hostfile $(HOSTFILE)) --config $(CONFIG) $(ARGS)
 
-# The default suite, launches included (setup.cfg leaves out the `slow` and `gpu` markers).
+# The default suite, launches included (setup.cfg leaves out the `slow` and `gpu` markers). One pytest worker per
+# core (pytest-xdist): the launches run one after another on one worker (their session's shared runs built once),
+# the in-process tests on the others. XDIST=0 runs everything in one process.
+XDIST ?= auto
+PARALLEL = $(if $(filter 0,$(XDIST)),,-n $(XDIST) --dist loadgroup)
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 # Everything that starts no process group (no launcher, no ranks): unit and in-process tests, before every commit.
 # tests/conftest.py fails a test here that starts one without the `multiproc` marker.
 test-fast: install
-	$(BIN)/python -m pytest -m "not gpu and not slow and not multiproc" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PARALLEL) -m "not gpu and not slow and not multiproc" $(PYTEST_ARGS)
 
 # DDP vs ZeRO-1/2/3/offload and FSDP2/offload side by side (time, memory, loss parity, plots) into bench_out/;
 # ~12 min on 2 CPU cores.
@@ -65,7 +69,7 @@ test-gpu: install
 
 # Everything, including the long runs kept out of `make test` (marked slow): what CI runs.
 test-all: install
-	$(BIN)/python -m pytest -m "not gpu" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(PARALLEL) -m "not gpu" $(PYTEST_ARGS)
 
 # Lint (ruff, settings in pyproject.toml): `quality` fails on any finding, `style` fixes what ruff can fix.
 # No `ruff format`: the code is not ruff-formatted, and reformatting all of it is not a lint fix.

@@ -37,12 +37,25 @@ _FRESH_CACHE = None
 
 def pytest_configure(config):
     """Every session starts from an empty offline cache, as on a fresh machine: no test may rely on another having
-    built a model first. HF_ZERO_TEST_CACHE=<dir> reuses a folder instead (a developer's quicker reruns)."""
+    built a model first. HF_ZERO_TEST_CACHE=<dir> reuses a folder instead (a developer's quicker reruns).
+    Under pytest-xdist (`-n`) the workers share the controller's cache: its builds are safe to race (one lock per
+    entry), and each model is built once per session, not once per worker."""
     global _FRESH_CACHE
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("HF_ZERO_CACHE"):
+        return  # a worker: the controller made the cache and removes it
     reuse = os.environ.get("HF_ZERO_TEST_CACHE")
     if not reuse:
         _FRESH_CACHE = tempfile.mkdtemp(prefix="hf_zero_test_cache_")
-    os.environ["HF_ZERO_CACHE"] = reuse or _FRESH_CACHE  # subprocesses (launched ranks) inherit it
+    os.environ["HF_ZERO_CACHE"] = reuse or _FRESH_CACHE  # subprocesses (launched ranks, xdist workers) inherit it
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `-n` with `--dist loadgroup`, every test that launches runs on one worker, one after another: they share
+    the session's runs (built once on that worker) and each launch already fills both cores with its two ranks. The
+    in-process tests fill the other worker meanwhile."""
+    for item in items:
+        if item.get_closest_marker("multiproc"):
+            item.add_marker(pytest.mark.xdist_group("launches"))
 
 
 def pytest_unconfigure(config):

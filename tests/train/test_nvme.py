@@ -119,9 +119,11 @@ def test_every_hf_zero_process_builds_ops_with_the_venvs_ninja():
     assert out == str(venv_ninja)
 
 
+@pytest.mark.slow
 def test_system_deps_script_is_idempotent():
     """scripts/system_deps.sh (CI runs it before `make test`) on a machine that has everything: no apt-get, the
-    prebuilt async_io op found again, exit 0."""
+    async_io op loads, exit 0. Slow: loading the op recompiles it (~5 min on 2 cores) whenever another build of it
+    since (a test's own compiler flags) left a different ninja command line behind."""
     import shutil
     import subprocess
 
