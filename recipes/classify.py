@@ -90,7 +90,7 @@ def main(argv=None):
     }, history)
     say("\n".join([f"[hf_zero] done: eval accuracy {after.get('eval_accuracy')}, macro-F1 "
                    f"{after.get('eval_f1_macro')}; model in {final_dir}, summary in {summary}",
-                   *steps.next_steps(ctx.output_dir, final_dir, model_args.use_peft, generate=False)]))
+                   *steps.next_steps(ctx.output_dir, final_dir, model_args.use_peft, commands=False)]))
 
 
 if __name__ == "__main__":

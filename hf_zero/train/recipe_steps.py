@@ -118,14 +118,14 @@ def exact_match_words(before: float | None, after: float | None) -> str:
     return f"exact match {'?' if before is None else f'{before:.2f}'} -> {after:.2f}; "
 
 
-def next_steps(output_dir: Path, final_dir: Path | None, use_peft: bool, generate: bool = True) -> list[str]:
-    """The lines under the result: where the curves are, and the commands that use what the run wrote."""
+def next_steps(output_dir: Path, final_dir: Path | None, use_peft: bool, commands: bool = True) -> list[str]:
+    """The lines under the result: where the curves are, and (`commands`: a causal LM's run) the commands that use
+    what the run wrote: answer a prompt with it, export it."""
     logdir = os.environ.get("TENSORBOARD_LOGGING_DIR") or output_dir / "runs"  # where the Trainer's writer puts them
     lines = [f"  curves: {output_dir / LOSS_PLOT}, or tensorboard --logdir {logdir}"]
-    if final_dir is not None:
-        if generate:
-            model = f"--adapter {final_dir}" if use_peft else f"--model {final_dir}"
-            lines.append(f'  try it: hf-zero generate {model} --prompt "..."')
-        merge = " --merge-lora" if use_peft else ""
+    if final_dir is not None and commands:
+        model = f"--adapter {final_dir}" if use_peft else f"--model {final_dir}"
+        lines.append(f'  try it: hf-zero generate {model} --prompt "..."')
+        merge = " --merge-lora" if use_peft else ""  # a model plain from_pretrained loads, without peft
         lines.append(f"  export: hf-zero export {output_dir}{merge} --out {output_dir}_hf")
     return lines
