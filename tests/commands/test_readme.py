@@ -117,8 +117,10 @@ def _check_make_train(proc, where, run=Path("runs") / "smollm2_shakespeare"):
     assert s["eval_loss_after"] < s["eval_loss_before"]
     assert "[hf_zero] profile cpu: no GPU found" in proc.stdout
     assert (where / run / "final" / "adapter_model.safetensors").is_file()
-    last = proc.stdout.strip().splitlines()[-1]  # the result, as the last line
+    lines = proc.stdout.strip().splitlines()
+    last = lines[-4]  # the result, then where the curves are and the commands that use the model
     assert last.startswith(f"[hf_zero] done: eval loss {s['eval_loss_before']:.4f} -> {s['eval_loss_after']:.4f}")
+    assert re.fullmatch(rf'  try it: hf-zero generate --adapter \S*{run / "final"} --prompt "\.\.\."', lines[-2])
     return s
 
 
