@@ -81,11 +81,10 @@ def test_eval_line_shows_the_logged_mean_and_exact_match_before_and_after():
         "eval before training: chat 2.0000 | exact match 0.00"
 
 
-def test_console_callback_one_line_per_evaluation_with_its_exact_match(capsys, monkeypatch):
+def test_console_callback_one_line_per_evaluation_with_its_exact_match(capsys):
     """The logs in the order the Trainer makes them: the answers' exact match, each set's loss, then their mean."""
     from transformers import TrainerState, TrainingArguments
 
-    monkeypatch.setattr("sys.stdout.isatty", lambda: False, raising=False)
     args = TrainingArguments(output_dir="unused", disable_tqdm=True, report_to=[])
     state = TrainerState(max_steps=4, global_step=0)
     console = console_callback(SCHEDULE, eval_sets=3)
@@ -106,7 +105,7 @@ def test_console_callback_one_line_per_evaluation_with_its_exact_match(capsys, m
     assert len(lines) == 3
 
 
-def test_quiet_environment_uses_the_libraries_switches(monkeypatch):
+def test_quiet_environment_uses_the_libraries_switches():
     import logging
     import warnings
 
