@@ -134,6 +134,7 @@ def test_make_train_on_the_tiny_model(readme_checkout, tmp_path):
                                 output_dir=str(tmp_path / "run"))
     proc = run_as_user(f"make train CONFIG={config}", readme_checkout, tmp_path / "hf_home")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert proc.stdout.splitlines()[0] == f".venv/bin/hf-zero train --config {config}"  # make's echo: one line
     s = _check_make_train(proc, tmp_path, run=Path("run"))
     assert [st["name"] for st in s["stages"]] == ["lines", "passages", "sonnets"] and s["total_steps"] == 6
 
