@@ -33,11 +33,14 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $@
 
 # HF_ZERO_VIA_MAKE: flags the run suggests (e.g. --fresh_start true) are shown as ARGS="...".
+# The command is shown as one line (make would echo it as written, continuation lines and all), then run.
+TRAIN_CMD = $(strip $(BIN)/hf-zero train $(if $(PROFILE),--profile $(PROFILE)) $(if $(NPROC),--nproc $(NPROC)) \
+	$(if $(PRECISION),--precision $(PRECISION)) $(if $(NODES),--nodes $(NODES)) \
+	$(if $(MACHINE_RANK),--machine-rank $(MACHINE_RANK)) $(if $(MAIN_IP),--main-ip $(MAIN_IP)) \
+	$(if $(HOSTFILE),--hostfile $(HOSTFILE)) --config $(CONFIG) $(ARGS))
 train: install
-	HF_ZERO_VIA_MAKE=1 $(BIN)/hf-zero train $(if $(PROFILE),--profile $(PROFILE)) $(if $(NPROC),--nproc $(NPROC)) \
-		$(if $(PRECISION),--precision $(PRECISION)) $(if $(NODES),--nodes $(NODES)) \
-		$(if $(MACHINE_RANK),--machine-rank $(MACHINE_RANK)) $(if $(MAIN_IP),--main-ip $(MAIN_IP)) \
-		$(if $(HOSTFILE),--hostfile $(HOSTFILE)) --config $(CONFIG) $(ARGS)
+	$(info $(TRAIN_CMD))
+	@HF_ZERO_VIA_MAKE=1 $(TRAIN_CMD)
 
 # The default suite, launches included (setup.cfg leaves out the `slow` and `gpu` markers). One pytest worker per
 # core (pytest-xdist): the launches run one after another on one worker (their session's shared runs built once),

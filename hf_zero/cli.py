@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from hf_zero.core.console import VERBOSE_ENV, quiet_environment
 from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.launch.worker import write_failure
 
@@ -80,6 +82,11 @@ def command_parser(name: str):
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     sub.dash_only = getattr(module, "DASH_ONLY", ())
     module.add_arguments(sub)
+    try:  # one console rule for every command (hf_zero.core.console); `train` says more about its own --verbose
+        sub.add_argument("--verbose", action="store_true",
+                         help="show the libraries' warnings and progress bars (hidden by default)")
+    except argparse.ArgumentError:
+        pass
     return sub, module
 
 
@@ -101,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         if extra and not getattr(module, "ACCEPTS_EXTRA", False):
             raise UserError(f"hf-zero {name}", f"unrecognized arguments: {' '.join(extra)}",
                             f"see `hf-zero {name} --help`")
+        if getattr(args, "verbose", False):
+            os.environ[VERBOSE_ENV] = "1"
+        quiet_environment()  # before the command loads any library
         args.extra = extra
         args.command = name
         args.argv = argv  # as typed, for "resume with: hf-zero ..." lines

@@ -88,8 +88,9 @@ def main(argv=None):
         "eval_accuracy": after.get("eval_accuracy"),
         "eval_f1_macro": after.get("eval_f1_macro"),
     }, history)
-    say(f"[hf_zero] done: eval accuracy {after.get('eval_accuracy')}, macro-F1 "
-                       f"{after.get('eval_f1_macro')}; model in {final_dir}, summary in {summary}")
+    say("\n".join([f"[hf_zero] done: eval accuracy {after.get('eval_accuracy')}, macro-F1 "
+                   f"{after.get('eval_f1_macro')}; model in {final_dir}, summary in {summary}",
+                   *steps.next_steps(ctx.output_dir, final_dir, model_args.use_peft, commands=False)]))
 
 
 if __name__ == "__main__":

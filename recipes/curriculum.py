@@ -76,12 +76,13 @@ def main(argv=None):
                                before, after, stage_table(schedule, history)),
         "model_path": resolve_model_path(model_args.model_name_or_path),
         "zero3_partitioned_at_build": partitioned,
-        **exact_match_summary(history),
+        **(exact := exact_match_summary(history)),
     }, history)
-    say(f"[hf_zero] done: {steps.loss_words(before, after, len(eval_sets))}"
-                       + (f"model in {final_dir}" if final_dir else "no model written (save_final_model: false)")
-                       + f", summary in {summary}")
-
+    done = (f"[hf_zero] done: {steps.loss_words(before, after, len(eval_sets))}"
+            + steps.exact_match_words(exact.get("exact_match_before"), exact.get("exact_match_after"))
+            + (f"model in {final_dir}" if final_dir else "no model written (save_final_model: false)")
+            + f", summary in {summary}")
+    say("\n".join([done, *steps.next_steps(ctx.output_dir, final_dir, model_args.use_peft)]))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -67,6 +67,34 @@ def read_summary(out_dir) -> dict:
     return json.loads((Path(out_dir) / "summary.json").read_text())
 
 
+# ---------------------------------------------------------------- a console holds only hf_zero's lines
+
+# The lines hf_zero prints, as regexes matched at a line's start: its notes and errors, the lines it indents under
+# them (a banner's details, the commands after a run's result, a preview's samples), a run's step, eval and banner
+# lines, and each command's own report. Anything else (a library's warning, progress bar, notice or table) is noise.
+HF_ZERO_LINES = (
+    r"\[hf_zero\] ", r"\[hf_zero bench\] ", r"hf-zero: ", r"\s",
+    r"step \d+/\d+ \| ", r"eval (before training|at step \d+)", r"={72}$", r"hf_zero \| profile ",  # a run
+    r"(ok|FAIL|skip) [\w-]+: ",  # check
+    r"stage '",  # preview
+    # estimate: its model line, the table's header and rows (a strategy name, then sizes), the legend, the advice
+    r"model \S+: [\d,]+ params", r"strategy  ", r"(ddp|zero\d|fsdp2)\w*( 4-bit)? +(\d|0 B)", r"peak/GPU = ",
+    r"recommended: ",
+    r"\|",  # bench's table
+)
+# What the launcher of a plain `accelerate launch` prints itself: no hf_zero code runs in that process.
+ACCELERATE_LAUNCHER_LINES = (r"W\d{4} [\d:.]+ \d+ .*torch/distributed/run\.py",
+                             r"\[[\d :,-]+\] \[WARNING\] \[real_accelerator")
+
+
+def foreign_lines(text: str, *also: str) -> list[str]:
+    """The lines of a captured console (stdout and stderr) that hf_zero did not print; `also`: more regexes of
+    lines that belong (e.g. ACCELERATE_LAUNCHER_LINES). A progress bar's redraw or a colour code is never hf_zero's."""
+    own = re.compile("|".join(f"(?:{p})" for p in (*HF_ZERO_LINES, *also)))
+    return [line for line in text.splitlines()
+            if "\r" in line or "\x1b[" in line or (line.strip() and not own.match(line))]
+
+
 # ---------------------------------------------------------------- the shared runs (fixtures in conftest.py)
 
 # Every strategy run: tokens seen (the stage switches show in them), a checkpoint every 5 steps (= the stage ends, so

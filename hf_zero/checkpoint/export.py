@@ -21,6 +21,7 @@ from hf_zero.checkpoint.final import make_shareable
 from hf_zero.checkpoint.fsdp import is_fsdp_checkpoint, lazy_dcp_state
 from hf_zero.checkpoint.safe_load import check_checkpoint, safe_checkpoint_loading
 from hf_zero.checkpoint.store import MANIFEST_NAME, find_resume_checkpoint, list_checkpoints, validate_checkpoint
+from hf_zero.core.console import progress_prints
 from hf_zero.core.errors import UserError
 from hf_zero.data.model_names import resolve_model_path
 from hf_zero.plan.profiles import Profile
@@ -82,8 +83,9 @@ def _lazy_zero_state(folder: Path, trainable_only: bool) -> dict:
     """name -> lazy tensor from the ZeRO shards; tied parameters appear once (first name, as save_pretrained does)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    lazy = get_fp32_state_dict_from_zero_checkpoint(str(folder), exclude_frozen_parameters=trainable_only,
-                                                    lazy_mode=True)
+    with progress_prints():  # "Processing zero checkpoint ...", four lines per export
+        lazy = get_fp32_state_dict_from_zero_checkpoint(str(folder), exclude_frozen_parameters=trainable_only,
+                                                        lazy_mode=True)
     seen, out = set(), {}
     for name, tensor in lazy.items():
         if id(tensor) not in seen:

@@ -27,7 +27,7 @@ from hf_zero.checkpoint.store import (
     write_json_atomic,
     write_manifest,
 )
-from hf_zero.core.console import say
+from hf_zero.core.console import MEAN_LOSS, say
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.core.report import report_user_error
@@ -78,7 +78,7 @@ def build_checkpoint_metadata(trainer) -> dict:
         if entry.get("step") == step:
             metrics.update({k: v for k, v in entry.items() if isinstance(v, (int, float)) and k != "step"})
     stage_losses = [v for k, v in metrics.items()
-                    if k.startswith("eval_") and k.endswith("_loss") and k != "eval_loss"]
+                    if k.startswith("eval_") and k.endswith("_loss") and k not in ("eval_loss", MEAN_LOSS)]
     if stage_losses and "eval_loss" not in metrics:
         metrics["eval_loss"] = sum(stage_losses) / len(stage_losses)  # same mean as CurriculumTrainer.evaluate
     plan = trainer.plan  # the run plan the Trainer was built with

@@ -1,20 +1,24 @@
 """A console a person reads: rank 0 only, the libraries' noise off unless HF_ZERO_VERBOSE=1 (`--verbose`), one line
 per logging step and one per evaluation, hf_zero's own lines written through the progress bar so they never glue
-to it, and no progress bar (so no cursor codes) when stdout is not a terminal, e.g. a Slurm log.
+to it, and no progress bar (so no cursor codes) when stdout is not a terminal, e.g. a Slurm log: there each step
+line ends with the time spent and left, which the bar would show.
 
-    step 7/15 | stage 2/3 medium | loss 6.0500 | lr 1.83e-03 | 2,114 tok/s
+    step 7/15 | stage 2/3 medium | loss 6.0500 | lr 1.83e-03 | 2,114 tok/s | elapsed 14s | left 16s
     eval at step 10 (end of stage 'medium'): short 5.8400 | medium 5.8870 | long 5.8850 | mean 5.8707
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
 
 from hf_zero.core.files import human_bytes
 
-__all__ = ["VERBOSE_ENV", "rank", "quiet_environment", "setup_console", "verbose", "say", "console_callback",
-           "step_line", "eval_line"]
+__all__ = ["VERBOSE_ENV", "QUIET_ENV", "QUIET_WARNINGS", "rank", "quiet_environment", "setup_console", "verbose",
+           "say", "progress_prints", "console_callback", "step_line", "eval_line", "eta_text", "duration",
+           "MEAN_LOSS", "EXACT_MATCH"]
 
 VERBOSE_ENV = "HF_ZERO_VERBOSE"
 
@@ -28,25 +32,66 @@ def verbose() -> bool:
     return os.environ.get(VERBOSE_ENV) == "1"
 
 
+# Library warnings nobody running hf_zero can act on, by category and the module that raises them (a regex matched at
+# the start of the module's name): the stack's deprecations, meant for its maintainers (a run would print hundreds),
+# and PEFT's two notes after every LoRA save (it looks the base model up on the hub to learn whether its vocabulary
+# changed; offline, or with a model built from a config, it cannot, and says so).
+QUIET_WARNINGS = ((FutureWarning, ""), (UserWarning, r"peft\."))
+# The libraries' own switches, as environment variables: read when each library loads, in this process and in every
+# process started from it (the ranks).
+QUIET_ENV = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",  # weight loading / shard writing bars, one per rank
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TQDM_DISABLE": "1",  # bars made with tqdm directly (DeepSpeed's zero_to_fp32, GGUF conversion)
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",  # notices such as the embedding resize and the LOAD REPORT table
+    "DATASETS_VERBOSITY": "error",
+    "HF_HUB_VERBOSITY": "error",
+}
+
+
 def quiet_environment(env=os.environ) -> None:
-    """Settings every process of the run inherits: set before torch, DeepSpeed or the hub libraries load. In this
-    process also the stack's FutureWarnings (deprecations for its maintainers; a run would print hundreds)."""
+    """The one rule for the console, applied at every entry (the `hf-zero` command, the recipes' ranks): the
+    libraries' warnings and progress bars are off unless HF_ZERO_VERBOSE=1 (`--verbose`). Through the libraries'
+    own switches only, so their errors still show: the environment variables above (set before torch, DeepSpeed
+    or the hub libraries load), the same switches called on a library this process has loaded already, and the
+    warnings filters above."""
     if env.get(VERBOSE_ENV) == "1":
         return
     import warnings
 
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # weight loading / shard writing bars, one per rank
-    env.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    # bars made with tqdm directly (GGUF conversion); hf_zero's own passes disable=False
-    env.setdefault("TQDM_DISABLE", "1")
-    env.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    for category, module in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", category=category, module=module)
+    for key, value in QUIET_ENV.items():
+        env.setdefault(key, value)
+    _quiet_loaded_libraries()
     if "DS_ACCELERATOR" not in env:
-        import torch  # only here: `hf-zero --help` and the light commands never reach it
+        import torch  # only here: `hf-zero --help` never reaches it; every command loads torch anyway
 
         if not torch.cuda.is_available():
             # Named up front, DeepSpeed skips its probe and the "Setting accelerator to CPU" warning per process.
             env["DS_ACCELERATOR"] = "cpu"
+
+
+def _quiet_loaded_libraries() -> None:
+    """A library loaded before the console was set up (a recipe imports transformers at its top, before its entry
+    runs) has read its environment already: its own switch, called here. A library not loaded yet is not loaded
+    for this; it reads the environment when it is. tqdm itself has no switch after import: the libraries' bars
+    go through their own wrappers, switched off here."""
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        from datasets.utils import logging as datasets_logging
+
+        datasets_logging.set_verbosity_error()
+        datasets_logging.disable_progress_bar()
 
 
 def setup_console() -> None:
@@ -54,7 +99,6 @@ def setup_console() -> None:
     quiet_environment()
     if verbose():
         return
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if rank() != 0:
         # Every rank prints the same lines; one copy is enough. A failing rank's traceback still reaches the
         # launcher through its error file (hf_zero.launch.worker).
@@ -64,6 +108,18 @@ def setup_console() -> None:
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
         os.close(devnull)
+
+
+@contextlib.contextmanager
+def progress_prints():
+    """Around a library call that reports its progress with print() and has no switch for it (DeepSpeed's
+    zero_to_fp32 reader): its stdout goes nowhere unless verbose. Only stdout: its warnings (stderr) and its
+    errors (exceptions) still show."""
+    if verbose():
+        yield
+        return
+    with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        yield
 
 
 def say(*parts) -> None:
@@ -76,7 +132,9 @@ def say(*parts) -> None:
     sys.stdout.flush()
 
 
-def step_line(logs: dict, step: int, max_steps: int, stage: str | None) -> str:
+def step_line(logs: dict, step: int, max_steps: int, stage: str | None, timing: tuple | None = None) -> str:
+    """One logging step. `timing`: (seconds since this process started training, steps it has done), for a log
+    file (no progress bar to show them): the line then ends with the time spent and the time left."""
     parts = [f"step {step}/{max_steps}"]
     if stage:
         parts.append(f"stage {stage}")
@@ -89,36 +147,64 @@ def step_line(logs: dict, step: int, max_steps: int, stage: str | None) -> str:
         parts.append(f"peak mem {human_bytes(logs['peak_memory_bytes'])}")
     if logs.get("mfu") is not None:
         parts.append(f"MFU {logs['mfu']:.2f}")
+    if timing is not None:
+        parts.append(eta_text(*timing, max_steps - step))
     return " | ".join(parts)
 
 
+def duration(seconds: float) -> str:
+    """45s, 3m07s, 2h05m: short enough for every step line."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def eta_text(elapsed: float, steps_done: int, steps_left: int) -> str:
+    """Time spent and time left, at the mean step time so far (a resumed run counts from its own first step;
+    evaluations and checkpoints are in that mean, as they will be in the steps left)."""
+    left = elapsed / steps_done * steps_left if steps_done > 0 else None
+    return f"elapsed {duration(elapsed)} | left {duration(left) if left is not None else '?'}"
+
+
 _NOT_SHOWN = ("_runtime", "_samples_per_second", "_steps_per_second", "_perplexity")
+MEAN_LOSS = "eval_mean_loss"  # logged by the curriculum's evaluation after its per-stage losses (train/trainer.py)
+EXACT_MATCH = "eval_exact_match"  # the held-out prompts answered, before that step's evaluation (train/samples.py)
 
 
-def eval_line(metrics: dict, when: str) -> str:
-    """One evaluation (all held-out sets at one step) as one line; with several per-stage losses, their mean."""
+def eval_line(metrics: dict, when: str, exact_match: tuple | None = None) -> str:
+    """One evaluation (all held-out sets at one step) as one line; with several per-stage losses, their mean.
+    `exact_match`: (now, before training) of the answered held-out prompts (train/samples.py), either None."""
     shown, losses = [], []
     for key, value in metrics.items():
-        if not key.startswith("eval_") or key.endswith(_NOT_SHOWN) or not isinstance(value, (int, float)):
+        if (not key.startswith("eval_") or key.endswith(_NOT_SHOWN) or key in (MEAN_LOSS, EXACT_MATCH)
+                or not isinstance(value, (int, float))):
             continue
         name = key[len("eval_"):]
         if name.endswith("_loss"):
             name = name[: -len("_loss")]
             losses.append(value)
         shown.append(f"{name} {value:.4f}")
-    if len(losses) > 1:
-        shown.append(f"mean {sum(losses) / len(losses):.4f}")
+    mean = metrics.get(MEAN_LOSS, sum(losses) / len(losses) if len(losses) > 1 else None)
+    if mean is not None and len(losses) > 1:
+        shown.append(f"mean {mean:.4f}")
+    now, before = exact_match or (None, None)
+    if now is not None:
+        shown.append(f"exact match {now:.2f}" + (f" (before training {before:.2f})" if before is not None else ""))
     return f"eval {when}: " + " | ".join(shown)
 
 
 def console_callback(schedule=None, eval_sets: int = 1):
-    """The Trainer's progress callback, replaced: see the module docstring. `eval_sets`: how many held-out sets
-    one evaluation logs separately (their line is printed when the last one is in)."""
+    """The Trainer's progress callback, replaced: see the module docstring. `eval_sets`: how many logs one
+    evaluation makes (each held-out set's, and the mean's; its line is printed when the last one is in)."""
     from transformers import TrainerCallback
 
     class ConsoleCallback(TrainerCallback):
         def __init__(self):
             self.bar, self.done, self.pending, self.pending_step, self.received = None, 0, {}, None, 0
+            self.started, self.first_step, self.exact = None, 0, {}
 
         def on_train_begin(self, args, state, control, **kwargs):
             if state.is_world_process_zero and sys.stdout.isatty() and not args.disable_tqdm:
@@ -126,7 +212,8 @@ def console_callback(schedule=None, eval_sets: int = 1):
 
                 self.bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True,
                                 file=sys.stdout, leave=False, disable=False)  # TQDM_DISABLE is for the others
-            self.done = state.global_step
+            self.done = self.first_step = state.global_step
+            self.started = time.monotonic()
 
         def on_step_begin(self, args, state, control, **kwargs):
             self._flush(state)
@@ -139,6 +226,9 @@ def console_callback(schedule=None, eval_sets: int = 1):
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or not logs:
                 return
+            if EXACT_MATCH in logs:  # before the evaluation of the same step: shown on its line
+                self.exact[state.global_step] = logs[EXACT_MATCH]
+                return
             if any(k.startswith("eval_") for k in logs):
                 if self.pending_step not in (None, state.global_step):
                     self._flush(state)
@@ -150,7 +240,10 @@ def console_callback(schedule=None, eval_sets: int = 1):
                 return
             self._flush(state)
             if "loss" in logs:
-                say(step_line(logs, state.global_step, state.max_steps, self._stage(logs.get("stage"))))
+                timing = None
+                if self.bar is None and self.started is not None:  # a log file: no bar shows the time
+                    timing = (time.monotonic() - self.started, state.global_step - self.first_step)
+                say(step_line(logs, state.global_step, state.max_steps, self._stage(logs.get("stage")), timing))
 
         def on_train_end(self, args, state, control, **kwargs):
             self._flush(state)
@@ -172,7 +265,8 @@ def console_callback(schedule=None, eval_sets: int = 1):
                 span = schedule.stage_at(step - 1)
                 if step == span.end_step:
                     when += f" (end of stage '{span.name}')"
-            say(eval_line(self.pending, when))
+            exact = (self.exact.get(step), self.exact.get(0) if step else None)
+            say(eval_line(self.pending, when, exact))
             self.pending, self.pending_step, self.received = {}, None, 0
 
     return ConsoleCallback()

@@ -6,6 +6,8 @@ recipe records."""
 from __future__ import annotations
 
 import math
+import os
+from pathlib import Path
 
 from hf_zero.checkpoint.resume import prepare_resume
 from hf_zero.checkpoint.safe_load import safe_checkpoint_loading
@@ -17,10 +19,12 @@ from hf_zero.data.stages import check_stage_files
 from hf_zero.estimate.measure import MemoryMeasureCallback, measure_requested
 from hf_zero.launch.interrupt import raise_if_interrupted
 from hf_zero.train.bench_probe import BenchProbeCallback, bench_requested
+from hf_zero.train.loss_plot import LOSS_PLOT
 from hf_zero.train.run import RunContext, print_banner
 from hf_zero.train.trainer import step_losses
 
-__all__ = ["start", "lay_out", "attach_probes", "announce", "train", "summary_fields", "loss_words"]
+__all__ = ["start", "lay_out", "attach_probes", "announce", "train", "summary_fields", "loss_words",
+           "exact_match_words", "next_steps"]
 
 
 def start(ctx: RunContext, fresh_start: bool, example: str) -> str | None:
@@ -105,3 +109,23 @@ def loss_words(before: float | None, after: float | None, stages: int) -> str:
         return ""
     return (f"eval loss {before:.4f} -> {after:.4f} (perplexity {math.exp(before):,.1f} -> {math.exp(after):,.1f}), "
             f"mean over {stages} stages' held-out sets; ")
+
+
+def exact_match_words(before: float | None, after: float | None) -> str:
+    """The answered held-out prompts in the last line: exact match before -> after training."""
+    if after is None:
+        return ""
+    return f"exact match {'?' if before is None else f'{before:.2f}'} -> {after:.2f}; "
+
+
+def next_steps(output_dir: Path, final_dir: Path | None, use_peft: bool, commands: bool = True) -> list[str]:
+    """The lines under the result: where the curves are, and (`commands`: a causal LM's run) the commands that use
+    what the run wrote: answer a prompt with it, export it."""
+    logdir = os.environ.get("TENSORBOARD_LOGGING_DIR") or output_dir / "runs"  # where the Trainer's writer puts them
+    lines = [f"  curves: {output_dir / LOSS_PLOT}, or tensorboard --logdir {logdir}"]
+    if final_dir is not None and commands:
+        model = f"--adapter {final_dir}" if use_peft else f"--model {final_dir}"
+        lines.append(f'  try it: hf-zero generate {model} --prompt "..."')
+        merge = " --merge-lora" if use_peft else ""  # a model plain from_pretrained loads, without peft
+        lines.append(f"  export: hf-zero export {output_dir}{merge} --out {output_dir}_hf")
+    return lines

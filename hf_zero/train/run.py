@@ -24,6 +24,7 @@ from hf_zero.plan.run_plan import PLAN_ENV, RunPlan, plan_in_worker
 from hf_zero.plan.sequence_parallel import parallelism_config, verify_recipe_kind
 from hf_zero.plan.shipped import check_recipe_matches
 from hf_zero.preflight.check_rules import check_launch_at_start, check_room_at_start
+from hf_zero.train.loss_plot import LOSS_PLOT, plot_losses
 
 __all__ = ["RunContext", "setup_run", "print_banner", "write_summary"]
 
@@ -146,7 +147,8 @@ def _write_json(path: Path, data) -> None:
 
 
 def write_summary(ctx: RunContext, extra: dict, log_history: list | None = None) -> Path:
-    """summary.json (and log_history.json, every logged step) on rank 0: what ran, where, and how it went."""
+    """summary.json (and log_history.json, every logged step, and loss.png, its curves) on rank 0: what ran, where,
+    and how it went."""
     summary = {
         **ctx.plan.record(),
         "nodes": ctx.plan.nodes,
@@ -158,6 +160,9 @@ def write_summary(ctx: RunContext, extra: dict, log_history: list | None = None)
     }
     if log_history is not None:
         _write_json(ctx.output_dir / "log_history.json", log_history)
+        if rank() == 0:
+            names = [s.get("name") for s in extra.get("stages") or [] if isinstance(s, dict)]
+            plot_losses(log_history, ctx.output_dir / LOSS_PLOT, names)
     path = ctx.output_dir / "summary.json"
     _write_json(path, summary)
     return path

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from hf_zero.core.console import EXACT_MATCH
 from hf_zero.train.generate import contains, exact_match, generate_answers
 
 __all__ = ["SampleCallback", "exact_match_summary"]
@@ -69,8 +70,10 @@ class SampleCallback(TrainerCallback):
         if scored:
             # Trainer.log clears control.should_log, which would drop this step's own loss log: keep it.
             control, keep = self.trainer.control, self.trainer.control.should_log
+            # eval_exact_match: TensorBoard's eval/exact_match beside eval/mean_loss, and the console's eval line.
             self.trainer.log({f"samples_{span.name}_exact_match": sum(scored) / len(scored),
-                              f"samples_{span.name}_contains_reference": sum(named) / len(named)})
+                              f"samples_{span.name}_contains_reference": sum(named) / len(named),
+                              EXACT_MATCH: sum(scored) / len(scored)})
             control.should_log = self.trainer.control.should_log = keep
 
     def _write(self, rows: list[dict], step: int, stage: str) -> None:
@@ -89,7 +92,8 @@ class SampleCallback(TrainerCallback):
 
 def exact_match_summary(log_history: list[dict]) -> dict:
     """exact_match_before / exact_match_after (mean over the stages sampled at that moment) for summary.json."""
-    logged = [(h["step"], v) for h in log_history for k, v in h.items() if k.endswith("_exact_match") and "step" in h]
+    logged = [(h["step"], v) for h in log_history for k, v in h.items()
+              if k.startswith("samples_") and k.endswith("_exact_match") and "step" in h]
     if not logged:
         return {}
     first, last = logged[0][0], logged[-1][0]

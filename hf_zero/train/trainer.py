@@ -11,7 +11,7 @@ from transformers import Trainer, TrainerCallback
 
 from hf_zero.checkpoint.staging import StagedCheckpointMixin
 from hf_zero.checkpoint.write import CheckpointCallback
-from hf_zero.core.console import console_callback, say
+from hf_zero.core.console import MEAN_LOSS, console_callback, say
 from hf_zero.core.distributed import waiting_for
 from hf_zero.data.curriculum import CurriculumSchedule
 from hf_zero.launch.interrupt import stop_on_signal
@@ -37,7 +37,8 @@ class CurriculumTrainer(SequenceParallelMixin, FusedCrossEntropyMixin, StagedChe
         self.add_callback(CheckpointCallback(has_eval=self.eval_dataset is not None))
         for noisy in (ProgressCallback, PrinterCallback):  # raw dicts per step; hf_zero.core.console prints lines
             self.remove_callback(noisy)
-        sets = len(self.eval_dataset) if isinstance(self.eval_dataset, dict) else 1
+        # Each held-out set logs its own losses, then evaluate() logs their mean.
+        sets = len(self.eval_dataset) + 1 if isinstance(self.eval_dataset, dict) else 1
         self.add_callback(console_callback(schedule, sets))  # before the stage-switch line: eval lines come first
         self.add_callback(CurriculumCallback(schedule, has_eval=self.eval_dataset is not None, log=say))
         self.throughput = throughput_callback(self.model, plan.precision)
@@ -57,6 +58,8 @@ class CurriculumTrainer(SequenceParallelMixin, FusedCrossEntropyMixin, StagedChe
             losses = [metrics[k] for n in self.eval_dataset if (k := f"{metric_key_prefix}_{n}_loss") in metrics]
             if losses:
                 metrics[f"{metric_key_prefix}_loss"] = sum(losses) / len(losses)
+                if metric_key_prefix == "eval":  # the run's one number: TensorBoard's eval/mean_loss, the console's
+                    self.log({MEAN_LOSS: metrics["eval_loss"]})
         return metrics
 
     def create_optimizer(self, model=None):
@@ -140,7 +143,7 @@ def eval_rounds(log_history: list[dict]) -> dict[int, dict[str, float]]:
     rounds: dict[int, dict[str, float]] = {}
     for h in log_history:
         for key, value in h.items():
-            if key.startswith("eval_") and key.endswith("_loss") and key != "eval_loss":
+            if key.startswith("eval_") and key.endswith("_loss") and key not in ("eval_loss", MEAN_LOSS):
                 rounds.setdefault(h["step"], {})[key[len("eval_"):-len("_loss")]] = value
     return rounds
 

@@ -9,7 +9,7 @@ import statistics
 import sys
 
 import pytest
-from testing_utils import REPO, run_cmd
+from testing_utils import REPO, foreign_lines, run_cmd
 
 from hf_zero.bench.execute import _env, model_state_bytes, root_cause, summarize_run
 from hf_zero.bench.report import progress_line
@@ -38,6 +38,7 @@ def bench(tmp_path_factory):
 @pytest.mark.multiproc
 def test_reports_name_the_machine_and_hold_every_field(bench):
     out, proc, report = bench
+    assert foreign_lines(proc.stdout + proc.stderr) == []  # hf_zero's lines only: no library's warning or bar
     m = report["machine"]
     assert report["nproc"] == m["ranks"] == 2 and m["device"] == "cpu" and m["torch"] and m["deepspeed"]
     assert [s["name"] for s in report["strategies"]] == ["ddp", "zero1", "zero2", "zero3", "fsdp2"]

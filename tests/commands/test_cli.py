@@ -1,5 +1,6 @@
 """The `hf-zero` command: fast help, one-line errors, and the launch lines it builds."""
 
+import os
 import re
 import subprocess
 import sys
@@ -174,3 +175,17 @@ def test_make_train_hints_use_args(monkeypatch):
     monkeypatch.setenv("HF_ZERO_VIA_MAKE", "1")
     with pytest.raises(UserError, match=r'; ARGS="--fresh_start true" trains again'):
         check_finished_settings("runs/x", {"seed": 1}, {"seed": 2})
+
+
+def test_every_command_takes_verbose_and_sets_the_one_switch(monkeypatch, capsys):
+    """One console rule: the libraries' warnings and bars are off for every command unless --verbose, which sets the
+    switch every process of the command reads (hf_zero.core.console)."""
+    from hf_zero.cli import COMMANDS, command_parser
+    from hf_zero.core.console import VERBOSE_ENV
+
+    for name in COMMANDS:
+        assert "--verbose" in command_parser(name)[0].format_help(), name
+    monkeypatch.setenv(VERBOSE_ENV, "0")  # restored (unset) after the test: --verbose sets it in this process
+    assert main(["profiles", "--verbose"]) == 0
+    assert os.environ[VERBOSE_ENV] == "1"
+    assert "this machine:" in capsys.readouterr().out

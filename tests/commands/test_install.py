@@ -35,8 +35,10 @@ def installed(tmp_path_factory):
         if (REPO / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, src / name)
-    _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp / "dist", src],
-         cwd=tmp, env=env)
+    built = _run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "-w", tmp / "dist",
+                  src], cwd=tmp, env=env)
+    # setup.cfg names every folder Python sees as a package: `make install` prints no wall of setuptools warnings
+    assert "would be ignored" not in built.stdout + built.stderr, (built.stdout + built.stderr)[-4000:]
     wheel = next((tmp / "dist").glob("hf_zero-*.whl"))
     venv = tmp / "venv"
     _run([Path(sys.base_prefix) / "bin" / "python3", "-m", "venv", venv], cwd=tmp, env=env)

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 from markdown.extensions.toc import slugify
 from testing_utils import (
+    ACCELERATE_LAUNCHER_LINES,
     REPO,
     docs_pages,
+    foreign_lines,
     libaio_missing_reason,
     readme_commands,
     run_as_user,
@@ -115,8 +117,10 @@ def _check_make_train(proc, where, run=Path("runs") / "smollm2_shakespeare"):
     assert s["eval_loss_after"] < s["eval_loss_before"]
     assert "[hf_zero] profile cpu: no GPU found" in proc.stdout
     assert (where / run / "final" / "adapter_model.safetensors").is_file()
-    last = proc.stdout.strip().splitlines()[-1]  # the result, as the last line
+    lines = proc.stdout.strip().splitlines()
+    last = lines[-4]  # the result, then where the curves are and the commands that use the model
     assert last.startswith(f"[hf_zero] done: eval loss {s['eval_loss_before']:.4f} -> {s['eval_loss_after']:.4f}")
+    assert re.fullmatch(rf'  try it: hf-zero generate --adapter \S*{run / "final"} --prompt "\.\.\."', lines[-2])
     return s
 
 
@@ -130,6 +134,7 @@ def test_make_train_on_the_tiny_model(readme_checkout, tmp_path):
                                 output_dir=str(tmp_path / "run"))
     proc = run_as_user(f"make train CONFIG={config}", readme_checkout, tmp_path / "hf_home")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert proc.stdout.splitlines()[0] == f".venv/bin/hf-zero train --config {config}"  # make's echo: one line
     s = _check_make_train(proc, tmp_path, run=Path("run"))
     assert [st["name"] for st in s["stages"]] == ["lines", "passages", "sonnets"] and s["total_steps"] == 6
 
@@ -230,6 +235,37 @@ CHECKS = {
     "recipes/configs/tiny_curriculum.yaml --output_dir runs/tiny_switch --global_batch_size 4 --save_strategy steps "
     "--save_steps 5 --resume_from_checkpoint runs/tiny_switch/checkpoint-10": _check_profile_switch,
 }
+
+
+# A README command for each command and entry point whose console must hold only hf_zero's lines (foreign_lines in
+# testing_utils.py), with the lines that are someone else's by design: a plain `accelerate launch`'s own launcher.
+CONSOLE = {
+    "hf-zero check --profile fsdp2 --config recipes/configs/tiny_curriculum.yaml": (),
+    "hf-zero preview --config recipes/configs/smollm2_chat.yaml -n 1": (),
+    "hf-zero estimate --model tiny-llama --gpus-per-node 8 --precision bf16": (),
+    next(c for c in COMMANDS if c.startswith("hf-zero generate --model")): (),  # its last line is the answer
+    "hf-zero export runs/tiny_ckpt/checkpoint-15 --out runs/tiny_ckpt_hf --overwrite": (),  # DeepSpeed's zero_to_fp32
+    "accelerate launch --config_file accelerate_configs/zero3.yaml recipes/curriculum.py --config "
+    "recipes/configs/tiny_curriculum.yaml --output_dir runs/tiny_zero3": ACCELERATE_LAUNCHER_LINES,  # ZeRO-3's save
+    "accelerate launch --config_file accelerate_configs/zero2.yaml recipes/classify.py --config "
+    "recipes/configs/tiny_classify.yaml": ACCELERATE_LAUNCHER_LINES,  # a model loaded with new weights (its head)
+    next(c for c in COMMANDS if c.startswith("make train PROFILE=zero3")): (r"\S*hf-zero train ",),  # make's echo
+}
+
+
+@pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in CONSOLE])
+def test_console_holds_only_hf_zero_lines(cmd, readme_runs):
+    """No library warning, progress bar or notice, on every path: the `hf-zero` commands, `make`, the recipes' ranks
+    under a plain `accelerate launch` (the runs test_readme_command_runs made)."""
+    for earlier in COMMANDS[:COMMANDS.index(cmd)]:  # what the command reads is written by an earlier one
+        if earlier in LAUNCHES and set(re.findall(r"runs/\w+", earlier)) & set(re.findall(r"runs/\w+", cmd)):
+            assert readme_runs[earlier].returncode == 0
+    proc = readme_runs[cmd]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    stdout = proc.stdout.strip().splitlines()
+    if cmd.startswith("hf-zero generate"):
+        stdout = stdout[:-1]
+    assert foreign_lines("\n".join(stdout) + "\n" + proc.stderr, *CONSOLE[cmd]) == []
 
 
 def test_readme_commands_are_all_known():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testing_utils import PROFILES, RECIPE, REPO, TINY, read_summary
+from testing_utils import PROFILES, RECIPE, REPO, TINY, foreign_lines, read_summary
 
 ERROR = "hf-zero: error:"
 
@@ -156,19 +156,41 @@ def test_console_in_a_log_file(finished):
     assert "\x1b[" not in text and "\r" not in text  # no cursor codes, no progress bar redraws
     assert "Setting accelerator to CPU" not in text and "OMP_NUM_THREADS" not in text
     assert "built successfully" not in text and "{'loss'" not in text
+    assert foreign_lines(text) == []  # no library's warning, bar or notice: hf_zero's lines only
     lines = text.strip().splitlines()
     steps = [ln for ln in lines if ln.startswith("step ")]
     assert len(steps) == 15 and all(" | loss " in s and " | lr " in s and " tok/s" in s for s in steps)
     assert steps[5].startswith("step 6/15 | stage 2/3 medium | loss ")
+    # a log file has no progress bar: each step line says how long the run has taken and how long it will take
+    assert all(re.search(r" tok/s \| elapsed \w+ \| left \w+$", s) for s in steps)
+    assert steps[-1].endswith(" | left 0s")
     evals = [ln for ln in lines if ln.startswith("eval ")]
     assert len(evals) == 4 and evals[0].startswith("eval before training: short ")
     assert "(end of stage 'medium')" in evals[2] and " | mean " in evals[2]
     s = read_summary(out)
     result = [ln for ln in lines if ln.startswith("[hf_zero] done:")]
-    assert result == [lines[-1]]  # one result line, the last one
-    assert f"eval loss {s['eval_loss_before']:.4f} -> {s['eval_loss_after']:.4f}" in lines[-1]
-    assert str(out / "final") in lines[-1]
+    assert result == [lines[-4]]  # one result line, then where the curves are and what to run next
+    assert f"eval loss {s['eval_loss_before']:.4f} -> {s['eval_loss_after']:.4f}" in result[0]
+    assert evals[-1].endswith(f" | mean {s['eval_loss_after']:.4f}")
+    assert str(out / "final") in result[0]
+    assert lines[-3:] == [f"  curves: {out}/loss.png, or tensorboard --logdir {out}/runs",
+                          f'  try it: hf-zero generate --model {out}/final --prompt "..."',
+                          f"  export: hf-zero export {out} --out {out}_hf"]
     assert sum("hf_zero | profile zero2" in ln for ln in lines) == 1  # rank 0's console only
+
+
+@pytest.mark.multiproc
+def test_loss_plot_and_tensorboard_mean_loss(finished):
+    out, _, _ = finished
+    s = read_summary(out)
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG" and (out / "loss.png").stat().st_size > 20_000
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(next((out / "runs").rglob("events.out.tfevents.*")).parent))
+    acc.Reload()
+    means = [(e.step, e.value) for e in acc.Scalars("eval/mean_loss")]
+    assert [step for step, _ in means] == [0, 5, 10, 15]
+    assert means[0][1] == pytest.approx(s["eval_loss_before"]) and means[-1][1] == pytest.approx(s["eval_loss_after"])
 
 
 @pytest.mark.multiproc

@@ -7,7 +7,7 @@ import random
 import sys
 
 import pytest
-from testing_utils import RECIPE, REPO, launch_recipe, read_summary, run_cmd
+from testing_utils import RECIPE, REPO, foreign_lines, launch_recipe, read_summary, run_cmd
 
 from hf_zero.cli import main
 
@@ -43,8 +43,9 @@ def same_reply_runs(tmp_path_factory):
     runs = {}
     for mode in ("true", "false"):
         out = root / f"assistant_only_{mode}"
-        run_cmd([sys.executable, RECIPE, "--config", config, "--output_dir", out, "--disable_tqdm", "true",
-                 "--assistant_only_loss", mode])
+        proc = run_cmd([sys.executable, RECIPE, "--config", config, "--output_dir", out, "--disable_tqdm", "true",
+                        "--assistant_only_loss", mode])
+        (out / "console.log").write_text(proc.stdout + proc.stderr)  # as a log file holds it (stdout not a tty)
         runs[mode] = out
     return runs
 
@@ -72,6 +73,23 @@ def test_samples_show_the_learnt_reply(same_reply_runs):
     acc.Reload()
     assert "samples/chat/text_summary" in acc.Tags()["tensors"]
     assert "train/samples_chat_exact_match" in acc.Tags()["scalars"]
+    # the run's purpose as scalars beside each other: held-out loss and exact match, before and at the end
+    assert [(e.step, e.value) for e in acc.Scalars("eval/exact_match")] == [(0, 0.0), (48, 1.0)]
+    assert [e.step for e in acc.Scalars("eval/mean_loss")] == [0, 48]
+    assert acc.Scalars("eval/mean_loss")[-1].value == pytest.approx(s["eval_loss_after"])
+
+
+def test_console_shows_the_answers_before_and_after(same_reply_runs):
+    """Under a plain `python recipe`: hf_zero's lines only, exact match on the eval lines and the result."""
+    out = same_reply_runs["true"]
+    text = (out / "console.log").read_text()
+    assert foreign_lines(text) == []
+    evals = [ln for ln in text.splitlines() if ln.startswith("eval ")]
+    assert evals[0].startswith("eval before training: chat ") and evals[0].endswith(" | exact match 0.00")
+    assert evals[-1].endswith(" | exact match 1.00 (before training 0.00)")
+    (done,) = [ln for ln in text.splitlines() if ln.startswith("[hf_zero] done: ")]
+    assert " mean over 1 stages' held-out sets; exact match 0.00 -> 1.00; model in " in done
+    assert (out / "loss.png").stat().st_size > 10_000
 
 
 def test_generate_answers_with_the_saved_template(same_reply_runs, capsys):
