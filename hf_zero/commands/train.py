@@ -11,6 +11,7 @@ from pathlib import Path
 from hf_zero.checkpoint.resume import complete_message
 from hf_zero.core.console import VERBOSE_ENV, quiet_environment
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.core.once import read_once
 from hf_zero.core.validate import at_least
 from hf_zero.estimate.recipe import pick_profile, read_recipe
 from hf_zero.launch import launcher
@@ -121,6 +122,11 @@ def preflight(args, profile: str, extra: list[str]) -> bool | str:
 
 
 def run(args) -> int:
+    with read_once():  # the YAML, the recipe and the profile read once for the checks, the plan and the launch
+        return _run(args)
+
+
+def _run(args) -> int:
     validate_flags(args)
     args.recipe = str(recipe_script(args.recipe, args.config))
     if args.help_recipe:
