@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 
+from hf_zero.core import startup
 from hf_zero.core.console import rank, setup_console
 from hf_zero.core.errors import EXIT_USAGE, RunComplete, RunInterrupted, UserError
 from hf_zero.core.report import report_user_error, write_status
@@ -129,6 +130,7 @@ def recipe_entry(func):
     def wrapper(*args, **kwargs):
         die_with_launcher()
         setup_console()
+        _start_talking()
         threading.excepthook = _thread_failed
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
@@ -158,6 +160,16 @@ def recipe_entry(func):
                 _report_bug(exc)
             raise
         finally:
+            startup.stop_heartbeat()
             release_held()
 
     return wrapper
+
+
+def _start_talking() -> None:
+    """Rank 0 takes the start-up heartbeat over from the launcher (hf_zero.core.startup)."""
+    startup.phase("reading the recipe and the run plan")
+    if rank() != 0:
+        return
+    write_status(startup.ALIVE_NAME, {"pid": os.getpid()})
+    startup.start_heartbeat()
