@@ -15,6 +15,7 @@ Always on: a phase costs one `time.time()`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -24,16 +25,18 @@ from pathlib import Path
 
 __all__ = ["T0_ENV", "PHASES_ENV", "HEARTBEAT_S", "ALIVE_NAME", "start_clock", "t0", "phase", "current", "phases",
            "hand_on", "durations", "breakdown", "finish", "end_command", "start_heartbeat", "hand_over_at",
-           "stop_heartbeat"]
+           "take_over", "stop_heartbeat"]
 
 T0_ENV = "HF_ZERO_T0"
 PHASES_ENV = "HF_ZERO_STARTUP_PHASES"
 HEARTBEAT_S = 10.0
 ALIVE_NAME = "rank0-started"  # in the launch's status folder: the launcher's heartbeat hands over to rank 0's
+SAID_NAME = "heartbeat-said"  # beside it: when the launcher last printed, so that rank 0 keeps the same beat
 
 _own: list[tuple[str, float]] = []  # (what this process started doing, wall time)
 _said = [0.0]  # wall time of the heartbeat's last line
-_state: dict = {"end": None, "until": None}  # end: when start-up ended (first step); until: rank 0's "started" file
+# end: when start-up ended (the first step began); folder: the launch's status folder, where the heartbeat is handed on
+_state: dict = {"end": None, "folder": None}
 _stop = threading.Event()
 _thread: list[threading.Thread] = []
 
@@ -45,7 +48,8 @@ def start_clock(env=os.environ) -> float:
         env[T0_ENV] = repr(time.time())
         env.pop(PHASES_ENV, None)
         _own.clear()
-        _state.update(end=None, until=None)
+        _said[0] = 0.0
+        _state.update(end=None, folder=None)
     return float(env[T0_ENV])
 
 
@@ -120,11 +124,24 @@ def _line(doing: str, now: float) -> None:
     _said[0] = now
     sys.stdout.flush()
     print(f"[hf_zero] {doing} ({now - t0():.0f} s)", flush=True)
+    if _state["folder"] is not None:
+        with contextlib.suppress(OSError):
+            (_state["folder"] / SAID_NAME).write_text(repr(now))
 
 
-def hand_over_at(path: Path) -> None:
-    """The heartbeat ends once `path` exists: rank 0, started, has taken over."""
-    _state["until"] = Path(path)
+def hand_over_at(folder: Path) -> None:
+    """The launcher's heartbeat ends once rank 0 has taken it over in `folder` (the launch's status folder)."""
+    _state["folder"] = Path(folder)
+
+
+def take_over(folder: Path | None) -> None:
+    """Rank 0: the heartbeat from here on, on the launcher's beat (its last line's time, read from `folder`)."""
+    if folder is not None:
+        with contextlib.suppress(OSError, ValueError):
+            _said[0] = float((Path(folder) / SAID_NAME).read_text())
+        with contextlib.suppress(OSError):
+            (Path(folder) / ALIVE_NAME).write_text(str(os.getpid()))
+    start_heartbeat()
 
 
 def start_heartbeat(every: float = HEARTBEAT_S) -> None:
@@ -132,12 +149,12 @@ def start_heartbeat(every: float = HEARTBEAT_S) -> None:
     if _thread and _thread[0].is_alive():
         return
     _stop.clear()
-    _said[0] = max(_said[0], time.time())
+    _said[0] = _said[0] or time.time()
 
     def beat():
         while not _stop.wait(min(1.0, every / 4)):
-            until = _state["until"]
-            if until is not None and until.exists():
+            folder = _state["folder"]  # the launcher's (set once it exists): it stops once rank 0 has taken over
+            if folder is not None and (folder / ALIVE_NAME).exists():
                 return
             now = time.time()
             if now - _said[0] >= every:

@@ -180,12 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     args = launch_command_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
     lock = None
-    startup.hand_over_at(status / startup.ALIVE_NAME)
+    startup.hand_over_at(status)
     startup.start_heartbeat()
     try:
         startup.phase("resolving the run plan")
         lock = _lock_output(args, _resolve_plan(args, status))
-        startup.phase(f"starting {args.num_processes or 'the'} ranks (Python, torch, transformers, the recipe)")
+        startup.phase("starting the ranks (Python, torch, transformers, the recipe)")
         startup.hand_on()
         launch_command(args)
         return 0

@@ -19,11 +19,12 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from hf_zero.core import startup
 from hf_zero.core.console import rank, setup_console
 from hf_zero.core.errors import EXIT_USAGE, RunComplete, RunInterrupted, UserError
-from hf_zero.core.report import report_user_error, write_status
+from hf_zero.core.report import STATUS_ENV, report_user_error, write_status
 from hf_zero.core.run_lock import release_held
 from hf_zero.launch.interrupt import (
     interrupt_requested,
@@ -169,7 +170,5 @@ def recipe_entry(func):
 def _start_talking() -> None:
     """Rank 0 takes the start-up heartbeat over from the launcher (hf_zero.core.startup)."""
     startup.phase("reading the recipe and the run plan")
-    if rank() != 0:
-        return
-    write_status(startup.ALIVE_NAME, {"pid": os.getpid()})
-    startup.start_heartbeat()
+    if rank() == 0:
+        startup.take_over(Path(os.environ[STATUS_ENV]) if os.environ.get(STATUS_ENV) else None)

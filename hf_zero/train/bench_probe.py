@@ -96,7 +96,7 @@ class StartupCallback(TrainerCallback):
     the engine's set-up inside train() is told apart from the wait for the first batch."""
 
     def on_train_begin(self, args, state, control, **kwargs):
-        startup.phase("loading the first batch")
+        startup.phase("evaluating before training" if args.eval_on_start else "loading the first batch")
 
     def on_step_begin(self, args, state, control, **kwargs):
         if startup.current() is not None:
