@@ -169,6 +169,6 @@ def recipe_entry(func):
 
 def _start_talking() -> None:
     """Rank 0 takes the start-up heartbeat over from the launcher (hf_zero.core.startup)."""
-    startup.phase("reading the recipe and the run plan")
+    startup.phase("importing the recipe's modules (the Trainer, DeepSpeed)")
     if rank() == 0:
         startup.take_over(Path(os.environ[STATUS_ENV]) if os.environ.get(STATUS_ENV) else None)

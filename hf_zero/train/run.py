@@ -60,6 +60,8 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     # torch 2.13 warns on every collective DeepSpeed issues through the old names; thousands of identical lines
     # would bury the banner and the stage logs.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    startup.phase("reading the recipe and the run plan" if os.environ.get(PLAN_ENV) else
+                  "reading the recipe and resolving the run plan")
     argv = ensure_launched(list(sys.argv[1:] if argv is None else argv), script or sys.argv[0])
     check_recipe_matches(pop_flag(list(argv), "--config")[0], script or sys.argv[0])
     # The run plan (the launcher's run_plan.json, or resolved here under a plain `accelerate launch`): profile,
