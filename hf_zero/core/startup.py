@@ -134,14 +134,16 @@ def hand_over_at(folder: Path) -> None:
     _state["folder"] = Path(folder)
 
 
-def take_over(folder: Path | None) -> None:
-    """Rank 0: the heartbeat from here on, on the launcher's beat (its last line's time, read from `folder`)."""
+def take_over(folder: Path | None, beat: bool = True) -> None:
+    """A machine's first rank ends its launcher's heartbeat (in `folder`); with `beat` (rank 0, the console) it goes
+    on with it, on the launcher's beat (the time of its last line, read from `folder`)."""
     if folder is not None:
         with contextlib.suppress(OSError, ValueError):
             _said[0] = float((Path(folder) / SAID_NAME).read_text())
         with contextlib.suppress(OSError):
             (Path(folder) / ALIVE_NAME).write_text(str(os.getpid()))
-    start_heartbeat()
+    if beat:
+        start_heartbeat()
 
 
 def start_heartbeat(every: float = HEARTBEAT_S) -> None:

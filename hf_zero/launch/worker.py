@@ -170,5 +170,6 @@ def recipe_entry(func):
 def _start_talking() -> None:
     """Rank 0 takes the start-up heartbeat over from the launcher (hf_zero.core.startup)."""
     startup.phase("importing the recipe's modules (the Trainer, DeepSpeed)")
-    if rank() == 0:
-        startup.take_over(Path(os.environ[STATUS_ENV]) if os.environ.get(STATUS_ENV) else None)
+    # each machine's first rank ends its launcher's heartbeat; rank 0, the one console, goes on with it
+    if rank() == 0 or os.environ.get("LOCAL_RANK", "0") == "0":
+        startup.take_over(Path(os.environ[STATUS_ENV]) if os.environ.get(STATUS_ENV) else None, beat=rank() == 0)
