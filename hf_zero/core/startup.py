@@ -122,8 +122,12 @@ def breakdown() -> dict[str, float]:
 
 def _line(doing: str, now: float) -> None:
     _said[0] = now
+    line = f"[hf_zero] {doing} ({now - t0():.0f} s)"
+    if "tqdm" in sys.modules:  # above a progress bar on screen (an evaluation's before the first step), not inside it
+        sys.modules["tqdm"].tqdm.write(line, file=sys.stdout)
+    else:
+        sys.stdout.write(line + "\n")  # one write: no other thread's text inside the line
     sys.stdout.flush()
-    print(f"[hf_zero] {doing} ({now - t0():.0f} s)", flush=True)
     if _state["folder"] is not None:
         with contextlib.suppress(OSError):
             (_state["folder"] / SAID_NAME).write_text(repr(now))
