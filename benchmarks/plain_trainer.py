@@ -8,7 +8,9 @@ to exactly what hf_zero used: the model folder and its `from_pretrained` argumen
 settings and the seed, the training rows in step order (packed rows with their position_ids), the learning rate of
 every step, the TrainingArguments values, and the path of the DeepSpeed config (the same dict hf_zero hands to the
 Trainer, as JSON). Written as a competent user would: rows held in memory, no per-step tokenization, one collator.
-It records the same per-rank timings and training fingerprint as hf_zero's bench probe, in the same file format.
+It records the same per-rank timings and training fingerprint as hf_zero's bench probe, in the same file format,
+and its start-up phases the way hf_zero's ranks do (each phase's name and wall-clock start; HF_ZERO_T0, set by the
+bench, is when the launch began).
 """
 
 import argparse
@@ -17,6 +19,12 @@ import os
 import resource
 import time
 from pathlib import Path
+
+PHASES = []  # (what this process started doing, wall time): the bench's start-up breakdown
+
+
+def _phase(doing: str) -> None:
+    PHASES.append((doing, time.time()))
 
 
 def _fingerprint(trainer) -> dict:
@@ -42,6 +50,9 @@ def _callback(output_dir: Path, trainer_ref: list):
         def __init__(self):
             self.begin, self.end, self.buckets, self.fingerprint = [], [], 0, {}
 
+        def on_train_begin(self, args, state, control, **kwargs):
+            _phase("loading the first batch")
+
         def on_step_begin(self, args, state, control, **kwargs):
             self.begin.append(time.time())
 
@@ -66,7 +77,8 @@ def _callback(output_dir: Path, trainer_ref: list):
                       "process_start": psutil.Process().create_time(), "step_begin": self.begin,
                       "step_end": self.end, "train_end": time.time(), "ddp_bucket_bytes": self.buckets,
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "device_peak_bytes": device, "fingerprint": self.fingerprint}
+                      "device_peak_bytes": device, "fingerprint": self.fingerprint,
+                      "t0": float(os.environ.get("HF_ZERO_T0") or 0) or None, "startup_phases": PHASES}
             output_dir.mkdir(parents=True, exist_ok=True)
             (output_dir / f"bench_rank{rank}.json").write_text(json.dumps(record))
 
@@ -98,6 +110,7 @@ def _collate(tokenizer):
 
 
 def main():
+    _phase("reading the spec")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="JSON written by `hf-zero bench`")
     parser.add_argument("--output_dir", required=True)
@@ -105,9 +118,11 @@ def main():
     spec = json.loads(Path(cli.spec).read_text())
     output_dir = Path(cli.output_dir)
 
+    _phase("importing torch and transformers")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed
 
+    _phase("setting up the process group")
     # TrainingArguments first: with a ZeRO-3 config it is what makes from_pretrained build the model under zero.Init.
     args = TrainingArguments(output_dir=str(output_dir), deepspeed=spec["deepspeed_config"],
                              **spec["training_args"])
@@ -116,6 +131,7 @@ def main():
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")  # on CPU DeepSpeed must join the gloo group explicitly
+    _phase("loading the tokenizer and the data")
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -123,6 +139,7 @@ def main():
         train = [json.loads(line) for line in fh]
     set_seed(spec["seed"])  # LoRA's initial weights are random
     load = dict(spec["from_pretrained"], dtype=getattr(torch, spec["from_pretrained"]["dtype"]))
+    _phase("building the model")
     model = AutoModelForCausalLM.from_pretrained(spec["model"], **load)
     if spec["lora"]:
         from peft import LoraConfig, get_peft_model
@@ -141,9 +158,11 @@ def main():
             return self.lr_scheduler
 
     ref = []
+    _phase("building the Trainer")
     trainer = PerStepLR(model=model, args=args, train_dataset=train, processing_class=tokenizer,
                         data_collator=_collate(tokenizer), callbacks=[_callback(output_dir, ref)])
     ref.append(trainer)
+    _phase("initializing the engine")
     trainer.train()
     if trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h and "step" in h]

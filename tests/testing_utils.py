@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,6 +118,7 @@ class Run:
     stderr: str = ""
     args: list = field(default_factory=list)  # the hf-zero arguments that made it (`hf-zero train` runs only)
     log: Path | None = None
+    times: list = field(default_factory=list)  # (seconds since the command started, line) (`hf-zero train` only)
 
 
 def hf_zero_train(profile: str, out: Path, *extra) -> Run:
@@ -124,12 +126,21 @@ def hf_zero_train(profile: str, out: Path, *extra) -> Run:
     the console must hold no progress-bar redraws on its own)."""
     args = ["train", "--profile", profile, "--config", TINY, "--output_dir", out, *extra]
     log = out.parent / f"{out.name}.log"
+    times = []  # each line as it arrived: what a person watching the console sees, and when
     with open(log, "w") as f:
-        proc = subprocess.run([sys.executable, "-m", "hf_zero.cli", *map(str, args)], cwd=REPO, stdout=f,
-                              stderr=subprocess.STDOUT, timeout=900)
+        started = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "hf_zero.cli", *map(str, args)], cwd=REPO,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        timer = threading.Timer(900, proc.kill)
+        timer.start()
+        for line in proc.stdout:
+            times.append((time.monotonic() - started, line.rstrip("\n")))
+            f.write(line)
+        proc.wait()
+        timer.cancel()
     text = log.read_text()
     assert proc.returncode == 0, text[-3000:]
-    return Run(out, text, "", args, log)
+    return Run(out, text, "", args, log, times)
 
 
 class Lazy(dict):

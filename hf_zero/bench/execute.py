@@ -37,7 +37,7 @@ DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3_offload,fsdp2,fsdp2_offload"
 
 def _check_args(args) -> list[str]:
     if args.overhead_repeats is None:
-        args.overhead_repeats = 3
+        args.overhead_repeats = 4
     names = [s.strip() for s in str(args.strategies).split(",") if s.strip()]
     known = list_profiles()
     if not names:
@@ -48,7 +48,8 @@ def _check_args(args) -> list[str]:
     if len(set(names)) != len(names):
         raise UserError("--strategies", "lists a strategy twice", "name each once")
     for flag, value, low in (("--nproc", args.nproc, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
-                             ("--overhead-repeats", args.overhead_repeats, 0), ("--timeout", args.timeout, 1)):
+                             ("--overhead-repeats", args.overhead_repeats, 0), ("--timeout", args.timeout, 1),
+                             ("--overhead-warmup-pairs", getattr(args, "overhead_warmup_pairs", 0), 0)):
         if value is not None and value < low:
             raise UserError(flag, f"must be at least {low}, got {value}")
     if args.steps is not None and args.steps - args.warmup < 2:

@@ -14,7 +14,7 @@ from hf_zero import __version__
 from hf_zero.bench.compare import TARGETS, loss_agreement, max_abs_diff, offload_split, overhead
 from hf_zero.bench.plan import estimate_bytes
 from hf_zero.bench.plot import plot
-from hf_zero.bench.views import markdown, mib, table, write_csv
+from hf_zero.bench.views import markdown, mib, startup_markdown, table, write_csv
 from hf_zero.core.files import human_bytes
 from hf_zero.estimate.flops import device_peak_flops
 from hf_zero.plan.profiles import load_profile
@@ -23,7 +23,7 @@ __all__ = ["machine_info", "assemble", "write_all", "progress_line", "console_su
 
 
 def console_summary(report) -> str:
-    return table(report)
+    return table(report) + "\n\n" + startup_markdown(report)
 
 
 def machine_info(nproc: int, loadavg_start, note: str = "") -> dict:
@@ -103,7 +103,7 @@ def assemble(plan, args, machine, names, results, overhead_strategy, pairs, flip
         "micro_batch": plan.micro, "grad_accum": plan.accumulation, "seq_len": plan.seq_len, "packing": plan.packing,
         "flops_per_token": plan.flops_per_token, "recipe": str(plan.recipe_yaml), "strategies": rows,
         "loss_reference": ref, "loss_agreement": agreement,
-        "plain_trainer": overhead(overhead_strategy, pairs, precision),
+        "plain_trainer": overhead(overhead_strategy, pairs, precision, getattr(args, "overhead_warmup_pairs", 0)),
         "packing_comparison": _packing(plan, overhead_strategy, results.get(overhead_strategy), flipped),
         "targets": TARGETS, "retries": _retries(results, pairs, flipped),
     }
@@ -192,9 +192,10 @@ def progress_line(name: str, r: dict) -> str:
 
 def write_all(report: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"bench.{ext}" for ext in ("json", "csv", "md", "png")]
+    paths = [out / f"bench.{ext}" for ext in ("json", "csv", "md", "png")] + [out / "startup.md"]
     paths[0].write_text(json.dumps(report, indent=2, default=str))
     write_csv(report, paths[1], machine_line(report["machine"]))
     paths[2].write_text(markdown(report, machine_line(report["machine"])))
     plot(report, paths[3], machine_line(report["machine"]))
+    paths[4].write_text(startup_markdown(report, machine_line(report["machine"])) + "\n")
     return paths

@@ -12,6 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from hf_zero.core.startup import T0_ENV, durations
+
 __all__ = ["measure_launch", "summarize_run", "root_cause", "model_state_bytes"]
 
 
@@ -22,6 +24,7 @@ def _launch(cmd: list[str], env: dict, run_dir: Path, timeout: int) -> tuple[flo
         stale.unlink(missing_ok=True)  # a failed run must not be read as its predecessor's results
     with open(run_dir / "launch.log", "w") as log:
         started = time.time()
+        env = {**env, T0_ENV: repr(started)}  # the launch's t0: every phase its ranks record counts from here
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             return started, proc.wait(timeout=timeout)
@@ -81,6 +84,9 @@ def summarize_run(run_dir: Path, started: float, code: int, warmup: int, tokens_
         "step_time_max_s": max(steady), "startup_s": begin[0] - started, "wall_s": probes[0]["train_end"] - started,
         # start-up = the launcher starting the workers + a worker's imports and set-up up to its first step
         "launcher_s": min(p["process_start"] for p in probes) - started,
+        # where start-up went: rank 0's phases (the launcher's handed on to it), up to its first step
+        "startup_phases_s": [(name, round(s, 3)) for name, s in durations(probes[0].get("startup_phases") or [],
+                                                                           started, begin[0])],
         "samples_per_s": global_batch / median,
         "tokens_per_s": statistics.median(tokens_per_step[k] / times[k] for k in kept if k < len(tokens_per_step)),
         "fingerprint": probes[0].get("fingerprint") or {},

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from hf_zero.core.files import human_bytes
 
-__all__ = ["table", "markdown", "write_csv", "mib"]
+__all__ = ["table", "markdown", "startup_markdown", "write_csv", "mib"]
 
 # Measured on one H100 (llama-1.1B shape, bf16, 12 steps): what the bf16 note quotes.
 BF16_FAMILIES_H100 = "0.23 after 12 steps on llama-1.1B, while ZeRO-2/3/offload agreed with each other to 0.004"
@@ -54,7 +54,26 @@ def markdown(report, machine: str) -> str:
             f"{report['grad_accum']} accum x {report['nproc']} ranks), up to {report['seq_len']} tokens; step-time "
             f"statistics leave out {report['warmup_steps']} warm-up steps (s/step: median, p25-p75).", "",
             table(report), ""]
-    return "\n".join(head + _notes(report)) + "\n"
+    return "\n".join(head + _notes(report) + ["", startup_markdown(report)]) + "\n"
+
+
+def startup_markdown(report, machine: str | None = None) -> str:
+    """Where start-up goes, hf_zero beside the plain script: seconds per phase from the launch to the first step,
+    the median over the measured overhead pairs (rank 0's phases, the launcher's handed on to it)."""
+    over = report["plain_trainer"]
+    hf, plain = over.get("startup_breakdown_hf_zero") or [], over.get("startup_breakdown_plain") or []
+    if not hf and not plain:
+        return "## Start-up breakdown\n\nNot measured (no overhead pair ran)."
+    pairs = over["repeats"] - over.get("warmup_pairs", 0)
+    out = ["## Start-up breakdown", ""]
+    if machine:
+        out += [f"Machine: {machine}.", ""]
+    out += [f"{over['strategy']}, seconds from the launch to the first optimizer step, median over {pairs} pair"
+            f"{'s' if pairs != 1 else ''}; a phase lasts until the next one starts.", ""]
+    for title, rows in ((f"hf_zero ({sum(s for _, s in hf):.1f} s)", hf),
+                        (f"plain Trainer script ({sum(s for _, s in plain):.1f} s)", plain)):
+        out += [f"| {title} | s |", "|---|---:|", *(f"| {name} | {s:.2f} |" for name, s in rows), ""]
+    return "\n".join(out).rstrip()
 
 
 def _yes(flag) -> str:
@@ -84,10 +103,12 @@ def _overhead_line(report) -> str:
     verdict = {"yes": "yes", "no": "**no**"}.get(over["verdict"], f"**{over['verdict']}**")
     why = f" ({over['verdict_reason']})" if over.get("verdict_reason") else ""
     spread = over["step_time_ratio_spread"]
+    warm = over.get("warmup_pairs", 0)
     return (f"- hf_zero vs a plain Trainer + DeepSpeed script ({over['strategy']}, {over['repeats']} interleaved "
-            f"pair{'s' if over['repeats'] != 1 else ''}): step time x{over['step_time_ratio']:.3f} (median of the "
-            f"pair ratios {seq('step_time_ratios', 3)}; spread {'-' if spread is None else f'{spread:.3f}'}); "
-            f"target <= {t['step_time_ratio_max']} with a "
+            f"pair{'s' if over['repeats'] != 1 else ''}" + (f", the first {warm} left out as warm-up" if warm else "")
+            + f"): step time x{over['step_time_ratio']:.3f} (mean of the "
+            f"pair ratios {seq('step_time_ratios', 3)}; spread, 2 standard errors, "
+            f"{'-' if spread is None else f'{spread:.3f}'}); target <= {t['step_time_ratio_max']} with a "
             f"spread within {t['overhead_spread_max']}: {verdict}{why}. Start-up x{over['startup_ratio']:.3f} "
             f"(target <= {t['startup_ratio_max']}: {_yes(c['startup_ratio_within_target'])}). Median s/step hf_zero "
             f"{seq('hf_zero_step_time_median_s', 3)} vs plain {seq('plain_step_time_median_s', 3)}; start-up s "

@@ -25,7 +25,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of step-time statistics")
     parser.add_argument("--overhead-repeats", type=int, default=None,
                         help="hf_zero / plain Trainer pairs, interleaved A/B, B/A, ..., for the overhead ratio and "
-                        "its spread (default 3; 0: skip; --preset gpu: 0)")
+                        "its spread (default 4: one warm-up pair and 3 measured; 0: skip; --preset gpu: 0)")
+    parser.add_argument("--overhead-warmup-pairs", type=int, default=1,
+                        help="first pairs left out of the overhead ratio while one pair remains: they find cold "
+                        "caches (default 1)")
     parser.add_argument("--overhead-strategy", help="profile for the overhead and packing runs (default: zero2 "
                         "if benchmarked, else the first strategy)")
     parser.add_argument("--no-packing", action="store_true", help="skip the run with packing switched the other "

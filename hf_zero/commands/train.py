@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 from hf_zero.checkpoint.resume import complete_message
+from hf_zero.core import startup
 from hf_zero.core.console import VERBOSE_ENV, quiet_environment
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.core.once import read_once
 from hf_zero.core.validate import at_least
 from hf_zero.estimate.recipe import pick_profile, read_recipe
 from hf_zero.launch import launcher
@@ -121,12 +123,25 @@ def preflight(args, profile: str, extra: list[str]) -> bool | str:
 
 
 def run(args) -> int:
+    startup.start_clock()
+    try:
+        with read_once():  # the YAML, the recipe and the profile read once for the checks, the plan and the launch
+            return _run(args)
+    finally:
+        startup.end_command()
+
+
+def _run(args) -> int:
     validate_flags(args)
     args.recipe = str(recipe_script(args.recipe, args.config))
     if args.help_recipe:
         print(f"Flags of {args.recipe} (each also a key of the --config YAML; a flag overrides the YAML):")
         print("\n".join(recipe_help(recipe_argument_types(load_recipe(args.recipe)), args.help_recipe == "all")))
         return 0
+    if not args.dry_run:  # the first line, before torch loads: a start-up is never silent (hf_zero.core.startup)
+        under = f" under profile {Path(args.profile).stem}" if args.profile else ""
+        startup.phase(f"checking {args.config}{under}: recipe, data, model, launch", say=True)
+        startup.start_heartbeat()
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"
     quiet_environment()  # before the preflight loads data and models: no progress bars there either
@@ -157,6 +172,7 @@ def run(args) -> int:
     if isinstance(verdict, str):  # a finished run: the recipe would say the same after a launch
         print(f"[hf_zero] {complete_message(Path(verdict))}", flush=True)
         return 0
+    startup.phase("building or checking the offline model and data")
     prepare_assets(["--config", args.config, *extra])
     env[RESUME_ENV] = shlex.join(["hf-zero", *getattr(args, "argv", ["train"])])
     os.environ.update(env)

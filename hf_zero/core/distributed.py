@@ -8,6 +8,7 @@ import contextlib
 import os
 import time
 
+from hf_zero.core import startup
 from hf_zero.core.console import rank
 from hf_zero.core.errors import UserError
 
@@ -68,7 +69,10 @@ def set_dist_timeout(seconds: int) -> None:
 @contextlib.contextmanager
 def waiting_for(what: str):
     """Turn a collective that timed out (or lost its peer) inside the block into one line naming this rank and `what`
-    it waited for. A lost peer is said only by rank 0: the rank that died has printed its own error."""
+    it waited for. A lost peer is said only by rank 0: the rank that died has printed its own error. During
+    start-up, `what` is the phase the heartbeat names meanwhile."""
+    before = startup.current()
+    startup.phase(f"waiting for {what}")
     try:
         yield
     except RuntimeError as err:  # gloo/NCCL raise RuntimeError (torch.distributed.DistError is one)
@@ -88,6 +92,9 @@ def waiting_for(what: str):
             raise RankLostError("distributed", f"rank {rank()} lost a rank while waiting for {what} (it exited)",
                                 "see why that rank stopped: its error, or the launcher's line naming it") from None
         raise
+    finally:
+        if before:
+            startup.phase(before)
 
 
 def stall_if_asked() -> None:

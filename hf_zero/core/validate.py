@@ -12,6 +12,7 @@ from pathlib import Path
 import yaml
 
 from hf_zero.core.errors import UserError
+from hf_zero.core.once import read_text
 
 __all__ = ["yaml_lines", "resolve_recipe_paths", "at_line", "positive", "at_least", "check_yaml_types", "check_values"]
 
@@ -24,7 +25,7 @@ def yaml_lines(path: str | None) -> dict[str, int]:
     if not path:
         return {}
     try:
-        root = yaml.compose(Path(path).read_text())
+        root = yaml.compose(read_text(path))
     except (OSError, yaml.YAMLError):
         return {}
     lines = {}

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hf_zero.core import startup
 from hf_zero.core.config import Stage
 from hf_zero.core.console import verbose
 from hf_zero.core.errors import UserError
@@ -210,6 +211,7 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
     """Tokenize every source of a stage; hold out `eval_samples` drawn across its sources (fixed by the seed), or
     take them from the stage's `eval_data`; with `packing`, the training documents of each source go whole into rows
     of the stage's length. `formats` (hf_zero.data.chat.FormatOptions) says how to read chat and prompt data."""
+    startup.phase(f"reading and tokenizing stage {stage.name}")
     import numpy as np
 
     opts = formats or FormatOptions(text_field=text_field)

@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from hf_zero.core import startup
 from hf_zero.core.console import VERBOSE_ENV, quiet_environment
 from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.core.report import STATUS_ENV, read_status
@@ -164,6 +165,8 @@ def _lock_output(args, plan: Path | None) -> RunLock | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    startup.start_clock()
+    startup.phase("loading the launcher (torch, accelerate)")
     quiet_environment()
     status = Path(tempfile.mkdtemp(prefix="hf_zero-run-"))
     os.environ[STATUS_ENV] = str(status)
@@ -177,8 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     args = launch_command_parser().parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
     lock = None
+    startup.hand_over_at(status)
+    startup.start_heartbeat()
     try:
+        startup.phase("resolving the run plan")
         lock = _lock_output(args, _resolve_plan(args, status))
+        startup.phase("starting the ranks (Python, torch, transformers, the recipe)")
+        startup.hand_on()
         launch_command(args)
         return 0
     except ChildFailedError as err:
@@ -197,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"hf-zero: error: {err.line()}")
         return EXIT_USAGE
     finally:
+        startup.end_command()
         for name in (PLAN_ENV, LOCK_ENV, LAUNCHER_PID_ENV):  # an in-process caller (hf-zero train, tests) must
             os.environ.pop(name, None)  # not pass them to a later launch
         if lock is not None:

@@ -19,10 +19,12 @@ import os
 import signal
 import sys
 import threading
+from pathlib import Path
 
+from hf_zero.core import startup
 from hf_zero.core.console import rank, setup_console
 from hf_zero.core.errors import EXIT_USAGE, RunComplete, RunInterrupted, UserError
-from hf_zero.core.report import report_user_error, write_status
+from hf_zero.core.report import STATUS_ENV, report_user_error, write_status
 from hf_zero.core.run_lock import release_held
 from hf_zero.launch.interrupt import (
     interrupt_requested,
@@ -129,6 +131,7 @@ def recipe_entry(func):
     def wrapper(*args, **kwargs):
         die_with_launcher()
         setup_console()
+        _start_talking()
         threading.excepthook = _thread_failed
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, on_signal)
@@ -158,6 +161,15 @@ def recipe_entry(func):
                 _report_bug(exc)
             raise
         finally:
+            startup.stop_heartbeat()
             release_held()
 
     return wrapper
+
+
+def _start_talking() -> None:
+    """Rank 0 takes the start-up heartbeat over from the launcher (hf_zero.core.startup)."""
+    startup.phase("importing the recipe's modules (the Trainer, DeepSpeed)")
+    # each machine's first rank ends its launcher's heartbeat; rank 0, the one console, goes on with it
+    if rank() == 0 or os.environ.get("LOCAL_RANK", "0") == "0":
+        startup.take_over(Path(os.environ[STATUS_ENV]) if os.environ.get(STATUS_ENV) else None, beat=rank() == 0)

@@ -17,6 +17,7 @@ import yaml
 
 from hf_zero.core.distributed import dist_timeout
 from hf_zero.core.errors import UserError
+from hf_zero.core.once import once, read_text
 from hf_zero.core.validate import at_line, check_values, check_yaml_types, resolve_recipe_paths, yaml_lines
 
 if TYPE_CHECKING:  # core/config.py imports transformers: only when a stage is built
@@ -51,12 +52,16 @@ def _unknown_key_error(key: str, known: list[str], where: str) -> UserError:
 
 
 def load_yaml_config(path: str) -> dict:
+    return once("yaml", str(Path(path).resolve()), lambda: _read_yaml_config(path), mutable=True)
+
+
+def _read_yaml_config(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise UserError("--config", f"{path} does not exist",
                         "pass a recipe YAML, e.g. recipes/configs/tiny_curriculum.yaml")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = yaml.safe_load(read_text(p)) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

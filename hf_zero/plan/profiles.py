@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from hf_zero.core.errors import UserError
+from hf_zero.core.once import once, read_text
 from hf_zero.core.validate import at_line, yaml_lines
 from hf_zero.plan.sequence_parallel import sp_size_of, verify_profile_sp
 from hf_zero.plan.shipped import shipped_dir
@@ -134,8 +135,12 @@ def resolve_profile_path(name_or_path: str) -> Path:
 
 def load_profile(name_or_path: str) -> Profile:
     path = resolve_profile_path(name_or_path)
+    return once("profile", (str(path), os.environ.get(NVME_ENV)), lambda: _read_profile(path))
+
+
+def _read_profile(path: Path) -> Profile:
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(read_text(path)) or {}
     except yaml.YAMLError as err:
         raise UserError(f"profile {path.name}", f"is not valid YAML ({str(err).splitlines()[0]})") from None
     _validate_with_accelerate(path)

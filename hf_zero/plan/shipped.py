@@ -10,6 +10,7 @@ from functools import cache
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
+from hf_zero.core.once import once
 from hf_zero.plan.parse import load_yaml_config
 
 __all__ = ["DEFAULT_RECIPE", "DEFAULT_CONFIG", "shipped_dir", "recipe_script", "check_recipe_matches", "load_recipe",
@@ -82,10 +83,14 @@ def _named_recipe(config: str | None) -> str | None:
 def load_recipe(script: str | None):
     """The recipe script as a module, for what it declares to the tools (ARGUMENT_TYPES, CHECK_DATA); None when
     there is no such file."""
-    import importlib.util
-
     if not script or not Path(script).is_file():
         return None
+    return once("recipe", str(Path(script).resolve()), lambda: _exec_recipe(script))
+
+
+def _exec_recipe(script: str):
+    import importlib.util
+
     spec = importlib.util.spec_from_file_location(f"hf_zero_recipe_{Path(script).stem}", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # recipes keep their heavy imports inside main()

@@ -15,10 +15,11 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from hf_zero.core import startup
 from hf_zero.core.console import rank
 from hf_zero.core.files import write_json_atomic
 
-__all__ = ["BENCH_ENV", "bench_requested", "BenchProbeCallback", "ddp_bucket_bytes", "peak_memory",
+__all__ = ["BENCH_ENV", "bench_requested", "BenchProbeCallback", "StartupCallback", "ddp_bucket_bytes", "peak_memory",
            "training_fingerprint"]
 
 BENCH_ENV = "HF_ZERO_BENCH"
@@ -85,6 +86,18 @@ class BenchProbeCallback(TrainerCallback):
         record = {"rank": rank(), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
                   "process_start": psutil.Process().create_time(), "step_begin": self.begin,
                   "step_end": self.end, "train_end": time.time(), "ddp_bucket_bytes": self.buckets, **peak_memory(),
-                  "fingerprint": self.fingerprint}
+                  "fingerprint": self.fingerprint, "t0": startup.t0(), "startup_phases": startup.phases()}
         self.output_dir.mkdir(parents=True, exist_ok=True)
         write_json_atomic(self.output_dir / f"bench_rank{rank()}.json", record)
+
+
+class StartupCallback(TrainerCallback):
+    """Start-up ends where the first optimizer step begins (hf_zero.core.startup): the heartbeat stops there, and
+    the engine's set-up inside train() is told apart from the wait for the first batch."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        startup.phase("evaluating before training" if args.eval_on_start else "loading the first batch")
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if startup.current() is not None:
+            startup.finish()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hf_zero.core import startup
 from hf_zero.core.config import ModelArguments
 from hf_zero.core.console import say
 from hf_zero.core.distributed import waiting_for
@@ -92,6 +93,7 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
         raise UserError("tokenizer_name_or_path", f"the tokenizer has {len(tokenizer)} tokens but the model only "
                         f"{vocab} embeddings", "use the model's own tokenizer")
     with waiting_for("the other ranks to build the model (zero.Init under ZeRO-3)"):
+        startup.phase(f"building the model{' under zero.Init' if profile.zero_stage == 3 else ''}")
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     grown = grow_embeddings(model, tokenizer, vocab)
     if quantized is not None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hf_zero.checkpoint.resume import prepare_resume
 from hf_zero.checkpoint.safe_load import safe_checkpoint_loading
+from hf_zero.core import startup
 from hf_zero.core.config import CurriculumArguments
 from hf_zero.core.console import say
 from hf_zero.core.errors import UserError
@@ -18,7 +19,7 @@ from hf_zero.data.curriculum import build_sample_order, build_schedule
 from hf_zero.data.stages import check_stage_files
 from hf_zero.estimate.measure import MemoryMeasureCallback, measure_requested
 from hf_zero.launch.interrupt import raise_if_interrupted
-from hf_zero.train.bench_probe import BenchProbeCallback, bench_requested
+from hf_zero.train.bench_probe import BenchProbeCallback, StartupCallback, bench_requested
 from hf_zero.train.loss_plot import LOSS_PLOT
 from hf_zero.train.run import RunContext, print_banner
 from hf_zero.train.trainer import step_losses
@@ -60,6 +61,7 @@ def attach_probes(trainer, ctx: RunContext, measure_memory: bool = False) -> Non
         trainer.add_callback(MemoryMeasureCallback(ctx.output_dir))
     if bench_requested():
         trainer.add_callback(BenchProbeCallback(ctx.output_dir, trainer))
+    trainer.add_callback(StartupCallback())
 
 
 def announce(ctx: RunContext, schedule, trainable: int, total: int, *lines: str, weights: str = "") -> None:
@@ -75,6 +77,8 @@ def train(trainer, resume: str | None):
     """One train() for every stage, from `resume` when there is one; after Ctrl-C / SIGTERM every rank stops here
     with the one line that says where the run stands. Every checkpoint the Trainer or DeepSpeed loads meanwhile
     goes through the safe loader (hf_zero.checkpoint.safe_load)."""
+    ops = " (DeepSpeed builds or loads its ops)" if getattr(trainer, "is_deepspeed_enabled", False) else ""
+    startup.phase(f"initializing the engine{ops}")
     with safe_checkpoint_loading():
         result = trainer.train(resume_from_checkpoint=resume)
     raise_if_interrupted(trainer)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_zero.checkpoint.compare import note_settings, run_settings
+from hf_zero.core import startup
 from hf_zero.core.console import rank, say, verbose
 from hf_zero.core.distributed import set_dist_timeout, waiting_for
 from hf_zero.core.errors import UserError
@@ -60,11 +61,14 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     # torch 2.13 warns on every collective DeepSpeed issues through the old names; thousands of identical lines
     # would bury the banner and the stage logs.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    startup.phase("reading the recipe and the run plan" if os.environ.get(PLAN_ENV) else
+                  "reading the recipe and resolving the run plan")
     argv = ensure_launched(list(sys.argv[1:] if argv is None else argv), script or sys.argv[0])
     check_recipe_matches(pop_flag(list(argv), "--config")[0], script or sys.argv[0])
     # The run plan (the launcher's run_plan.json, or resolved here under a plain `accelerate launch`): profile,
     # precision, ranks, batch and DeepSpeed dict come from it, never from re-reading the environment.
     parsed, stages, kwargs, plan = plan_in_worker(tuple(dataclass_types), argv, script or sys.argv[0])
+    startup.phase("checking the output folder and the launch")
     # One run per output folder, before anything is written or moved in it (a refused run changes nothing).
     hold_in_worker(kwargs["output_dir"])
     profile, world, config_path = plan.profile, plan.world, plan.config
@@ -88,6 +92,7 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     except ValueError as err:  # TrainingArguments' own checks of combinations: still a mistake in the recipe
         raise UserError("TrainingArguments", str(err).strip().splitlines()[0],
                         "change the recipe YAML or flags it names") from None
+    startup.phase("setting up the process group")
     # Touching .device sets up the process group now; zero.Init (model construction under ZeRO-3) reads the
     # world size from it, and would otherwise assume 1 and fail DeepSpeed's batch assertion.
     _ = training_args.device
@@ -98,15 +103,18 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
 
         import deepspeed
 
+        startup.phase("starting DeepSpeed's communication")
         # With use_cpu the process group comes from accelerate's MULTI_CPU path; DeepSpeed's comm layer must be
         # attached to it too, or zero.Init sees a world of 1. (It prints "... built successfully" per rank.)
         with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sys.stdout if verbose() else sink):
             deepspeed.init_distributed(dist_backend="gloo" if plan.gpus == 0 else None,
                                        timeout=timedelta(seconds=training_args.ddp_timeout))
     model = next((a.model_name_or_path for a in parsed if hasattr(a, "model_name_or_path")), None)
+    startup.phase("checking the offline model and data")
     prepare_assets_in_worker(training_args, model, [d for s in stages for d in s.data])
     # NVMe and output room for the model's size, now that its config is in the cache; still before any engine.
     check_room_at_start(profile, kwargs, tuple(parsed), stages, world)
+    startup.phase("loading the tokenizer and the data")
     settings = note_settings(run_settings(tuple(parsed), stages, kwargs))  # checkpoints record them too
     return RunContext(tuple(parsed), stages, training_args, plan, settings=settings)
 
@@ -154,6 +162,7 @@ def write_summary(ctx: RunContext, extra: dict, log_history: list | None = None)
         "nodes": ctx.plan.nodes,
         "run_plan": str(ctx.plan.path),
         "runtime_s": round(time.time() - ctx.started, 2),
+        "startup_s": startup.breakdown(),  # seconds per phase, from the command to the first step
         "config": ctx.config_path,
         "settings": ctx.settings,  # what a re-run is compared with (checkpoint/compare.py)
         **extra,

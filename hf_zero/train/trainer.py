@@ -11,6 +11,7 @@ from transformers import Trainer, TrainerCallback
 
 from hf_zero.checkpoint.staging import StagedCheckpointMixin
 from hf_zero.checkpoint.write import CheckpointCallback
+from hf_zero.core import startup
 from hf_zero.core.console import MEAN_LOSS, console_callback, say
 from hf_zero.core.distributed import waiting_for
 from hf_zero.data.curriculum import CurriculumSchedule
@@ -32,6 +33,7 @@ class CurriculumTrainer(SequenceParallelMixin, FusedCrossEntropyMixin, StagedChe
     def __init__(self, *args, schedule: CurriculumSchedule, plan: RunPlan, **kwargs):
         from transformers import PrinterCallback, ProgressCallback
 
+        startup.phase("building the Trainer")
         self.schedule, self.plan = schedule, plan  # the plan: what the checkpoints and throughput logs record
         super().__init__(*args, **kwargs)
         self.add_callback(CheckpointCallback(has_eval=self.eval_dataset is not None))

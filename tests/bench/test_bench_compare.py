@@ -3,6 +3,7 @@ is wider than the target), device vs offloaded bytes, the plain baseline's launc
 whose baseline trains the same thing, and the GPU preset's table (its CPU fallback)."""
 
 import json
+import math
 import sys
 
 import pytest
@@ -28,7 +29,9 @@ def test_overhead_verdict_needs_the_same_training_and_a_spread_within_the_target
     assert overhead("zero2", pairs(1.05, 1.06, 1.05), "fp32")["verdict"] == "no"
     wide = overhead("zero2", pairs(0.98, 1.05, 1.00), "fp32")
     assert wide["verdict"] == "inconclusive" and "proves nothing" in wide["verdict_reason"]
-    assert wide["step_time_ratio"] == 1.00 and wide["step_time_ratio_spread"] == pytest.approx(0.07)
+    # the mean ratio, with two standard errors of it as the spread
+    assert wide["step_time_ratio"] == pytest.approx(1.01) and wide["step_time_ratio_spread"] == pytest.approx(
+        2 * 0.036056 / 3 ** 0.5, rel=1e-4)
     assert overhead("zero2", pairs(1.00), "fp32")["verdict"] == "inconclusive"  # one pair: no spread
     # Different training: never yes, whatever the timing.
     later = overhead("zero2", pairs(1.0, 1.0, 1.0, plain_losses=[5.0, 4.0, 3.1]), "fp32")
@@ -42,6 +45,40 @@ def test_overhead_verdict_needs_the_same_training_and_a_spread_within_the_target
     drift = pairs(1.0, 1.01, plain_losses=[5.0, 4.004, 3.0])
     assert overhead("zero2", drift, "bf16")["verdict"] == "yes"
     assert overhead("zero2", drift, "fp32")["verdict"] == "not comparable"
+
+
+def test_overhead_pairs_needed_warmup_pairs_and_start_up_phases():
+    """Pure functions, no timing: the verdict resolves 3% only when 2 standard errors of the mean pair ratio are
+    within 2% and on one side of the limit; otherwise it says how many pairs would (n x (spread / wanted)^2)."""
+    from hf_zero.bench.compare import overhead, overhead_verdict, startup_breakdown
+    from hf_zero.core.startup import durations
+
+    noisy = overhead_verdict([0.93, 1.14, 1.04, 1.06])  # the issue's spread: far from telling 3%
+    assert noisy["verdict"] == "inconclusive" and noisy["spread"] > 0.02
+    wanted = min(0.02, abs(noisy["ratio"] - 1.03))  # the resolution, or the distance to the limit if smaller
+    assert noisy["pairs_needed"] == math.ceil(4 * (noisy["spread"] / wanted) ** 2) and noisy["pairs_needed"] > 4
+    tight = overhead_verdict([1.026, 1.031, 1.036, 1.031])  # precise, but right at the limit: more pairs to tell
+    assert tight["verdict"] == "inconclusive" and "straddles" in tight["reason"] and tight["pairs_needed"] > 4
+    assert overhead_verdict([1.010, 1.012, 1.008])["verdict"] == "yes"
+    assert overhead_verdict([1.060, 1.062, 1.058])["verdict"] == "no"
+    assert overhead_verdict([])["verdict"] == "not measured"
+    assert overhead_verdict([1.0])["pairs_needed"] is None
+
+    same = [5.0, 4.0, 3.0]
+    hf = [{**_run_result(same, r), "startup_phases_s": [("imports", 2.0 + i), ("model", 1.0)]}
+          for i, r in enumerate((1.50, 1.00, 1.01, 1.02))]
+    plain = [{**_run_result(same, 1.0), "startup_phases_s": [("imports", 2.0)]} for _ in hf]
+    # the first (cold) pair is left out: without it the ratios agree
+    kept = overhead("zero2", list(zip(hf, plain)), "fp32", warmup_pairs=1)
+    assert kept["verdict"] == "yes" and kept["step_time_ratios"] == [1.00, 1.01, 1.02] and kept["warmup_pairs"] == 1
+    assert overhead("zero2", list(zip(hf, plain)), "fp32")["verdict"] == "inconclusive"
+    assert overhead("zero2", list(zip(hf, plain))[:1], "fp32", warmup_pairs=1)["repeats"] == 1  # one pair: kept
+    assert kept["startup_breakdown_hf_zero"] == [("imports", 4.0), ("model", 1.0)]  # medians over the kept pairs
+    assert startup_breakdown([{"startup_phases_s": [("a", 1.0)]}, {"startup_phases_s": [("b", 3.0)]}]) == [
+        ("a", 0.5), ("b", 1.5)]
+    # a phase lasts until the next one starts; the time before the first is Python's start and imports
+    assert durations([("model", 13.0), ("plan", 10.0), ("model", 16.0)], 8.0, 20.0) == [
+        ("Python start-up and imports", 2.0), ("plan", 3.0), ("model", 7.0)]
 
 
 def test_plain_baseline_goes_through_the_launcher_accelerate_picks_for_the_profile(tmp_path):

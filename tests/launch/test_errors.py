@@ -194,6 +194,26 @@ def test_loss_plot_and_tensorboard_mean_loss(finished):
 
 
 @pytest.mark.multiproc
+def test_start_up_talks_from_its_first_seconds_to_the_first_step(strategy_runs):
+    """The session's zero2 `hf-zero train`, its console as it arrived: the first line within 2 s of the command
+    (printed before torch loads), then a line at least every 10 s until the first step (the heartbeat names the
+    phase and the seconds since the command began); summary.json says where the start-up went."""
+    run = strategy_runs["zero2"]
+    first_at, first = run.times[0]
+    assert first.startswith("[hf_zero] checking ") and first_at < 2.0, run.times[:3]
+    step1 = next(i for i, (_, ln) in enumerate(run.times) if ln.startswith("step 1/"))
+    at = [t for t, _ in run.times[:step1 + 1]]
+    assert max(b - a for a, b in zip(at, at[1:])) < 12, run.times[:step1 + 1]  # a 10 s beat, polled each second
+    beats = [ln for _, ln in run.times[:step1] if ln.startswith("[hf_zero] ") and ln.endswith(" s)")]
+    assert all(re.fullmatch(r"\[hf_zero\] [a-z].* \(\d+ s\)", ln) for ln in beats) and beats[0] == first
+    phases = read_summary(run.out)["startup_s"]
+    for words in ("checking ", "resolving the run plan", "starting the ranks", "setting up the process group",
+                  "building the model", "building the Trainer", "initializing the engine"):
+        assert any(p.startswith(words) for p in phases), (words, phases)
+    assert all(s > 0 for s in phases.values()) and sum(phases.values()) < at[step1] + 1
+
+
+@pytest.mark.multiproc
 def test_eval_means_and_stage_ends_match_log_history(finished):
     out, _, _ = finished
     s = read_summary(out)

@@ -3,6 +3,7 @@ A value given in one place (here `--nproc` and `--precision`, against what the p
 the worker trains with, what each checkpoint records and what summary.json says."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -78,3 +79,45 @@ def test_nproc_and_precision_given_once_reach_the_worker_the_checkpoints_and_the
         assert (record["profile"], record["precision"], record["world_size"], record["global_batch"]) == (
             "zero2", "bf16", 1, 2)
     assert summary["run_plan"] == str(out / PLAN_NAME)
+
+
+def test_hf_zero_train_reads_the_yaml_and_profile_and_runs_the_recipe_once_before_the_ranks(tmp_path, monkeypatch):
+    """The launcher side of `hf-zero train` (flags, profile, preflight, assets, the run plan): each input is read,
+    parsed and validated once, and the plan the ranks get was resolved from it. The launch itself is stood in."""
+    import pathlib
+
+    from accelerate.commands import launch as accelerate_launch
+
+    from hf_zero import cli
+    from hf_zero.plan import parse, profiles, shipped
+
+    counts = {"yaml": 0, "yaml file": 0, "recipe": 0, "profile": 0}
+
+    def counting(module, name, key):
+        real = getattr(module, name)
+
+        def wrapper(*a, **k):
+            counts[key] += 1
+            return real(*a, **k)
+        monkeypatch.setattr(module, name, wrapper)
+
+    counting(parse, "_read_yaml_config", "yaml")
+    counting(shipped, "_exec_recipe", "recipe")
+    counting(profiles, "_read_profile", "profile")
+    read_text = pathlib.Path.read_text
+
+    def reading(self, *a, **k):
+        counts["yaml file"] += self.resolve() == TINY.resolve()
+        return read_text(self, *a, **k)
+    monkeypatch.setattr(pathlib.Path, "read_text", reading)
+    launched = []
+    monkeypatch.setattr(accelerate_launch, "launch_command", lambda args: launched.append(
+        RunPlan.from_json(pathlib.Path(os.environ[PLAN_ENV]).read_text())))
+    assert cli.main(["train", "--profile", "zero3", "--nproc", "2", *_argv(tmp_path / "out"),
+                     "--max_steps", "2"]) == 0
+    assert counts == {"yaml": 1, "yaml file": 1, "recipe": 1, "profile": 1}
+    (plan,) = launched
+    assert (plan.profile.name, plan.world, plan.argv[-2:]) == ("zero3", 2, ("--max_steps", "2"))
+    # outside `hf-zero train`, a second read reads again (a test, a long-lived caller, a file written meanwhile)
+    parse.load_yaml_config(str(TINY))
+    assert counts["yaml"] == 2
