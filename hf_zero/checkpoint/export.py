@@ -22,7 +22,7 @@ from hf_zero.checkpoint.fsdp import is_fsdp_checkpoint, lazy_dcp_state
 from hf_zero.checkpoint.safe_load import check_checkpoint, safe_checkpoint_loading
 from hf_zero.checkpoint.store import MANIFEST_NAME, find_resume_checkpoint, list_checkpoints, validate_checkpoint
 from hf_zero.core.errors import UserError
-from hf_zero.data.model_names import resolve_model_path
+from hf_zero.data.model_names import hub_model_id, resolve_model_path
 from hf_zero.plan.profiles import Profile
 from hf_zero.plan.quantization import quantization_config
 
@@ -201,7 +201,8 @@ def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | 
     except (OSError, ValueError) as err:
         raise UserError("--base-model", f"cannot load the base model {base_path!r} ({str(err).splitlines()[0][:120]})",
                         "pass --base-model with the folder of the model the adapter was trained on") from None
-    base.name_or_path = name  # the exported adapter names its base model as the checkpoint did (peft records this)
+    # The exported adapter (and its model card) names its base as the checkpoint did, an offline model by its hub id.
+    base.name_or_path = base.config.name_or_path = hub_model_id(name)
     if _is_deepspeed(folder):
         # The adapter from the fp32 master weights in the shards (the checkpoint's adapter file holds the engine's
         # working copy, which differs from them in mixed precision).

@@ -20,7 +20,7 @@ import hashlib
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
-from hf_zero.data.cache import build_hub_snapshot, hub_snapshot_dir, model_folder_problem
+from hf_zero.data.cache import build_hub_snapshot, hub_cache_dir, hub_snapshot_dir, model_folder_problem
 from hf_zero.data.smollm2 import SMOLLM2_HUB_ID, get_smollm2_path
 
 __all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "HUB_IDS", "resolve_model_path", "get_tiny_llama_path",
@@ -145,11 +145,17 @@ def get_model_config(name_or_path: str, vocab_size: int | None = None):
             max_position_embeddings=512, tie_word_embeddings=False, attention_dropout=0.0,
         )
     path = resolve_model_path(name_or_path)
+    offline = path == name_or_path and not Path(path).exists() and offline_unless_reachable()
     try:
         return AutoConfig.from_pretrained(path)
     except OSError as err:
+        if offline:  # a hub id, looked up in the hub cache only: at once, without huggingface_hub's retries
+            raise UserError("model_name_or_path", f"{name_or_path} is not in the Hugging Face cache "
+                            f"({hub_cache_dir()}) and the hub is offline",
+                            f"download it once where the hub is reachable (hf download {name_or_path}), or use a "
+                            f"local folder or one of {', '.join(OFFLINE_MODELS)}") from None
         raise UserError("model_name_or_path", f"cannot load {name_or_path!r} ({str(err).splitlines()[0]})",
-                        f"offline, use a local folder or one of {', '.join(OFFLINE_MODELS)}") from None
+                        f"use a local folder, a hub id, or one of {', '.join(OFFLINE_MODELS)}") from None
 
 
 def get_tokenizer(name_or_path: str, tokenizer_name_or_path: str | None = None):

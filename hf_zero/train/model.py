@@ -163,11 +163,12 @@ def lora_kwargs(model_args: ModelArguments, task_type: str | None,
 def apply_lora(model, model_args: ModelArguments, task_type: str, modules_to_save: list[str] | None = None):
     from peft import LoraConfig, get_peft_model
 
-    # peft records the base model's name_or_path (base_model_name_or_path, the model card's base_model), for offline
-    # models a folder in this machine's cache; the adapter names its hub id instead (the name as given for any other
-    # model), which a plain AutoPeftModel call resolves through the hub cache offline, and on the hub elsewhere (the
-    # resolved path stays in summary.json and each checkpoint's hf_zero_checkpoint.json).
-    model.name_or_path = hub_model_id(model_args.model_name_or_path)
+    # peft records the base model's name_or_path (adapter_config's base_model_name_or_path) and config._name_or_path
+    # (the model card's base_model), for offline models a folder in this machine's cache; both name its hub id
+    # instead (the name as given for any other model), which a plain AutoPeftModel call resolves through the hub
+    # cache offline, and on the hub elsewhere (the resolved path stays in summary.json and each checkpoint's
+    # hf_zero_checkpoint.json).
+    model.name_or_path = model.config.name_or_path = hub_model_id(model_args.model_name_or_path)
     return get_peft_model(model, LoraConfig(**lora_kwargs(model_args, task_type, modules_to_save)))
 
 
