@@ -183,6 +183,18 @@ def _quantization(folder: Path):
     return None
 
 
+def _grow_to_tokenizer(base, folder: Path) -> None:
+    """Rows for the tokens a chat template added during the run (their embeddings trained with the adapter), as
+    peft's AutoPeftModel sizes a base from the adapter folder's tokenizer."""
+    if not (folder / "tokenizer_config.json").is_file() or not hasattr(base, "get_input_embeddings"):
+        return
+    from transformers import AutoTokenizer
+
+    size = len(AutoTokenizer.from_pretrained(str(folder)))
+    if size > base.get_input_embeddings().weight.shape[0]:
+        base.resize_token_embeddings(size)
+
+
 def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | None) -> int:
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -203,6 +215,7 @@ def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | 
                         "pass --base-model with the folder of the model the adapter was trained on") from None
     # The exported adapter (and its model card) names its base as the checkpoint did, an offline model by its hub id.
     base.name_or_path = base.config.name_or_path = hub_model_id(name)
+    _grow_to_tokenizer(base, folder)
     if _is_deepspeed(folder):
         # The adapter from the fp32 master weights in the shards (the checkpoint's adapter file holds the engine's
         # working copy, which differs from them in mixed precision).

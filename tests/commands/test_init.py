@@ -3,13 +3,14 @@ as a YAML), their one-line refusals, and what a run writes loading with plain tr
 a process that never imports hf_zero."""
 
 import json
+import os
 import subprocess
 import sys
 import time
 
 import pytest
 import yaml
-from testing_utils import REPO, TINY, check, failed, read_summary, run_cmd
+from testing_utils import REPO, TINY, check, failed, read_summary, readme_command, run_cmd
 
 from hf_zero.cli import main
 
@@ -43,9 +44,10 @@ def test_init_writes_a_commented_yaml_that_check_passes(capsys, tmp_path, chat_f
     (tmp_path / "elsewhere").mkdir()
     config = tmp_path / "elsewhere" / "my.yaml"  # the data path holds wherever the YAML is saved
     config.write_text(text)
-    rc, results = check(capsys, "--config", str(config), output_dir=tmp_path / "run")
-    assert rc == 0 and not failed(results)
-    assert results["data"][1] == "1 stage(s), training samples after tokenization: chat 9 (conversational)"
+    for args in (["--config", str(config)], ["--model", "tiny-llama", "--data", str(chat_file)]):
+        rc, results = check(capsys, *args, output_dir=tmp_path / "run")
+        assert rc == 0 and not failed(results)
+        assert results["data"][1] == "1 stage(s), training samples after tokenization: chat 9 (conversational)"
 
 
 def test_init_one_stage_per_file_with_stages(capsys, tmp_path, chat_file):
@@ -151,33 +153,37 @@ def load_anywhere(final, exported, cwd) -> dict:
 
 
 @pytest.mark.multiproc
-def test_train_on_a_file_in_one_command_and_load_the_adapter_anywhere(capsys, tmp_path, chat_file):
-    """One launch (1 rank): `hf-zero train --model tiny-llama --data chat.jsonl` trains; `hf-zero init`'s YAML is the
-    recipe it ran (the same run settings: `--config` on it finds the run finished); the adapter and its merged export
-    load with plain peft / transformers calls, offline, without hf_zero."""
-    run = tmp_path / "run"
-    proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "train", "--model", "tiny-llama", "--data", chat_file,
-                    "--profile", "cpu", "--nproc", "1", "--output_dir", run, "--disable_tqdm", "true"], cwd=tmp_path)
+def test_train_on_a_file_in_one_command_and_load_the_adapter_anywhere(capsys, readme_checkout, readme_runs,
+                                                                      tmp_path):
+    """The README's `hf-zero train --model tiny-llama --data ...chat.jsonl` (its launch, shared with
+    test_readme.py) trained; `hf-zero init`'s YAML is the recipe it ran (the same run settings: `--config` on it finds
+    the run finished); the adapter and its merged export load with plain peft / transformers calls, offline, in a
+    process without hf_zero."""
+    proc = readme_runs[readme_command("hf-zero train --model", "--data")]
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    run = readme_checkout / "runs" / "my_chat"
     summary = read_summary(run)
-    assert summary["total_steps"] == 5 and summary["use_peft"]  # 9 conversations (3 held out), 2 per step: 1 epoch
+    # 12 conversations, 3 held out, 4 a step on the cpu profile's 2 ranks: 1 epoch in 3 steps
+    assert summary["profile"] == "cpu" and summary["total_steps"] == 3 and summary["use_peft"]
     assert [s["name"] for s in summary["stages"]] == ["chat"]
     assert summary["eval_loss_after"] < summary["eval_loss_before"]
     built = summary["config"]
     assert f"[hf_zero] config: {built} (built from --model and --data" in proc.stdout
 
-    rc, text, _ = _init(capsys, "--model", "tiny-llama", "--data", chat_file)
+    data = readme_checkout / "recipes" / "data" / "tiny" / "chat.jsonl"
+    rc, text, _ = _init(capsys, "--model", "tiny-llama", "--data", data)
     assert rc == 0 and yaml.safe_load(text) == yaml.safe_load(open(built))
     mine = tmp_path / "my.yaml"
     mine.write_text(text)
-    again = run_cmd([sys.executable, "-m", "hf_zero.cli", "train", "--config", mine, "--profile", "cpu", "--nproc",
-                     "1", "--output_dir", run], cwd=tmp_path)
-    assert f"[hf_zero] {run} holds a finished run" in again.stdout
+    assert main(["train", "--config", str(mine), "--output_dir", str(run)]) == 0
+    assert f"[hf_zero] {run} holds a finished run" in capsys.readouterr().out
 
     final = run / "final"
     assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == "hf-zero/tiny-llama"
     card = (final / "README.md").read_text()
-    assert "base_model: hf-zero/tiny-llama" in card and str(tmp_path) not in card and "snapshots" not in card
+    assert "base_model: hf-zero/tiny-llama" in card and os.environ["HF_HUB_CACHE"] not in card
     assert main(["export", str(run), "--out", str(tmp_path / "merged"), "--merge-lora"]) == 0
+    # the tiny tokenizer's 512 tokens and the 2 its chat template added
     assert load_anywhere(final, tmp_path / "merged", tmp_path) == {"adapter_vocab": 514, "merged_vocab": 514}
 
 
