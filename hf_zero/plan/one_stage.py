@@ -1,6 +1,7 @@
 """A recipe from a model and a data file, without writing YAML first: `hf-zero train --model M --data F` and
-`hf-zero init` build the same YAML here, from the same dataclasses the curriculum recipe parses (one stage per data
-argument, the format read from the columns as stages read it), so what `init` prints is what `--data` runs."""
+`hf-zero init` build the same YAML here, from the same dataclasses the curriculum recipe parses (one stage of the
+`--data` files, or one stage per `--stages` file; the format read from the columns as stages read it), so what
+`init` prints is what `--data` runs."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import re
 import textwrap
 from pathlib import Path
+from typing import NamedTuple
 
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import write_text_atomic
@@ -27,11 +29,13 @@ _EVAL_MAX = 50
 _SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")  # what hf_zero.data.stages.load_source reads
 
 
-class DataSource:
+class DataSource(NamedTuple):
     """One `--data` argument as the recipe will read it: its spec (a local path made absolute), format and rows."""
 
-    def __init__(self, spec: str, fmt: str, rows: int, trains: str):
-        self.spec, self.format, self.rows, self.trains = spec, fmt, rows, trains
+    spec: str
+    format: str
+    rows: int
+    trains: str  # which tokens carry the loss: "all tokens" or "answers only"
 
 
 def _local_path(spec: str, flag: str) -> str:
@@ -80,7 +84,7 @@ def _value(v) -> str:
     if isinstance(v, str):  # quoted only where plain YAML would read it otherwise
         return v if re.fullmatch(r"[A-Za-z_/.~][A-Za-z0-9_./~-]*", v) and v not in ("true", "false", "null") else \
             json.dumps(v)
-    return ("true" if v is True else "false" if v is False else str(v))
+    return "true" if v is True else "false" if v is False else str(v)
 
 
 def one_stage_yaml(model: str, stages: list[list[DataSource]], note: list[str] = ()) -> str:
@@ -94,7 +98,7 @@ def one_stage_yaml(model: str, stages: list[list[DataSource]], note: list[str] =
     # a quarter of the smallest stage at most (stages hold out no more), never the whole eval budget on a tiny file
     eval_samples = min(_EVAL_MAX, rows // 4)
     taken: set = set()
-    lines = ["# A recipe for the curriculum recipe (recipes/curriculum.py), written by `hf-zero init`;",
+    lines = ["# A YAML for hf_zero's curriculum recipe (recipes/curriculum.py), written by `hf-zero init`;",
              "# `hf-zero train --model M --data F` builds and runs the same one. Edit and grow it: more stages,",
              "# any key of docs/reference/recipe-keys.md; run it with `hf-zero train --config THIS_FILE`.",
              *[f"# {part}" for line in note for part in textwrap.wrap(line, 114)], "",
