@@ -24,7 +24,8 @@ from hf_zero.data.cache import build_hub_snapshot, hub_cache_dir, hub_snapshot_d
 from hf_zero.data.smollm2 import SMOLLM2_HUB_ID, get_smollm2_path
 
 __all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "HUB_IDS", "resolve_model_path", "get_tiny_llama_path",
-           "get_model_config", "get_tokenizer", "is_tiny", "short_name", "hub_model_id", "tiny_llama_folder"]
+           "get_model_config", "get_tokenizer", "is_tiny", "short_name", "hub_model_id", "tiny_llama_folder",
+           "BASE_PATH_ATTR"]
 
 TINY_LLAMA = "tiny-llama"
 # Llamas built from config with the bundled tiny tokenizer: name -> shape.
@@ -40,6 +41,8 @@ CONFIG_BUILT = {
 OFFLINE_MODELS = (TINY_LLAMA, "mid-llama", "small-llama", "smollm2-135m-instruct", "minilm")
 # The id each offline causal LM is kept and named under; the tiny ones are hf_zero's own (no such hub repository).
 HUB_IDS = {**{name: f"hf-zero/{name}" for name in CONFIG_BUILT}, "smollm2-135m-instruct": SMOLLM2_HUB_ID}
+# A LoRA model's attribute holding the folder its base loaded from (its config names the hub id, for peft's records).
+BASE_PATH_ATTR = "hf_zero_base_path"
 # The build of the config-built llamas, as a snapshot revision: a change in how they are built gets a new one.
 TINY_REVISION = hashlib.sha1(b"hf_zero config-built llama v1").hexdigest()
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "tiny_assets" / "tiny_tokenizer"
