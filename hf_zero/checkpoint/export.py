@@ -202,7 +202,7 @@ def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | 
     config = json.loads((folder / "adapter_config.json").read_text())
     name = base_path = base_model or config.get("base_model_name_or_path")
     try:
-        base_path = resolve_model_path(name)  # hf_zero's offline names, as adapters record them
+        base_path = resolve_model_path(name)  # hf_zero's offline models, by hub id or short name
         quantized = _quantization(folder)
         if quantized is None:
             base = _auto_class(config.get("task_type")).from_pretrained(base_path, dtype=torch.float32)

@@ -92,7 +92,7 @@ def build_checkpoint_metadata(trainer) -> dict:
         **plan.record(),
         "nodes": plan.nodes,
         "peft": hasattr(trainer.model, "peft_config"),
-        # The adapter names its base model as the user did; this is where that name resolved on this machine.
+        # The adapter names its base model by hub id (hf_zero.train.model.apply_lora); this is where it resolved here.
         "base_model_path": getattr(trainer.model, BASE_PATH_ATTR, None) or getattr(
             getattr(trainer.model, "config", None), "_name_or_path", None),
         "trainable_params": count_parameters(trainer.model)[0],
