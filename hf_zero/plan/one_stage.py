@@ -150,6 +150,8 @@ def data_recipe_flags(model: str | None, data: list[str] | None, stages: list[st
     for spec in stages or []:
         _local_path(spec, "--stages")
     check_model(model)
+    if Path(model).expanduser().exists():  # a local folder: absolute, as the data (the YAML may live anywhere)
+        model = os.path.abspath(Path(model).expanduser())
     groups = ([[inspect_data(d) for d in data]] if data else []) + [[inspect_data(s, "--stages")]
                                                                     for s in stages or []]
     return one_stage_yaml(model, groups, note)

@@ -53,10 +53,14 @@ def test_init_writes_a_commented_yaml_that_check_passes(capsys, tmp_path, chat_f
 def test_init_one_stage_per_file_with_stages(capsys, tmp_path, chat_file):
     text_file = tmp_path / "notes.txt"
     text_file.write_text("".join(f"line {i} of my notes\n" for i in range(40)))
-    rc, text, _ = _init(capsys, "--model", "tiny-llama", "--stages", text_file, chat_file)
+    from hf_zero.data.model_names import resolve_model_path
+
+    folder = resolve_model_path("tiny-llama")  # a model folder, named relative to where the command runs
+    rc, text, _ = _init(capsys, "--model", os.path.relpath(folder), "--stages", text_file, chat_file)
     assert rc == 0
-    stages = yaml.safe_load(text)["stages"]
-    assert [(s["name"], s["data"]) for s in stages] == [("notes", str(text_file)), ("chat", str(chat_file))]
+    recipe = yaml.safe_load(text)
+    assert recipe["model_name_or_path"] == folder  # absolute, as the data: the YAML may be saved anywhere
+    assert [(s["name"], s["data"]) for s in recipe["stages"]] == [("notes", str(text_file)), ("chat", str(chat_file))]
 
 
 @pytest.mark.parametrize("case", ["missing file", "unknown model", "uncached hub id", "no known column",
