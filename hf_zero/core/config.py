@@ -28,7 +28,8 @@ class ModelArguments:
     model_name_or_path: str = field(
         default="tiny-llama",
         metadata={"help": "Local folder, hub id (online, or in the Hugging Face cache) or offline name: tiny-llama "
-                          "(hf-zero/tiny-llama), smollm2-135m-instruct (HuggingFaceTB/SmolLM2-135M-Instruct), minilm."},
+                          "(hf-zero/tiny-llama), smollm2-135m-instruct (HuggingFaceTB/SmolLM2-135M-Instruct), "
+                          "minilm."},
     )
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
     attn_implementation: str | None = field(
