@@ -12,7 +12,8 @@ NODES ?=
 MACHINE_RANK ?=
 MAIN_IP ?=
 HOSTFILE ?=
-CONFIG ?= recipes/configs/smollm2_shakespeare.yaml
+# Empty: hf-zero train's default (recipes/configs/smollm2_shakespeare.yaml), or none with ARGS="--model M --data F".
+CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
@@ -37,7 +38,7 @@ $(STAMP): setup.cfg pyproject.toml
 TRAIN_CMD = $(strip $(BIN)/hf-zero train $(if $(PROFILE),--profile $(PROFILE)) $(if $(NPROC),--nproc $(NPROC)) \
 	$(if $(PRECISION),--precision $(PRECISION)) $(if $(NODES),--nodes $(NODES)) \
 	$(if $(MACHINE_RANK),--machine-rank $(MACHINE_RANK)) $(if $(MAIN_IP),--main-ip $(MAIN_IP)) \
-	$(if $(HOSTFILE),--hostfile $(HOSTFILE)) --config $(CONFIG) $(ARGS))
+	$(if $(HOSTFILE),--hostfile $(HOSTFILE)) $(if $(CONFIG),--config $(CONFIG)) $(ARGS))
 train: install
 	$(info $(TRAIN_CMD))
 	@HF_ZERO_VIA_MAKE=1 $(TRAIN_CMD)

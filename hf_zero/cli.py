@@ -18,6 +18,7 @@ __all__ = ["main", "COMMANDS"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("hf_zero.commands.train",
               "launch a recipe under a profile (picks one from the hardware when none is given)"),
+    "init": ("hf_zero.commands.init", "write a commented recipe YAML for a model and your data file, to grow from"),
     "profiles": ("hf_zero.commands.profiles", "list the profiles, or say which one this machine would use"),
     "estimate": ("hf_zero.commands.estimate", "memory per rank for every strategy, before you pay for GPUs"),
     "check": ("hf_zero.commands.check",

@@ -47,6 +47,9 @@ def pytest_configure(config):
     if not reuse:
         _FRESH_CACHE = tempfile.mkdtemp(prefix="hf_zero_test_cache_")
     os.environ["HF_ZERO_CACHE"] = reuse or _FRESH_CACHE  # subprocesses (launched ranks, xdist workers) inherit it
+    # The offline models live in the hub cache under their hub ids (hf_zero/data/model_names.py): fresh as well, and
+    # never the user's own ~/.cache/huggingface.
+    os.environ["HF_HUB_CACHE"] = os.path.join(reuse or _FRESH_CACHE, "hub")
 
 
 def pytest_collection_modifyitems(config, items):

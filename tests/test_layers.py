@@ -50,6 +50,8 @@ LOCAL = {
     'hf_zero.commands.estimate -> hf_zero.core.config': _TRANSFORMERS,
     'hf_zero.commands.preview -> hf_zero.core.config': _TRANSFORMERS,
     'hf_zero.commands.preview -> hf_zero.data.stages': _TRANSFORMERS,
+    'hf_zero.plan.one_stage -> hf_zero.core.config': _TRANSFORMERS,
+    'hf_zero.plan.one_stage -> hf_zero.data.stages': _TRANSFORMERS,
     'hf_zero.plan.parse -> hf_zero.core.config': _TRANSFORMERS,
     'hf_zero.plan.sequence_parallel -> hf_zero.core.config': _TRANSFORMERS,
     'hf_zero.plan.shipped -> hf_zero.core.config': _TRANSFORMERS,

@@ -23,7 +23,7 @@ from hf_zero.checkpoint.safe_load import check_checkpoint, safe_checkpoint_loadi
 from hf_zero.checkpoint.store import MANIFEST_NAME, find_resume_checkpoint, list_checkpoints, validate_checkpoint
 from hf_zero.core.console import progress_prints
 from hf_zero.core.errors import UserError
-from hf_zero.data.model_names import resolve_model_path
+from hf_zero.data.model_names import hub_model_id, resolve_model_path
 from hf_zero.plan.profiles import Profile
 from hf_zero.plan.quantization import quantization_config
 
@@ -185,6 +185,18 @@ def _quantization(folder: Path):
     return None
 
 
+def _grow_to_tokenizer(base, folder: Path) -> None:
+    """Rows for the tokens a chat template added during the run (their embeddings trained with the adapter), as
+    peft's AutoPeftModel sizes a base from the adapter folder's tokenizer."""
+    if not (folder / "tokenizer_config.json").is_file() or not hasattr(base, "get_input_embeddings"):
+        return
+    from transformers import AutoTokenizer
+
+    size = len(AutoTokenizer.from_pretrained(str(folder)))
+    if size > base.get_input_embeddings().weight.shape[0]:
+        base.resize_token_embeddings(size)
+
+
 def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | None) -> int:
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model
@@ -192,7 +204,7 @@ def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | 
     config = json.loads((folder / "adapter_config.json").read_text())
     name = base_path = base_model or config.get("base_model_name_or_path")
     try:
-        base_path = resolve_model_path(name)  # hf_zero's offline names, as adapters record them
+        base_path = resolve_model_path(name)  # hf_zero's offline models, by hub id or short name
         quantized = _quantization(folder)
         if quantized is None:
             base = _auto_class(config.get("task_type")).from_pretrained(base_path, dtype=torch.float32)
@@ -203,7 +215,9 @@ def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | 
     except (OSError, ValueError) as err:
         raise UserError("--base-model", f"cannot load the base model {base_path!r} ({str(err).splitlines()[0][:120]})",
                         "pass --base-model with the folder of the model the adapter was trained on") from None
-    base.name_or_path = name  # the exported adapter names its base model as the checkpoint did (peft records this)
+    # The exported adapter (and its model card) names its base as the checkpoint did, an offline model by its hub id.
+    base.name_or_path = base.config.name_or_path = hub_model_id(name)
+    _grow_to_tokenizer(base, folder)
     if _is_deepspeed(folder):
         # The adapter from the fp32 master weights in the shards (the checkpoint's adapter file holds the engine's
         # working copy, which differs from them in mixed precision).

@@ -31,6 +31,7 @@ from hf_zero.core.console import MEAN_LOSS, say
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.core.report import report_user_error
+from hf_zero.data.model_names import BASE_PATH_ATTR
 from hf_zero.estimate.measure import count_parameters
 
 __all__ = ["CheckpointCallback", "build_checkpoint_metadata", "complete_checkpoint", "verify_saved_model",
@@ -91,8 +92,9 @@ def build_checkpoint_metadata(trainer) -> dict:
         **plan.record(),
         "nodes": plan.nodes,
         "peft": hasattr(trainer.model, "peft_config"),
-        # The adapter names its base model as the user did; this is where that name resolved on this machine.
-        "base_model_path": getattr(getattr(trainer.model, "config", None), "_name_or_path", None),
+        # The adapter names its base model by hub id (hf_zero.train.model.apply_lora); this is where it resolved here.
+        "base_model_path": getattr(trainer.model, BASE_PATH_ATTR, None) or getattr(
+            getattr(trainer.model, "config", None), "_name_or_path", None),
         "trainable_params": count_parameters(trainer.model)[0],
         "seed": args.seed,
         "settings": current_settings(),  # what a resume is compared with (checkpoint/compare.py)

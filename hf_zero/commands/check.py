@@ -13,6 +13,7 @@ inside the recipe before the engine is built.
 from __future__ import annotations
 
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.plan.one_stage import config_from_flags
 from hf_zero.plan.shipped import DEFAULT_CONFIG, recipe_script
 from hf_zero.preflight.checks import run_checks
 
@@ -24,7 +25,10 @@ DASH_ONLY = ("--output-dir",)  # --output_dir is the recipe's own flag: checked 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--profile", help="profile name or accelerate YAML (default: picked from the hardware)")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML")
+    parser.add_argument("--config", help=f"recipe YAML (default: {DEFAULT_CONFIG}, unless --data is given)")
+    parser.add_argument("--model", help="sets model_name_or_path (with --data: the model of a one-stage recipe)")
+    parser.add_argument("--data", nargs="+", metavar="FILE",
+                        help="check a one-stage recipe on these files, as `hf-zero train --model M --data FILE`")
     parser.add_argument("--nproc", type=int, help="processes per machine (default: the profile's)")
     parser.add_argument("--hostfile", help="DeepSpeed hostfile (`host slots=N` per line) for a multi-node run")
     parser.add_argument("--output-dir", help="where the run will write (default: the recipe's output_dir)")
@@ -35,6 +39,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    args.config, args.extra, _ = config_from_flags(args.config, args.model, args.data, args.extra)
     args.recipe = str(recipe_script(args.recipe, args.config))
     if args.nproc is not None and args.nproc < 1:
         raise UserError("--nproc", f"must be at least 1, got {args.nproc}")

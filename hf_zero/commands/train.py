@@ -20,6 +20,7 @@ from hf_zero.launch.interrupt import RESUME_ENV
 from hf_zero.launch.launch_command import build_launch_command, prepare_assets
 from hf_zero.plan import profiles
 from hf_zero.plan.hostfile import apply_hostfile
+from hf_zero.plan.one_stage import config_from_flags
 from hf_zero.plan.parse import HF_ZERO_TRAINING_DEFAULTS
 from hf_zero.plan.shipped import DEFAULT_CONFIG, load_recipe, recipe_argument_types, recipe_script
 from hf_zero.preflight.checks import run_checks
@@ -31,7 +32,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--profile", help="profile name or accelerate YAML (default: picked from the hardware)")
     parser.add_argument("--nproc", type=int, help="processes per machine (default: the profile's)")
     parser.add_argument("--precision", help="override the profile's precision: fp32, bf16 or fp16")
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML (default: %(default)s)")
+    parser.add_argument("--config", help=f"recipe YAML (default: {DEFAULT_CONFIG}, unless --data is given)")
+    parser.add_argument("--model", help="model name, hub id or folder: sets model_name_or_path (with --data: the "
+                        "model of a one-stage recipe)")
+    parser.add_argument("--data", nargs="+", metavar="FILE", help="train on these files (.jsonl/.json/.csv/.parquet/"
+                        ".txt, or a hub dataset id) in one stage, without a YAML: text, prompt-completion or chat "
+                        "messages, read from the columns (hf-zero init writes the same recipe as a YAML)")
     parser.add_argument("--recipe", help="recipe script (default: the YAML's `recipe:`, else the curriculum recipe)")
     parser.add_argument("--help-recipe", nargs="?", const="own", choices=("own", "all"), metavar="all",
                         help="list the recipe's flags with their help and exit (all: TrainingArguments' too)")
@@ -133,8 +139,8 @@ def run(args) -> int:
 
 def _run(args) -> int:
     validate_flags(args)
-    args.recipe = str(recipe_script(args.recipe, args.config))
     if args.help_recipe:
+        args.recipe = str(recipe_script(args.recipe, args.config or str(DEFAULT_CONFIG)))
         print(f"Flags of {args.recipe} (each also a key of the --config YAML; a flag overrides the YAML):")
         print("\n".join(recipe_help(recipe_argument_types(load_recipe(args.recipe)), args.help_recipe == "all")))
         return 0
@@ -145,6 +151,10 @@ def _run(args) -> int:
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"
     quiet_environment()  # before the preflight loads data and models: no progress bars there either
+    args.config, args.extra, line = config_from_flags(args.config, args.model, args.data, args.extra)
+    if line:
+        print(f"[hf_zero] {line}", flush=True)
+    args.recipe = str(recipe_script(args.recipe, args.config))
     profile = args.profile
     if not profile:
         gpus = profiles.gpu_count()  # through the module: a test stands in a GPU count there

@@ -27,7 +27,8 @@ class ModelArguments:
 
     model_name_or_path: str = field(
         default="tiny-llama",
-        metadata={"help": "Local folder, hub id (when online) or offline name: tiny-llama, smollm2-135m-instruct, "
+        metadata={"help": "Local folder, hub id (online, or in the Hugging Face cache) or offline name: tiny-llama "
+                          "(hf-zero/tiny-llama), smollm2-135m-instruct (HuggingFaceTB/SmolLM2-135M-Instruct), "
                           "minilm."},
     )
     tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})

@@ -17,8 +17,8 @@ from hf_zero.core.distributed import stall_if_asked, waiting_for
 from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.core.files import write_text_atomic
 from hf_zero.data.cache import build_once, get_cache_dir, model_folder_problem, usable
-from hf_zero.data.model_names import get_tiny_llama_path, is_tiny
-from hf_zero.data.smollm2 import get_smollm2_path
+from hf_zero.data.model_names import get_tiny_llama_path, is_tiny, tiny_llama_folder
+from hf_zero.data.smollm2 import SMOLLM2_HUB_ID, get_smollm2_path, smollm2_folder
 
 __all__ = [
     "get_cache_dir", "get_shakespeare_texts_dir", "prepare_shakespeare_curriculum",
@@ -218,10 +218,9 @@ def _run_assets(model: str | None, data=()) -> dict:
     """name -> (cache folder, getter that builds it on first use, verify) for each asset of the run hf_zero builds."""
     found = {}
     if model and is_tiny(model):
-        found[model] = (get_cache_dir() / "models" / f"{model}-v1", lambda: get_tiny_llama_path(model),
-                        model_folder_problem)
-    elif model == "smollm2-135m-instruct":
-        found[model] = (get_cache_dir() / "models" / model, get_smollm2_path, model_folder_problem)
+        found[model] = (tiny_llama_folder(model), lambda: get_tiny_llama_path(model), model_folder_problem)
+    elif model in ("smollm2-135m-instruct", SMOLLM2_HUB_ID):
+        found[model] = (smollm2_folder(), get_smollm2_path, model_folder_problem)
     if any(spec in BUILTIN_DATA and spec.rsplit("/", 1)[1] in CURRICULUM_STAGES for spec in data):
         found["shakespeare"] = (get_cache_dir() / "data" / "shakespeare" / "curriculum",
                                 prepare_shakespeare_curriculum, _curriculum_problem)

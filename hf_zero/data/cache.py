@@ -20,14 +20,47 @@ from pathlib import Path
 
 from hf_zero.core.distributed import DIST_TIMEOUT_ENV, dist_timeout
 from hf_zero.core.errors import UserError
+from hf_zero.core.files import write_text_atomic
 
-__all__ = ["get_cache_dir", "build_once", "usable", "model_folder_problem", "MARKER"]
+__all__ = ["get_cache_dir", "hub_cache_dir", "hub_snapshot_dir", "build_once", "build_hub_snapshot", "usable",
+           "model_folder_problem", "MARKER"]
 
 MARKER = ".complete"
 
 
 def get_cache_dir() -> Path:
     return Path(os.environ.get("HF_ZERO_CACHE") or Path.home() / ".cache" / "hf_zero").expanduser()
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache (HF_HUB_CACHE, else $HF_HOME/hub), read at each call as huggingface_hub reads it at
+    import: a process started later with the same environment looks in the same place."""
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache",
+                                             "huggingface")
+    hub = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or Path(home) / "hub"
+    return Path(os.path.expandvars(str(hub))).expanduser()
+
+
+def _repo_dir(repo_id: str) -> Path:
+    return hub_cache_dir() / ("models--" + repo_id.replace("/", "--"))
+
+
+def hub_snapshot_dir(repo_id: str, revision: str) -> Path:
+    return _repo_dir(repo_id) / "snapshots" / revision
+
+
+def build_hub_snapshot(repo_id: str, revision: str, build, *args, verify=None) -> Path:
+    """A model built by hf_zero, kept in the hub cache's own layout (models--ORG--NAME/snapshots/REV, refs/main) under
+    its hub id: transformers' and peft's plain `from_pretrained(repo_id)` find it offline (HF_HUB_OFFLINE=1) with no
+    hf_zero import, so an adapter or a model card can name its base by that id and load on any machine."""
+    repo = _repo_dir(repo_id)
+    folder = build_once(repo / "snapshots" / revision, build, *args, verify=verify,
+                        lock_dir=hub_cache_dir() / ".locks" / repo.name)  # where huggingface_hub keeps its locks
+    ref = repo / "refs" / "main"
+    if not ref.is_file() or ref.read_text().strip() != revision:
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(ref, revision)
+    return folder
 
 
 def _holder(path: Path) -> tuple[int | None, str]:
@@ -143,7 +176,7 @@ def _in_distributed_process() -> bool:
     return bool(ds and ds.is_deepspeed_zero3_enabled())
 
 
-def build_once(final: Path, build, *args, verify=None) -> Path:
+def build_once(final: Path, build, *args, verify=None, lock_dir: Path | None = None) -> Path:
     """`final` built by `build(tmp_dir, *args)`, at most once however many processes ask at the same time. Usable
     means marked complete and passing `verify(folder) -> problem or None`; an entry that is not is rebuilt."""
     problem = usable(final, verify)
@@ -155,7 +188,8 @@ def build_once(final: Path, build, *args, verify=None) -> Path:
         raise UserError("cache", f"{final} is needed inside a distributed run but {problem}", "build it first "
                         "in one process: python -m hf_zero.data.assets --model NAME (hf-zero train does this for you)")
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _cache_lock(final.parent / f".{final.name}.lock", final.name):
+    (lock_dir or final.parent).mkdir(parents=True, exist_ok=True)
+    with _cache_lock((lock_dir or final.parent) / f".{final.name}.lock", final.name):
         if usable(final, verify) is None:  # another process finished it while we waited
             return final
         # Leftovers of a crashed build: nobody else can be writing them while we hold the lock.

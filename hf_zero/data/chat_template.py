@@ -107,8 +107,8 @@ def train_embeddings(model) -> None:
     for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
         if layer is not None:
             layer.weight.requires_grad_(True)
-    # peft saves them only if it sees the vocabulary differ from the base model's config, which it cannot read when
-    # the adapter names the model as the user did (an offline name, not a folder): say it outright, for every save.
+    # peft saves them only if it sees the vocabulary differ from the base model's config, which it does not read for
+    # a base named by a hub id it may not reach: say it outright, for every save.
     model.save_pretrained = functools.partial(type(model).save_pretrained, model, save_embedding_layers=True)
 
 

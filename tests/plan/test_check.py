@@ -192,7 +192,7 @@ def test_cpu_adam_that_cannot_be_built(tmp_path):
 
 
 @pytest.mark.parametrize("changes,words", [
-    ({"model_name_or_path": "some-org/not-a-model"}, "cannot load 'some-org/not-a-model'"),
+    ({"model_name_or_path": "some-org/not-a-model"}, "some-org/not-a-model is not in the Hugging Face cache"),
     ({"model_name_or_path": "./no/such/model"}, "/no/such/model does not exist"),  # resolved from the YAML's folder
     ({"use_peft": True, "lora_target_modules": ["qq_proj"]}, "lora_target_modules"),
 ])

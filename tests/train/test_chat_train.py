@@ -135,8 +135,8 @@ def test_zero3_lora_adapter_reloads_with_its_chat_template(tmp_path):
     row = json.loads(data.read_text().splitlines()[0])["messages"]
     from hf_zero.data.model_names import resolve_model_path
 
-    # the adapter names its base as the recipe did (the offline name); this machine's folder for it is passed along
-    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-llama"
+    # the adapter names its base by its hub id (the offline model's, in the hub cache); its folder is passed along
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == "hf-zero/tiny-llama"
     code = (  # plain peft + transformers, outside the repository: hf_zero is not imported
         "import json, sys, torch; from transformers import AutoModelForCausalLM, AutoTokenizer;"
         "from peft import PeftModel;"

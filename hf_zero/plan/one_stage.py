@@ -1,0 +1,184 @@
+"""A recipe from a model and a data file, without writing YAML first: `hf-zero train --model M --data F` and
+`hf-zero init` build the same YAML here, from the same dataclasses the curriculum recipe parses (one stage of the
+`--data` files, or one stage per `--stages` file; the format read from the columns as stages read it), so what
+`init` prints is what `--data` runs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import textwrap
+from pathlib import Path
+from typing import NamedTuple
+
+from hf_zero.core.errors import UserError
+from hf_zero.core.files import write_text_atomic
+from hf_zero.data.cache import get_cache_dir
+from hf_zero.data.chat import FormatOptions, detect_format, trains_what
+from hf_zero.data.model_names import get_model_config
+from hf_zero.plan.parse import HF_ZERO_TRAINING_DEFAULTS
+from hf_zero.plan.shipped import DEFAULT_CONFIG
+
+__all__ = ["DataSource", "inspect_data", "check_model", "one_stage_yaml", "write_data_recipe", "data_recipe_flags",
+           "config_from_flags"]
+
+_LOCAL_HINT = "give a .jsonl/.json/.csv/.parquet/.txt file, or a hub dataset id (online)"
+_EVAL_MAX = 50
+_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")  # what hf_zero.data.stages.load_source reads
+
+
+class DataSource(NamedTuple):
+    """One `--data` argument as the recipe will read it: its spec (a local path made absolute), format and rows."""
+
+    spec: str
+    format: str
+    rows: int
+    trains: str  # which tokens carry the loss: "all tokens" or "answers only"
+
+
+def _local_path(spec: str, flag: str) -> str:
+    """A local file's path made absolute (the YAML may live anywhere), checked to be one hf_zero reads; a hub
+    dataset id as it is."""
+    local = Path(spec).expanduser()
+    if not (local.exists() or local.suffix or spec.startswith((".", "/", "~"))):
+        return spec
+    if not local.exists():
+        raise UserError(flag, f"{spec} does not exist", _LOCAL_HINT)
+    if local.is_file() and local.suffix not in _SUFFIXES:
+        raise UserError(flag, f"{spec}: {local.suffix or 'a file without a suffix'} is not a format hf_zero reads",
+                        f"save it as {'/'.join(_SUFFIXES)} (a file's suffix names its format)")
+    return os.path.abspath(local)
+
+
+def inspect_data(spec: str, flag: str = "--data") -> DataSource:
+    """The data read and its format detected the way a stage reads them; one line naming `flag` when it cannot be."""
+    from hf_zero.data.stages import load_source
+
+    spec = _local_path(spec, flag)
+    ds = load_source(spec, flag)
+    opts = FormatOptions()
+    fmt = detect_format(ds.column_names, ds[0] if len(ds) else None, opts, flag, spec)
+    return DataSource(spec, fmt, len(ds), trains_what(fmt, opts))
+
+
+def check_model(model: str, flag: str = "--model") -> None:
+    """The model's config read (no weights): an unknown name, or a hub id offline that is not cached, in one line."""
+    try:
+        get_model_config(model)
+    except UserError as err:
+        raise UserError(flag, err.problem, err.fix) from None
+
+
+def _stage_name(spec: str, taken: set) -> str:
+    base = re.sub(r"[^A-Za-z0-9_]+", "_", Path(spec).stem if Path(spec).suffix else spec.rsplit("/", 1)[-1]).strip("_")
+    name, n = base or "data", 2
+    while name in taken:
+        name, n = f"{base}_{n}", n + 1
+    taken.add(name)
+    return name
+
+
+def _value(v) -> str:
+    if isinstance(v, str):  # quoted only where plain YAML would read it otherwise
+        return v if re.fullmatch(r"[A-Za-z_/.~][A-Za-z0-9_./~-]*", v) and v not in ("true", "false", "null") else \
+            json.dumps(v)
+    return "true" if v is True else "false" if v is False else str(v)
+
+
+def one_stage_yaml(model: str, stages: list[list[DataSource]], note: list[str] = ()) -> str:
+    """The recipe YAML, commented: one stage per list of sources (one stage when given one list). `note`: comment
+    lines about this machine (the profile it would use), which parsing ignores."""
+    from hf_zero.core.config import CurriculumArguments, ModelArguments
+
+    # Beyond the dataclasses' defaults: LoRA (an adapter of a few MB, the usual first fine-tune), a pass over the data.
+    lora = {"use_peft": True, "lora_r": ModelArguments.lora_r, "lora_alpha": ModelArguments.lora_alpha}
+    rows = min(sum(s.rows for s in sources) for sources in stages)
+    # a quarter of the smallest stage at most (stages hold out no more), never the whole eval budget on a tiny file
+    eval_samples = min(_EVAL_MAX, rows // 4)
+    taken: set = set()
+    lines = ["# A YAML for hf_zero's curriculum recipe (recipes/curriculum.py), written by `hf-zero init`;",
+             "# `hf-zero train --model M --data F` builds and runs the same one. Edit and grow it: more stages,",
+             "# any key of docs/reference/recipe-keys.md; run it with `hf-zero train --config THIS_FILE`.",
+             *[f"# {part}" for line in note for part in textwrap.wrap(line, 114)], "",
+             "# Model: LoRA adapters on a frozen base (use_peft: false trains every weight)",
+             f"model_name_or_path: {_value(model)}",
+             *[f"{k}: {_value(v)}" for k, v in lora.items()], "",
+             "# Data: the format is read from the columns (text, prompt + completion, or chat messages)",
+             f"max_seq_length: {CurriculumArguments.max_seq_length}     # tokens per sample; longer ones are cut",
+             f"eval_samples: {eval_samples}     # held out of each stage's data for the eval loss (0: none)",
+             "stages:"]
+    for sources in stages:
+        lines.append(f"  - name: {_stage_name(sources[0].spec, taken)}")
+        for s in sources:
+            lines.append(f"    # {s.spec}: {s.rows} rows, {s.format} (loss on {s.trains})")
+        specs = [s.spec for s in sources]
+        lines.append(f"    data: {_value(specs[0]) if len(specs) == 1 else '[' + ', '.join(map(_value, specs)) + ']'}")
+        lines.append("    epochs: 1          # passes over the data (or steps: N)")
+    first = _stage_name(stages[0][0].spec, set())
+    lines += ["", "# Trainer: every TrainingArguments field is a key (and a flag of hf-zero train)",
+              f"per_device_train_batch_size: {HF_ZERO_TRAINING_DEFAULTS['per_device_train_batch_size']}",
+              "learning_rate: 1.0e-3",
+              "seed: 42",
+              f"output_dir: {_value(f'runs/{first}')}", ""]
+    text = "\n".join(lines)
+    _check_parses(text)
+    return text
+
+
+def _check_parses(text: str) -> None:
+    """Each stage built as the recipe builds it: the YAML this module writes must parse."""
+    import yaml
+
+    from hf_zero.core.config import Stage
+
+    for item in yaml.safe_load(text)["stages"]:
+        Stage(**item)
+
+
+def data_recipe_flags(model: str | None, data: list[str] | None, stages: list[str] | None = None,
+                      note: list[str] = ()) -> str:
+    """The YAML for `--model` and `--data` (one stage mixing the files), or `--stages` (one stage per file)."""
+    if not data and not stages:
+        raise UserError("--data", "missing", "name your data file: --data FILE (or --config YAML)")
+    if not model:
+        raise UserError("--model", "missing with --data", "name the model: --model NAME_OR_PATH, e.g. tiny-llama or "
+                        "HuggingFaceTB/SmolLM2-135M-Instruct")
+    for spec in data or []:  # a missing file said before the seconds the model's config takes
+        _local_path(spec, "--data")
+    for spec in stages or []:
+        _local_path(spec, "--stages")
+    check_model(model)
+    if Path(model).expanduser().exists():  # a local folder: absolute, as the data (the YAML may live anywhere)
+        model = os.path.abspath(Path(model).expanduser())
+    groups = ([[inspect_data(d) for d in data]] if data else []) + [[inspect_data(s, "--stages")]
+                                                                    for s in stages or []]
+    return one_stage_yaml(model, groups, note)
+
+
+def write_data_recipe(text: str) -> Path:
+    """The YAML kept under its content's hash in the cache (recipes/), never overwritten with other content: a run's
+    summary names it, and a rerun with the same flags finds the same file."""
+    path = get_cache_dir() / "recipes" / f"data-{hashlib.sha256(text.encode()).hexdigest()[:16]}.yaml"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text)
+    return path
+
+
+def config_from_flags(config: str | None, model: str | None, data: list[str] | None,
+                      extra: list[str]) -> tuple[str, list[str], str | None]:
+    """(the recipe YAML, the recipe's flags, a banner line or None) for `--config`, `--model`, `--data` as
+    `hf-zero train` and `hf-zero check` take them: `--data` builds the one-stage YAML (and cannot go with --config),
+    `--model` alone sets model_name_or_path on the config, and no config at all is the default one, said so."""
+    if data:
+        if config:
+            raise UserError("--data", "given with --config", "name the data in the YAML's stages, or drop --config")
+        path = write_data_recipe(data_recipe_flags(model, data))
+        return str(path), extra, f"config: {path} (built from --model and --data; `hf-zero init` writes it to edit)"
+    if model:
+        extra = ["--model_name_or_path", model, *extra]
+    if config:
+        return config, extra, None
+    return str(DEFAULT_CONFIG), extra, f"config: {DEFAULT_CONFIG} (the default; pass --config or --data)"
