@@ -52,13 +52,29 @@ def pytest_configure(config):
     os.environ["HF_HUB_CACHE"] = os.path.join(reuse or _FRESH_CACHE, "hub")
 
 
+# The session's shared runs (fixtures below): a test that reads one runs where that run was made.
+SHARED_RUNS = {"strategy_runs", "lora_zero3_run", "tiny24_references", "readme_runs", "readme_checkout"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under `-n` with `--dist loadgroup`, every test that launches runs on one worker, one after another: they share
-    the session's runs (built once on that worker) and each launch already fills both cores with its two ranks. The
-    in-process tests fill the other worker meanwhile."""
+    """Under `-n` with `--dist loadgroup`, every test that launches or reads a shared run runs on one worker, one after
+    another: the session's runs are built once, on that worker (the README's commands, in order, in one checkout),
+    and each launch already fills both cores with its two ranks. The in-process tests fill the other workers."""
     for item in items:
-        if item.get_closest_marker("multiproc"):
+        if item.get_closest_marker("multiproc") or SHARED_RUNS & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.xdist_group("launches"))
+
+
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Each test starts from the session's environment: a test that runs a command in-process (hf-zero train with the
+    launch stood in) sets the run's variables (profile, run folder) in os.environ, and a later test's recipe,
+    started as a plain process, would inherit them."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def pytest_unconfigure(config):

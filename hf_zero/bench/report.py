@@ -23,7 +23,10 @@ __all__ = ["machine_info", "assemble", "write_all", "progress_line", "console_su
 
 
 def console_summary(report) -> str:
-    return table(report) + "\n\n" + startup_markdown(report)
+    """The table, then the start-up breakdown: its tables as they are, its prose as the bench's own lines."""
+    startup = [line if not line or line.startswith("|") else f"[hf_zero bench] {line.lstrip('# ')}"
+               for line in startup_markdown(report).splitlines()]
+    return table(report) + "\n\n" + "\n".join(startup)
 
 
 def machine_info(nproc: int, loadavg_start, note: str = "") -> dict:

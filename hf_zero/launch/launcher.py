@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     finally:
         startup.end_command()
-        for name in (PLAN_ENV, LOCK_ENV, LAUNCHER_PID_ENV):  # an in-process caller (hf-zero train, tests) must
+        for name in (PLAN_ENV, LOCK_ENV, LAUNCHER_PID_ENV, STATUS_ENV):  # an in-process caller (tests) must
             os.environ.pop(name, None)  # not pass them to a later launch
         if lock is not None:
             lock.release()

@@ -29,8 +29,8 @@ TINY_TEXT, TINY_DIGITS = CONFIGS / "tiny_classify.yaml", CONFIGS / "tiny_digits.
 DIGITS_MODEL = REPO / "recipes" / "models" / "digits_resnet"
 CURRICULUM_SUMMARY_KEYS = ["profile", "zero_stage", "engine", "sharding", "offload_optimizer", "offload_param",
                            "precision", "world_size", "micro_batch", "grad_accum", "global_batch", "nodes", "run_plan",
-                           "runtime_s", "config", "settings", "model", "use_peft", "trainable_params", "total_params",
-                           "total_steps",
+                           "runtime_s", "startup_s", "config", "settings", "model", "use_peft", "trainable_params",
+                           "total_params", "total_steps",
                            "train_loss", "eval_loss_before", "eval_loss_after", "eval_perplexity_before",
                            "eval_perplexity_after", "resumed_from", "final_dir", "stages", "losses"]
 
