@@ -23,10 +23,12 @@ from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate import memory
 from hf_zero.estimate.activations import ATTENTION
 from hf_zero.estimate.memory import CONVENTIONS, PRECISIONS, strategies_for
-from hf_zero.estimate.recipe import HEADROOM, RecipeMemory, lora_fields, plan, read_recipe
+from hf_zero.estimate.recipe import HEADROOM, RecipeMemory, lora_fields, plan, read_recipe, sp_by_stage, sp_sizes
 from hf_zero.plan.reconcile import plan_batch
 
 __all__ = ["add_arguments", "run", "parse_bytes"]
+
+ZERO3_SP_SIZE = 2  # accelerate_configs/zero3_sp.yaml's parallelism_config_sp_size (a test keeps them equal)
 
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -164,6 +166,7 @@ def run(args) -> int:
         if rec["profile"]:
             rec["largest_micro_batch"] = memory.largest_micro_batch(
                 count, rec["strategy"], usable, cpu_mem, frozen_base="nf4" if rec["load_in_4bit"] else None, **kw)
+    seq_par = _sequence_parallel(recipe, count, gpn * nodes, usable, args, batch, kw)
     layer = count.layer
     summary = {"name": recipe.model, "params": count.total_params, "largest_layer_params": count.largest_layer_params,
                "trainable_params": count.trainable_params, "num_layers": count.num_layers,
@@ -176,10 +179,55 @@ def run(args) -> int:
               "sp_size": sp}
     if args.json:
         print(json.dumps({"model": summary, "convention": args.convention, "inputs": inputs, "strategies": estimates,
-                          "recommendation": rec}, indent=2))
+                          "recommendation": rec, "sequence_parallel": seq_par}, indent=2))
         return 0
     _print_table(summary, inputs, args.convention, estimates, rec)
+    if seq_par:
+        _print_sequence_parallel(seq_par, inputs["gpus_per_node"])
     return 0
+
+
+def _sequence_parallel(recipe, count, world: int, usable, args, batch, kw) -> dict | None:
+    """A recipe on several GPUs: each stage's ZeRO-3 peak without and with Ulysses sequence parallelism at every
+    size that can run (zero3_sp), and the smallest size that fits the longest stage; None where SP cannot apply
+    (one GPU, a bare model, a 4-bit base, the paper's convention)."""
+    if world < 2 or not recipe.path or recipe.load_in_4bit or args.convention != "deepspeed":
+        return None
+    sizes = sp_sizes(recipe, world)
+    if not sizes:
+        return None
+    rows = sp_by_stage(recipe, count, sizes, usable, micro_batch=batch.micro, grad_accumulation=batch.accumulation,
+                       **{k: v for k, v in kw.items() if k not in ("seq_len", "sp_size")})
+    longest = max(rows, key=lambda r: r["seq_len"])
+    return {"sizes": sizes, "stages": rows, "longest_stage": longest["stage"], "fitted": usable is not None,
+            "recommended_sp_size": longest["fits_at_sp"], "config": recipe.path}
+
+
+def _print_sequence_parallel(sp: dict, gpn: int) -> None:
+    sizes = [1, *sp["sizes"]]
+    fitted = sp["fitted"]  # --gpu-memory given: which size fits each stage
+    head = ["stage", "tokens", *(f"sp {s}" for s in sizes), *(["fits"] if fitted else [])]
+    rows = [[str(r["stage"]), str(r["seq_len"]), *(_human(r["peak_bytes"][s]) for s in sizes),
+             *([{None: "none", 0: "without SP"}.get(r["fits_at_sp"], f"sp {r['fits_at_sp']}")] if fitted else [])]
+            for r in sp["stages"]]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    print("\nsequence parallelism (Ulysses, profile zero3_sp): ZeRO-3 peak/GPU per stage, each sequence split over "
+          "sp ranks (its activations / sp; the model states sharded over every rank)")
+    for r in [head, *rows]:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    if not fitted:
+        return
+    best, stage = sp["recommended_sp_size"], sp["longest_stage"]
+    if best == 0:
+        print(f"longest stage {stage}: fits without sequence parallelism")
+    elif best is None:
+        print(f"longest stage {stage}: no sp_size fits; use more GPUs, gradient checkpointing or a shorter "
+              "max_seq_length")
+    else:
+        how = (f"hf-zero train --profile zero3_sp --nproc {gpn} --config {sp['config']}" if best == ZERO3_SP_SIZE
+               else f"a copy of accelerate_configs/zero3_sp.yaml with parallelism_config_sp_size: {best}, then "
+               f"hf-zero train --profile <that file> --nproc {gpn} --config {sp['config']}")
+        print(f"recommended for the longest stage {stage}: sp_size {best}, the smallest that fits: {how}")
 
 
 def _print_table(summary, inputs, convention, estimates, rec) -> None:

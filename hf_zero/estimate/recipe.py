@@ -20,9 +20,11 @@ from hf_zero.estimate.memory import QLORA_STRATEGIES, count_model, estimate
 from hf_zero.plan.parse import parse_recipe_args
 from hf_zero.plan.profiles import gpu_count, load_profile
 from hf_zero.plan.reconcile import plan_batch
+from hf_zero.plan.sequence_parallel import verify_sequence_parallel
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
 
-__all__ = ["HEADROOM", "RecipeMemory", "read_recipe", "lora_fields", "plan", "candidates", "pick_profile"]
+__all__ = ["HEADROOM", "RecipeMemory", "read_recipe", "lora_fields", "plan", "candidates", "pick_profile",
+           "sp_sizes", "sp_by_stage"]
 
 HEADROOM = 0.10
 HEADROOM_WHY = ("10% of the GPU kept free: the estimate is within 10% of measured peak allocated memory "
@@ -46,6 +48,7 @@ class RecipeMemory:
     path: str | None = None
     flags: tuple = field(default=(), compare=False)  # overrides a train command must repeat
     load_in_4bit: bool = False  # QLoRA: the frozen base in 4 bits
+    stages: tuple = ()  # (name, max_seq_length) of each stage, in order
 
 
 def lora_fields(model_args) -> dict | None:
@@ -78,7 +81,37 @@ def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
         stage=longest.name if longest else None, lora=lora_fields(model_args), packing=bool(training.get("packing")),
         gradient_checkpointing=bool(training.get("gradient_checkpointing")),
         attn_implementation=model_args.attn_implementation, path=path, flags=tuple(flags),
-        load_in_4bit=bool(model_args.load_in_4bit and model_args.use_peft))
+        load_in_4bit=bool(model_args.load_in_4bit and model_args.use_peft),
+        stages=tuple((s.name, s.max_seq_length or seq) for s in stages))
+
+
+def sp_sizes(recipe: RecipeMemory, world: int) -> list[int]:
+    """The Ulysses sizes this recipe can run with on `world` ranks, smallest first: those hf-zero check passes (each
+    divides the world, the attention heads and every stage's length; sdpa or flash attention; no packing on sdpa)."""
+    config = get_model_config(recipe.model) if isinstance(recipe.model, str) else recipe.model
+    lengths = [("max_seq_length", recipe.seq_len), *((f"stages[{n}].max_seq_length", s) for n, s in recipe.stages)]
+    sizes = []
+    for sp in range(2, world + 1):
+        try:
+            verify_sequence_parallel(sp, world, config, lengths, recipe.attn_implementation, recipe.packing)
+        except UserError:
+            continue
+        sizes.append(sp)
+    return sizes
+
+
+def sp_by_stage(recipe: RecipeMemory, count, sizes: list[int], usable: int | None, **estimate_kw) -> list[dict]:
+    """Per stage: the ZeRO-3 peak per GPU without sequence parallelism and at each size, and the smallest size
+    that fits `usable` bytes (0: it fits without; None: none does, or no GPU memory was given). ZeRO-3 because
+    the sequence-parallel profile (zero3_sp) is ZeRO-3: the model states stay sharded over every rank."""
+    rows = []
+    for name, seq in recipe.stages or ((recipe.stage, recipe.seq_len),):
+        peaks = {sp: estimate(count, "zero3", **{**estimate_kw, "seq_len": seq, "sp_size": sp}
+                              )["gpu_bytes_per_rank"]["total"] for sp in (1, *sizes)}
+        fits = None if usable is None else next((sp for sp, b in peaks.items() if b <= usable), None)
+        rows.append({"stage": name, "seq_len": seq, "peak_bytes": peaks,
+                     "fits_at_sp": None if fits is None else (0 if fits == 1 else fits)})
+    return rows
 
 
 def candidates(world: int, lora: bool = False, load_in_4bit: bool = False) -> list[tuple]:

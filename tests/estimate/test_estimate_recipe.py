@@ -127,3 +127,42 @@ def test_bad_input_is_one_line_exit_2(capsys, tmp_path, args, field):
     assert main(["estimate", *args, "--gpu-memory", "24GiB"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hf-zero: error: ") and field in err[0], err
+
+
+LONG = str(REPO / "recipes" / "configs" / "tiny_long_context.yaml")
+
+
+def test_long_context_recipe_gets_sequence_parallel_rows_per_stage_and_an_sp_size(capsys):
+    """The context curriculum on 2 GPUs: each stage's ZeRO-3 peak with and without Ulysses (activations / sp), and
+    on a GPU that the longest stage overflows without SP, the sp_size that fits it and the command."""
+    out = _estimate_json(capsys, "--config", LONG, "--gpus-per-node", "2", "--gpu-memory", "1.5MiB")
+    sp = out["sequence_parallel"]
+    assert sp["sizes"] == [2]  # 4 heads and 2 kv heads, lengths 32/64/128, 2 ranks
+    stages = {r["stage"]: r for r in sp["stages"]}
+    assert [r["seq_len"] for r in sp["stages"]] == [32, 64, 128]
+    for r in sp["stages"]:
+        assert r["peak_bytes"]["2"] < r["peak_bytes"]["1"]  # json keys: the sizes as text
+    # the split saves more the longer the sequence: activations grow with it, model states do not
+    saved = [r["peak_bytes"]["1"] - r["peak_bytes"]["2"] for r in sp["stages"]]
+    assert saved == sorted(saved) and saved[0] < saved[-1]
+    usable = int(1.5 * 2**20 * 0.9)
+    assert stages["ctx128"]["peak_bytes"]["1"] > usable >= stages["ctx128"]["peak_bytes"]["2"]
+    assert stages["ctx128"]["fits_at_sp"] == 2 and stages["ctx32"]["fits_at_sp"] == 0
+    assert sp["longest_stage"] == "ctx128" and sp["recommended_sp_size"] == 2
+    assert main(["estimate", "--config", LONG, "--gpus-per-node", "2", "--gpu-memory", "1.5MiB"]) == 0
+    text = capsys.readouterr().out
+    assert (f"recommended for the longest stage ctx128: sp_size 2, the smallest that fits: hf-zero train --profile "
+            f"zero3_sp --nproc 2 --config {LONG}") in text
+
+
+def test_no_sequence_parallel_rows_where_it_cannot_apply(capsys):
+    """One GPU, or a bare model (no stages to split): no sequence-parallel section."""
+    assert _estimate_json(capsys, "--config", LONG, "--gpus-per-node", "1")["sequence_parallel"] is None
+    assert _estimate_json(capsys, "--model", "tiny-llama", "--gpus-per-node", "2")["sequence_parallel"] is None
+
+
+def test_the_recommended_command_names_the_shipped_sp_size():
+    from hf_zero.commands.estimate import ZERO3_SP_SIZE
+    from hf_zero.plan.profiles import load_profile
+
+    assert load_profile("zero3_sp").sp_size == ZERO3_SP_SIZE
