@@ -56,13 +56,19 @@ def pytest_configure(config):
 SHARED_RUNS = {"strategy_runs", "lora_zero3_run", "tiny24_references", "readme_runs", "readme_checkout"}
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: a module with no launch left is not held back
 def pytest_collection_modifyitems(config, items):
-    """Under `-n` with `--dist loadgroup`, every test that launches or reads a shared run runs on one worker, one after
-    another: the session's runs are built once, on that worker (the README's commands, in order, in one checkout),
-    and each launch already fills both cores with its two ranks. The in-process tests fill the other workers."""
+    """Under `-n` with `--dist loadgroup`: every module with a test that launches or reads a shared run goes to one
+    worker, whole and in order, one after another: the session's runs are built once, on that worker (the README's
+    commands in order, in one checkout), its module fixtures once, and each launch already fills both cores with its
+    two ranks. Every other module goes whole to whichever worker is free (its module fixtures built once too)."""
+    def module(item):
+        return item.nodeid.split("::")[0]
+
+    launching = {module(i) for i in items
+                 if i.get_closest_marker("multiproc") or SHARED_RUNS & set(getattr(i, "fixturenames", ()))}
     for item in items:
-        if item.get_closest_marker("multiproc") or SHARED_RUNS & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("launches"))
+        item.add_marker(pytest.mark.xdist_group("launches" if module(item) in launching else module(item)))
 
 
 @pytest.fixture(autouse=True)
