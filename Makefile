@@ -43,18 +43,18 @@ train: install
 	$(info $(TRAIN_CMD))
 	@HF_ZERO_VIA_MAKE=1 $(TRAIN_CMD)
 
-# The default suite, launches included (setup.cfg leaves out the `slow` and `gpu` markers). One pytest worker per
-# core (pytest-xdist): the launches run one after another on one worker (their session's shared runs built once),
-# the in-process tests on the others. XDIST=0 runs everything in one process.
-XDIST ?= auto
-PARALLEL = $(if $(filter 0,$(XDIST)),,-n $(XDIST) --dist loadgroup)
+# The default suite, launches included (setup.cfg leaves out the `slow` and `gpu` markers), in one process: its
+# 2-rank launches fill both cores and share the session's runs (tests/conftest.py). XDIST=auto spreads the modules
+# over one pytest worker per core instead (pytest-xdist; whole modules, so module fixtures are built once).
+XDIST ?=
+PARALLEL = $(if $(XDIST),-n $(XDIST) --dist loadfile)
 test: install
 	$(BIN)/python -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 # Everything that starts no process group (no launcher, no ranks): unit and in-process tests, before every commit.
 # tests/conftest.py fails a test here that starts one without the `multiproc` marker.
 test-fast: install
-	$(BIN)/python -m pytest $(PARALLEL) -m "not gpu and not slow and not multiproc" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(or $(XDIST),auto) --dist loadfile -m "not gpu and not slow and not multiproc" $(PYTEST_ARGS)
 
 # DDP vs ZeRO-1/2/3/offload and FSDP2/offload side by side (time, memory, loss parity, plots) into bench_out/;
 # ~12 min on 2 CPU cores.

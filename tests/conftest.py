@@ -52,25 +52,6 @@ def pytest_configure(config):
     os.environ["HF_HUB_CACHE"] = os.path.join(reuse or _FRESH_CACHE, "hub")
 
 
-# The session's shared runs (fixtures below): a test that reads one runs where that run was made.
-SHARED_RUNS = {"strategy_runs", "lora_zero3_run", "tiny24_references", "readme_runs", "readme_checkout"}
-
-
-@pytest.hookimpl(trylast=True)  # after `-m` has deselected: a module with no launch left is not held back
-def pytest_collection_modifyitems(config, items):
-    """Under `-n` with `--dist loadgroup`: every module with a test that launches or reads a shared run goes to one
-    worker, whole and in order, one after another: the session's runs are built once, on that worker (the README's
-    commands in order, in one checkout), its module fixtures once, and each launch already fills both cores with its
-    two ranks. Every other module goes whole to whichever worker is free (its module fixtures built once too)."""
-    def module(item):
-        return item.nodeid.split("::")[0]
-
-    launching = {module(i) for i in items
-                 if i.get_closest_marker("multiproc") or SHARED_RUNS & set(getattr(i, "fixturenames", ()))}
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("launches" if module(item) in launching else module(item)))
-
-
 @pytest.fixture(autouse=True)
 def environment_restored():
     """Each test starts from the session's environment: a test that runs a command in-process (hf-zero train with the
