@@ -24,6 +24,7 @@ from hf_zero.estimate import memory
 from hf_zero.estimate.activations import ATTENTION
 from hf_zero.estimate.memory import CONVENTIONS, PRECISIONS, strategies_for
 from hf_zero.estimate.recipe import HEADROOM, RecipeMemory, lora_fields, plan, read_recipe, sp_by_stage, sp_sizes
+from hf_zero.plan.profiles import load_profile
 from hf_zero.plan.reconcile import plan_batch
 
 __all__ = ["add_arguments", "run", "parse_bytes"]
@@ -165,7 +166,8 @@ def run(args) -> int:
                    sp_size=sp)
         if rec["profile"]:
             rec["largest_micro_batch"] = memory.largest_micro_batch(
-                count, rec["strategy"], usable, cpu_mem, frozen_base="nf4" if rec["load_in_4bit"] else None, **kw)
+                count, rec["strategy"], usable, cpu_mem, frozen_base="nf4" if rec["load_in_4bit"] else None,
+                **{**kw, "sp_size": rec["sp_size"]})
     seq_par = _sequence_parallel(recipe, count, gpn * nodes, usable, args, batch, kw)
     layer = count.layer
     summary = {"name": recipe.model, "params": count.total_params, "largest_layer_params": count.largest_layer_params,
@@ -183,7 +185,7 @@ def run(args) -> int:
         return 0
     _print_table(summary, inputs, args.convention, estimates, rec)
     if seq_par:
-        _print_sequence_parallel(seq_par, inputs["gpus_per_node"])
+        _print_sequence_parallel(seq_par, inputs["gpus_per_node"], precision)
     return 0
 
 
@@ -203,7 +205,7 @@ def _sequence_parallel(recipe, count, world: int, usable, args, batch, kw) -> di
             "recommended_sp_size": longest["fits_at_sp"], "config": recipe.path}
 
 
-def _print_sequence_parallel(sp: dict, gpn: int) -> None:
+def _print_sequence_parallel(sp: dict, gpn: int, precision: str) -> None:
     sizes = [1, *sp["sizes"]]
     fitted = sp["fitted"]  # --gpu-memory given: which size fits each stage
     head = ["stage", "tokens", *(f"sp {s}" for s in sizes), *(["fits"] if fitted else [])]
@@ -224,9 +226,12 @@ def _print_sequence_parallel(sp: dict, gpn: int) -> None:
         print(f"longest stage {stage}: no sp_size fits; use more GPUs, gradient checkpointing or a shorter "
               "max_seq_length")
     else:
-        how = (f"hf-zero train --profile zero3_sp --nproc {gpn} --config {sp['config']}" if best == ZERO3_SP_SIZE
-               else f"a copy of accelerate_configs/zero3_sp.yaml with parallelism_config_sp_size: {best}, then "
-               f"hf-zero train --profile <that file> --nproc {gpn} --config {sp['config']}")
+        # the rows' precision, where the shipped profile's differs (it trains in fp32 on a CPU)
+        flags = f"--nproc {gpn}" + (f" --precision {precision}" if load_profile("zero3_sp").precision != precision
+                                    else "") + f" --config {sp['config']}"
+        how = (f"hf-zero train --profile zero3_sp {flags}" if best == ZERO3_SP_SIZE
+               else f"zero3_sp{best}.yaml, a copy of accelerate_configs/zero3_sp.yaml with "
+               f"parallelism_config_sp_size: {best}, then hf-zero train --profile zero3_sp{best}.yaml {flags}")
         print(f"recommended for the longest stage {stage}: sp_size {best}, the smallest that fits: {how}")
 
 

@@ -38,6 +38,9 @@ CONFIG_BUILT = {
     "small-llama": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=8),
 }
+# Configs (no weights) of hub models the docs estimate, read when the hub cannot give them (offline, or gated).
+SHAPES_DIR = Path(__file__).parent / "model_shapes"
+SHAPES = {"meta-llama/Llama-3.1-8B-Instruct": "llama31_8b"}
 OFFLINE_MODELS = (TINY_LLAMA, "mid-llama", "small-llama", "smollm2-135m-instruct", "minilm")
 # The id each offline causal LM is kept and named under; the tiny ones are hf_zero's own (no such hub repository).
 HUB_IDS = {**{name: f"hf-zero/{name}" for name in CONFIG_BUILT}, "smollm2-135m-instruct": SMOLLM2_HUB_ID}
@@ -152,6 +155,8 @@ def get_model_config(name_or_path: str, vocab_size: int | None = None):
     try:
         return AutoConfig.from_pretrained(path)
     except OSError as err:
+        if name_or_path in SHAPES:  # a gated or unreachable hub id whose shape hf_zero ships: enough to estimate
+            return AutoConfig.from_pretrained(SHAPES_DIR / SHAPES[name_or_path])
         if offline:  # a hub id, looked up in the hub cache only: at once, without huggingface_hub's retries
             raise UserError("model_name_or_path", f"{name_or_path} is not in the Hugging Face cache "
                             f"({hub_cache_dir()}) and the hub is offline",

@@ -10,6 +10,13 @@ backward, when ZeRO-1/2 free the gradients the flat copy was made from, and just
 optimizer steps; it reports the largest gradient bytes seen, with parameters and optimizer state after the step
 (Adam's moments exist only then). ZeRO-3's whole gradients in backward count as "gathered", like its gathered
 params: the estimate's transient working layer.
+
+Activations (`ActivationRecorder`, `<output_dir>/activations_rank{R}.json`, every optimizer step): the bytes autograd
+saves for backward in one micro-batch's forward and loss (each storage once, parameters left out), the largest
+micro-batch of each step, with the tokens this rank held (under sequence parallelism its slice of the sequence).
+On a CPU no allocator reports a peak; what autograd saves is the part of the activations that lives from forward to
+backward, the part sequence parallelism divides. Not in it: the loss's gradient buffers in backward and transient
+work (all-to-all buffers), which the estimate's peak adds.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from hf_zero.core.console import rank
 from hf_zero.core.files import write_json_atomic
 
 __all__ = ["count_parameters", "parameter_numel", "StepPeakRecorder", "MemoryMeasureCallback", "measure_engine_bytes",
-           "measure_requested", "read_measurements", "MEASURE_ENV"]
+           "measure_requested", "read_measurements", "MEASURE_ENV", "ActivationRecorder", "read_activations"]
 
 MEASURE_ENV = "HF_ZERO_MEASURE_MEMORY"
 KINDS = ("params", "grads", "optimizer", "gathered_params", "buffers")
@@ -91,12 +98,68 @@ class StepPeakRecorder:
         return {"measured": measured, "after_step": after, **self.peaks}
 
 
+class ActivationRecorder:
+    """Saved-for-backward bytes of each micro-batch (see the module docstring): `begin()` at an optimizer step's
+    start, `end(step)` after it; a forward pre-hook on the model starts each micro-batch's count."""
+
+    def __init__(self, model, output_dir):
+        import torch
+
+        self.output_dir, self.steps = Path(output_dir), []
+        self.hooks = None
+        self.seen, self.tokens, self.peak = {}, 0, {"saved_bytes": 0, "tokens": 0}
+        self.handle = model.register_forward_pre_hook(self._forward, with_kwargs=True)
+        self.torch = torch
+
+    def _close_micro_batch(self) -> None:
+        saved = sum(self.seen.values())
+        if saved > self.peak["saved_bytes"]:
+            self.peak = {"saved_bytes": saved, "tokens": self.tokens}
+        self.seen = {}
+
+    def _forward(self, module, args, kwargs):
+        if self.hooks is None:  # an evaluation or generation forward: not a training step
+            return
+        self._close_micro_batch()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self.tokens = int(ids.shape[-1]) if ids is not None else 0
+
+    def _pack(self, t):
+        if not isinstance(t, self.torch.nn.Parameter):  # a weight saved by its matmul is a model state
+            storage = t.untyped_storage()
+            self.seen[(storage.data_ptr(), str(t.device))] = storage.nbytes()
+        return t
+
+    def begin(self) -> None:
+        if self.hooks is None:
+            self.hooks = self.torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            self.hooks.__enter__()
+        self.seen, self.peak = {}, {"saved_bytes": 0, "tokens": 0}
+
+    def end(self, step: int) -> None:
+        if self.hooks is None:
+            return
+        self.hooks.__exit__(None, None, None)
+        self.hooks = None
+        self._close_micro_batch()
+        self.steps.append({"step": step, **self.peak})
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.output_dir / f"activations_rank{rank()}.json", {"rank": rank(), "steps": self.steps})
+
+    def close(self) -> None:
+        if self.hooks is not None:
+            self.hooks.__exit__(None, None, None)
+            self.hooks = None
+        self.handle.remove()
+
+
 class MemoryMeasureCallback(TrainerCallback):
-    """Records the first optimizer step of a fresh run on every rank."""
+    """Records the first optimizer step of a fresh run on every rank, and every step's activations."""
 
     def __init__(self, output_dir):
         self.output_dir = Path(output_dir)
         self.recorder = None
+        self.activations = None
         self.done = False
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
@@ -104,8 +167,21 @@ class MemoryMeasureCallback(TrainerCallback):
             self.done = True
         if not self.done:
             self.recorder = StepPeakRecorder(model, optimizer)
+        if self.activations is None:
+            self.activations = ActivationRecorder(model, self.output_dir)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.activations is not None:
+            self.activations.begin()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.activations is not None:
+            self.activations.close()
+            self.activations = None
 
     def on_step_end(self, args, state, control, **kwargs):
+        if self.activations is not None:
+            self.activations.end(state.global_step)
         if self.done or self.recorder is None:
             return
         record = {"rank": rank(), "world_size": int(os.environ.get("WORLD_SIZE", "1")), "step": state.global_step,
@@ -118,6 +194,13 @@ class MemoryMeasureCallback(TrainerCallback):
 def read_measurements(output_dir) -> list[dict]:
     """Every rank's record, ordered by rank."""
     files = sorted(Path(output_dir).glob("memory_rank*.json"), key=lambda p: int(p.stem[len("memory_rank"):]))
+    return [json.loads(f.read_text()) for f in files]
+
+
+def read_activations(output_dir) -> list[dict]:
+    """Every rank's activation record ({"rank", "steps": [{"step", "saved_bytes", "tokens"}]}), ordered by rank."""
+    files = sorted(Path(output_dir).glob("activations_rank*.json"),
+                   key=lambda p: int(p.stem[len("activations_rank"):]))
     return [json.loads(f.read_text()) for f in files]
 
 

@@ -192,8 +192,18 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
               grad_checkpointing=recipe.gradient_checkpointing, attn_implementation=recipe.attn_implementation,
               sp_size=sp_size)
     usable = int(gpu_memory_bytes * (1 - HEADROOM))
+    any_profile = choices is None
     choices = choices or candidates(gpus_per_node * nodes, recipe.lora is not None, recipe.load_in_4bit)
-    found = _first_fit(count, recipe, world, kw, usable, cpu_memory_bytes, choices, only_own)
+    # Sequence parallelism (exact, its all-to-all on the GPUs' own links) before an offload or a 4-bit base
+    cut = next((i for i, (name, _, *base) in enumerate(choices) if base or "offload" in name), len(choices))
+    found = _first_fit(count, recipe, world, kw, usable, cpu_memory_bytes, choices[:cut], only_own)
+    if found is None and any_profile and sp_size == 1:
+        fit = _sequence_parallel_fit(recipe, gpus_per_node, gpu_memory_bytes, nodes, precision, cpu_memory_bytes,
+                                     only_own)
+        if fit:
+            return fit
+    if found is None and cut < len(choices):
+        found = _first_fit(count, recipe, world, kw, usable, cpu_memory_bytes, choices[cut:], only_own)
     if found is None:
         return _what_would_fit(count, recipe, world, kw, usable, gpu_memory_bytes, cpu_memory_bytes, choices,
                                only_own)
@@ -209,7 +219,37 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
     return {"profile": profile, "strategy": strategy, "nproc": gpus_per_node, "nodes": nodes, "micro_batch": micro,
             "accumulation": accum, "global_batch": micro * accum * world, "precision": precision,
             "peak_bytes": peak, "headroom_bytes": gpu_memory_bytes - peak, "reason": reason, "load_in_4bit": qlora,
-            "command": _command(recipe, profile, gpus_per_node, nodes, precision, micro, accum, switch)}
+            "command": _command(recipe, profile, gpus_per_node, nodes, precision, micro, accum, switch),
+            "sp_size": sp_size}
+
+
+def _sequence_parallel_fit(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes: int,
+                           precision: str, cpu_memory_bytes: int | None, only_own: bool) -> dict | None:
+    """Where no profile fits without an offload or a 4-bit base: zero3_sp at the smallest sp_size that fits (None:
+    none does, or SP cannot run).
+    Smallest, because each doubling halves the data-parallel groups; the shipped zero3_sp runs its own sp_size,
+    another needs a copy of it with that parallelism_config_sp_size (the command names it)."""
+    world = gpus_per_node * nodes
+    if world < 2 or recipe.load_in_4bit:
+        return None
+    shipped = load_profile("zero3_sp")
+    for sp in sp_sizes(recipe, world):
+        try:
+            found = plan(recipe, gpus_per_node, gpu_memory_bytes, nodes, precision, cpu_memory_bytes,
+                         choices=[("zero3_sp", "zero3")], only_own=only_own, sp_size=sp)
+        except UserError:  # a global batch the world / sp data-parallel groups cannot share
+            continue
+        if not found["profile"]:
+            continue
+        copy = "" if sp == shipped.sp_size else (
+            f" (zero3_sp{sp}.yaml: a copy of accelerate_configs/zero3_sp.yaml with parallelism_config_sp_size: {sp})")
+        found["reason"] = (f"no profile fits without sequence parallelism, offload or a 4-bit base; zero3_sp at "
+                           f"sp_size {sp}, the smallest that fits the longest stage {recipe.stage or recipe.seq_len}"
+                           f"{copy}: {found['reason']}")
+        if copy and found["command"]:
+            found["command"] = found["command"].replace("--profile zero3_sp ", f"--profile zero3_sp{sp}.yaml ", 1)
+        return found
+    return None
 
 
 def _what_would_fit(count, recipe, world, kw, usable, gpu_memory, cpu_memory, choices, only_own) -> dict:
@@ -236,8 +276,10 @@ def pick_profile(gpus: int | None = None, model=None, gpu_memory_bytes: int | No
     With GPUs and a known run (`recipe`: hf_zero.estimate.recipe.RecipeMemory, or just a `model` and LoRA rank at
     micro-batch 1 x 1024 tokens), hf_zero's estimator picks the fastest profile whose peak fits the device less 10%
     headroom, at the recipe's own micro-batch and length, in `precision` (default bf16): 1 GPU single_gpu, zero2,
-    zero3_offload, fsdp2_offload; k GPUs zero2, zero3, fsdp2, zero3_offload, fsdp2_offload. Nothing fits: a one-line
-    error with the estimate and what would fit. Without a known run: single_gpu on 1 GPU, ZeRO-2 on several.
+    zero3_offload, fsdp2_offload; k GPUs zero2, zero3, fsdp2, then zero3_sp at the smallest sp_size that fits the
+    longest stage (one other than the shipped profile's: a one-line error naming the copy to make), then
+    zero3_offload, fsdp2_offload. Nothing fits: a one-line error with the estimate and what would fit. Without a
+    known run: single_gpu on 1 GPU, ZeRO-2 on several.
     """
     gpus = gpu_count() if gpus is None else gpus
     if gpus == 0:
@@ -253,16 +295,22 @@ def pick_profile(gpus: int | None = None, model=None, gpu_memory_bytes: int | No
         import torch
 
         gpu_memory_bytes = torch.cuda.get_device_properties(0).total_memory
-    choices = candidates(gpus, recipe.lora is not None, recipe.load_in_4bit)
-    # The recipe's own micro-batch: hf-zero train runs it as written.
-    found = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16", choices=choices, only_own=True)
+    # The recipe's own micro-batch: hf-zero train runs it as written. Every candidate, then sequence parallelism.
+    found = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16", only_own=True)
     if found["profile"] and found["load_in_4bit"] and not recipe.load_in_4bit:  # its base, as for its micro-batch
         raise UserError("load_in_4bit", f"{gpus} GPU{'s' if gpus > 1 else ''} found: {found['reason']}",
                         f"run: {found['command']}" if found["command"] else "add load_in_4bit: true to the recipe")
+    if found["profile"] and found["sp_size"] != load_profile(found["profile"]).sp_size:  # not the shipped profile's
+        raise UserError("profile", f"{gpus} GPUs found: {found['reason']}",
+                        f"make that copy, then run: {found['command']}" if found["command"] else
+                        "a copy of accelerate_configs/zero3_sp.yaml with parallelism_config_sp_size: "
+                        f"{found['sp_size']}")
+    if found["profile"] and found["sp_size"] > 1:
+        return found["profile"], f"{gpus} GPUs found: {found['reason']}"
     if found["profile"]:
         return found["profile"], f"{gpus} GPU{'s' if gpus > 1 else ''} found: {found['profile']} on {gpus} " \
             f"rank{'s' if gpus > 1 else ''} is {found['reason']}"
-    smaller = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16", choices=choices)
+    smaller = plan(recipe, gpus, gpu_memory_bytes, precision=precision or "bf16")
     need = (f"micro-batch {recipe.micro} x {recipe.seq_len} tokens needs "
             f"{human_bytes(found['need_bytes'], unit='GiB')} per GPU even with {found['need_profile']}, over {gpus} x "
             f"{human_bytes(gpu_memory_bytes, unit='GiB')} less 10% headroom")

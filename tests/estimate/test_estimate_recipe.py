@@ -152,7 +152,7 @@ def test_long_context_recipe_gets_sequence_parallel_rows_per_stage_and_an_sp_siz
     assert main(["estimate", "--config", LONG, "--gpus-per-node", "2", "--gpu-memory", "1.5MiB"]) == 0
     text = capsys.readouterr().out
     assert (f"recommended for the longest stage ctx128: sp_size 2, the smallest that fits: hf-zero train --profile "
-            f"zero3_sp --nproc 2 --config {LONG}") in text
+            f"zero3_sp --nproc 2 --precision bf16 --config {LONG}") in text
 
 
 def test_no_sequence_parallel_rows_where_it_cannot_apply(capsys):
@@ -166,3 +166,60 @@ def test_the_recommended_command_names_the_shipped_sp_size():
     from hf_zero.plan.profiles import load_profile
 
     assert load_profile("zero3_sp").sp_size == ZERO3_SP_SIZE
+
+
+LONG_GPU = str(REPO / "recipes" / "configs" / "long_context_gpu.yaml")
+
+
+def test_the_pick_turns_to_sequence_parallelism_only_when_nothing_else_fits():
+    """No profile fits the longest stage but zero3_sp does: the recommendation and the automatic pick are zero3_sp
+    at the smallest sp_size that fits; where a plain profile fits, SP is not picked."""
+    from hf_zero.core.errors import UserError
+    from hf_zero.estimate.recipe import pick_profile, plan, read_recipe
+
+    tiny = read_recipe(LONG)
+    small = int(1.5 * 2**20)  # ctx128 needs 1.67 MiB per GPU without SP, 1.07 MiB with sp_size 2
+    rec = plan(tiny, 2, small)
+    assert (rec["profile"], rec["sp_size"], rec["global_batch"]) == ("zero3_sp", 2, 2)
+    assert rec["command"] == f"hf-zero train --profile zero3_sp --nproc 2 --precision bf16 --config {LONG}"
+    assert "zero3_sp at sp_size 2, the smallest that fits the longest stage ctx128" in rec["reason"]
+    profile, why = pick_profile(2, recipe=tiny, gpu_memory_bytes=small)
+    assert profile == "zero3_sp" and why.startswith("2 GPUs found: no profile fits without sequence parallelism")
+    assert plan(tiny, 2, 24 * GIB)["profile"] == "zero2"
+    assert pick_profile(2, recipe=tiny, gpu_memory_bytes=24 * GIB)[0] == "zero2"
+    assert plan(tiny, 2, 2**20)["profile"] is None  # not even sp_size 2 fits 1 MiB
+
+    # Llama 3.1 8B at 128k tokens on 8 x 80 GiB: sp_size 2 does not fit, 4 does (8 would too), a copy of zero3_sp
+    llama = read_recipe(LONG_GPU)
+    rec = plan(llama, 8, 80 * GIB)
+    assert (rec["profile"], rec["sp_size"], rec["micro_batch"], rec["global_batch"]) == ("zero3_sp", 4, 1, 8)
+    assert rec["command"] == f"hf-zero train --profile zero3_sp4.yaml --nproc 8 --precision bf16 --config {LONG_GPU}"
+    with pytest.raises(UserError) as err:
+        pick_profile(8, recipe=llama, gpu_memory_bytes=80 * GIB)
+    line = err.value.line()
+    assert "\n" not in line and "parallelism_config_sp_size: 4" in line and "run: hf-zero train --profile zero3_sp4" \
+        in line
+
+
+def test_train_on_gpus_picks_sequence_parallelism(capsys, monkeypatch):
+    """`hf-zero train` on 2 (faked) GPUs too small for the longest stage without SP launches zero3_sp."""
+    import torch
+
+    import hf_zero.plan.profiles
+
+    monkeypatch.setattr(hf_zero.plan.profiles, "gpu_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 3 * 2**19}))
+    assert main(["train", "--config", LONG, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "[hf_zero] profile zero3_sp: 2 GPUs found: no profile fits without sequence parallelism" in out, out
+
+
+def test_long_context_gpu_recipe_recommends_an_sp_size_offline(capsys):
+    """The shipped 4k -> 32k -> 128k curriculum of Llama 3.1 8B (its shape ships with hf_zero: no hub needed) on
+    8 x 80 GiB: the estimate's recommendation and its SP rows agree on sp_size 4 for ctx128k."""
+    out = _estimate_json(capsys, "--config", LONG_GPU, "--gpus-per-node", "8", "--gpu-memory", "80GiB")
+    assert (out["recommendation"]["profile"], out["recommendation"]["sp_size"]) == ("zero3_sp", 4)
+    assert out["recommendation"]["largest_micro_batch"] >= 1
+    sp = out["sequence_parallel"]
+    assert sp["sizes"] == [2, 4, 8] and sp["longest_stage"] == "ctx128k" and sp["recommended_sp_size"] == 4
+    assert [r["fits_at_sp"] for r in sp["stages"]] == [0, 0, 4]

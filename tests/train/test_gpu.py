@@ -169,3 +169,57 @@ def test_zero3_checkpoint_exports_to_a_plain_model(smol, tmp_path):
     gathered = load_file(str(checkpoint / "model.safetensors"))
     assert gathered and all(torch.equal(state[k].to(torch.bfloat16), v.to(torch.bfloat16))
                             for k, v in gathered.items())
+
+
+SP_SEQ = 4096  # the long stage: long enough that activations, which SP splits, dominate the model states
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(GPUS < 2, reason=f"sequence parallelism splits each sequence over 2 ranks, one GPU each: it "
+                    f"needs 2 GPUs, this machine has {GPUS}")
+def test_sequence_parallel_long_stage_memory_against_the_estimate(tmp_path):
+    """One stage of 4096-token sequences in bf16 on 2 GPUs, ZeRO-3 without SP and zero3_sp (sp_size 2): per rank
+    the activations autograd saved (hf_zero.estimate.measure) with SP at most 0.7x those without, the device peak
+    lower, and `hf-zero estimate`'s peak for each within ESTIMATE_RTOL of the measured device peak."""
+    import torch
+    import yaml
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    from hf_zero.data.model_names import TINY_TOKENIZER_DIR
+    from hf_zero.estimate.measure import read_activations
+
+    model = tmp_path / "llama-sp"  # 8 heads and 4 key/value heads: sp_size 2 divides both (SmolLM2's 9 do not)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(LlamaConfig(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+        vocab_size=tokenizer.vocab_size, max_position_embeddings=SP_SEQ, tie_word_embeddings=False),
+        dtype=torch.float32).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    texts = [json.loads(line)["text"] for line in (REPO / "recipes/data/tiny/long.jsonl").read_text().splitlines()]
+    long_text = " ".join(texts)  # ~60k characters: every row fills the stage's length
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps({"text": long_text[i * 997:] + long_text[:i * 997]}) + "\n" for i in range(8)))
+    config = tmp_path / "long.yaml"
+    config.write_text(yaml.safe_dump({
+        "model_name_or_path": str(model), "max_seq_length": SP_SEQ, "eval_samples": 0, "sample_prompts": 0,
+        "stages": [{"name": "long", "data": str(data), "steps": 2, "max_seq_length": SP_SEQ}],
+        "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1, "seed": 42}))
+    measured = {}
+    for profile in ("zero3", "zero3_sp"):
+        out = tmp_path / profile
+        run_cmd([sys.executable, "-m", "hf_zero.cli", "train", "--profile", profile, "--nproc", 2, "--precision",
+                 "bf16", "--config", config, "--output_dir", out, "--measure_memory", "true", "--disable_tqdm",
+                 "true"], env={"HF_ZERO_BENCH": "1"}, timeout=1800)
+        probes = [json.loads(p.read_text()) for p in sorted(out.glob("bench_rank*.json"))]
+        saved = [s for r in read_activations(out) for s in r["steps"]]
+        proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "estimate", "--config", config, "--profile", profile,
+                        "--gpus-per-node", 2, "--precision", "bf16", "--json"])
+        (row,) = json.loads(proc.stdout)["strategies"]
+        measured[profile] = {"peak": max(p["device_peak_bytes"] for p in probes), "est": row["gpu_bytes_per_rank"],
+                             "tokens": max(s["tokens"] for s in saved), "saved": max(s["saved_bytes"] for s in saved)}
+    one, sp = measured["zero3"], measured["zero3_sp"]
+    assert (one["tokens"], sp["tokens"]) == (SP_SEQ, SP_SEQ // 2), measured
+    assert sp["saved"] <= 0.7 * one["saved"] and sp["peak"] < one["peak"], measured
+    for m in (one, sp):
+        assert abs(m["est"]["total"] - m["peak"]) <= ESTIMATE_RTOL * m["peak"], measured

@@ -179,17 +179,61 @@ def step_losses(summary) -> list[float]:
     return [x["loss"] if isinstance(x, dict) else x for x in summary["losses"]]
 
 
+def activations_by_step(out) -> dict[int, dict]:
+    """Per optimizer step, the rank that saved the most for backward (hf_zero.estimate.measure)."""
+    from hf_zero.estimate.measure import read_activations
+
+    records = read_activations(out)
+    assert records, f"no activations_rank*.json in {out}"
+    steps = [s for r in records for s in r["steps"]]
+    return {n: max((s for s in steps if s["step"] == n), key=lambda s: s["saved_bytes"])
+            for n in {s["step"] for s in steps}}
+
+
+def estimated_activations(seq: int, sp: int) -> int:
+    from hf_zero.data.model_names import get_model_config
+    from hf_zero.estimate.memory import count_model, estimate
+
+    count = count_model(get_model_config("tiny-llama"))
+    return estimate(count, "zero3", world_size=sp, precision="fp32", seq_len=seq, sp_size=sp)["gpu_bytes_per_rank"][
+        "activations"]
+
+
+def check_measured_activations(sp_out, one_out) -> None:
+    """The long stage (ctx128, steps 5-6) measured per rank: with sp_size 2 each rank holds half of each sequence's
+    tokens and saves at most 0.7x (measured: 0.53x) of what one rank saves without SP. Against the estimate at the
+    sequence each step really had: what autograd saves is 0.3-1.0x of the estimated activations (measured 0.39-0.41x:
+    the estimate is the peak, with the loss's backward buffers, 8 V bytes per token more than its saved fp32
+    log-probabilities, and casts that in an fp32 CPU run share storage), and the estimate's saving from SP is the
+    measured one within 10% (measured 0.527x, estimated 0.503x)."""
+    sp, one = activations_by_step(sp_out), activations_by_step(one_out)
+    assert sorted(sp) == sorted(one) == [1, 2, 3, 4, 5, 6]
+    long_sp, long_one = (max(m[n]["saved_bytes"] for n in (5, 6)) for m in (sp, one))
+    assert long_sp <= 0.7 * long_one, (long_sp, long_one)
+    for n in (5, 6):
+        seq = one[n]["tokens"]
+        assert 32 < seq <= 128 and sp[n]["tokens"] == -(-seq // 2)  # each rank: its half of the padded sequence
+        est_one, est_sp = estimated_activations(seq, 1), estimated_activations(2 * sp[n]["tokens"], 2)
+        for measured, est in ((one[n]["saved_bytes"], est_one), (sp[n]["saved_bytes"], est_sp)):
+            assert 0.3 * est <= measured <= est, (n, measured, est)
+        ratio = (sp[n]["saved_bytes"] / one[n]["saved_bytes"]) / (est_sp / est_one)
+        assert 0.9 <= ratio <= 1.1, (n, ratio)
+
+
 @pytest.mark.multiproc
 def test_sp_matches_one_rank_without_sp_and_resumes_mid_stage(tmp_path):
     """The context curriculum (32 -> 64 -> 128 tokens, accumulation 2, unequal lengths padded per group) on 2 ranks
-    with sp_size 2 against the same global batch on 1 rank without SP: every step's loss within 1e-5. Then a resume
-    under SP from checkpoint-3 (mid-stage ctx64) continues with the same losses."""
+    with sp_size 2 against the same global batch on 1 rank without SP: every step's loss within 1e-5, and the memory
+    probe's activations per rank (check_measured_activations). Then a resume under SP from checkpoint-3 (mid-stage
+    ctx64) continues with the same losses."""
     import shutil
 
     saves = ["--save_strategy", "steps", "--save_steps", "3"]
-    sp = launch_recipe("zero3_sp", tmp_path / "sp", *saves, config=LONG)
+    measure = ["--measure_memory", "true"]
+    sp = launch_recipe("zero3_sp", tmp_path / "sp", *saves, *measure, config=LONG)
     assert "batch: 1 micro x 2 accum x 1 dp (2 ranks = 1 dp x 2 sp) = 2 global" in sp.stdout
-    launch_recipe("zero3", tmp_path / "one", config=LONG, nproc=1)
+    launch_recipe("zero3", tmp_path / "one", *measure, config=LONG, nproc=1)
+    check_measured_activations(tmp_path / "sp", tmp_path / "one")
     a, b = read_summary(tmp_path / "sp"), read_summary(tmp_path / "one")
     assert (a["world_size"], a["sp_size"], a["dp_size"], a["global_batch"]) == (2, 2, 1, 2)
     assert b["global_batch"] == 2 and "sp_size" not in b
