@@ -208,6 +208,13 @@ def _check_help_recipe(proc, where):
     assert "  --max_seq_length (default: 128)" in proc.stdout and "TrainingArguments field" in proc.stdout
 
 
+def _check_long_context_gpu(proc, where):
+    """Llama 3.1 8B at 128k tokens on 8 x 80 GiB (offline: hf_zero ships its shape): sp_size 4, as docs/profiles.md
+    shows."""
+    assert "recommended: profile zero3_sp, --nproc 8" in proc.stdout and "zero3_sp at sp_size 4" in proc.stdout
+    assert "ctx128k  131072  239.82 GiB  127.89 GiB  71.92 GiB  43.93 GiB        sp 4" in proc.stdout
+
+
 def _check_long_context(proc, where):
     s = json.loads((where / "runs" / "tiny_long_context" / "summary.json").read_text())
     assert (s["profile"], s["world_size"], s["sp_size"], s["dp_size"], s["global_batch"]) == ("zero3_sp", 2, 2, 1, 2)
@@ -218,6 +225,8 @@ def _check_long_context(proc, where):
 CHECKS = {
     "make train": _check_make_train,
     "hf-zero train --profile zero3_sp --config recipes/configs/tiny_long_context.yaml": _check_long_context,
+    "hf-zero estimate --config recipes/configs/long_context_gpu.yaml --gpus-per-node 8 --gpu-memory 80GiB":
+        _check_long_context_gpu,
     "make test-gpu": _check_test_gpu,
     "make train CONFIG=recipes/configs/smollm2_chat.yaml": _check_chat_demo,
     **{c: _check_generate for c in readme_commands() if c.startswith("hf-zero generate")},
