@@ -16,7 +16,8 @@ saves for backward in one micro-batch's forward and loss (each storage once, par
 micro-batch of each step, with the tokens this rank held (under sequence parallelism its slice of the sequence).
 On a CPU no allocator reports a peak; what autograd saves is the part of the activations that lives from forward to
 backward, the part sequence parallelism divides. Not in it: the loss's gradient buffers in backward and transient
-work (all-to-all buffers), which the estimate's peak adds.
+work (all-to-all buffers), which the estimate's peak adds, and under gradient checkpointing what torch's checkpoint
+keeps (its own saved-tensor hooks take over inside each checkpointed layer).
 """
 
 from __future__ import annotations
