@@ -118,7 +118,8 @@ class CurriculumArguments(TrainingArguments):
     measure_memory: bool = field(
         default=False,
         metadata={"help": "Write the parameter/gradient/optimizer bytes each rank holds at step 1 to "
-                          "output_dir/memory_rank{R}.json (also HF_ZERO_MEASURE_MEMORY=1)."},
+                          "output_dir/memory_rank{R}.json and the activation bytes saved for backward per step to "
+                          "output_dir/activations_rank{R}.json (also HF_ZERO_MEASURE_MEMORY=1)."},
     )
     fused_cross_entropy: str | bool = field(
         default="auto",
