@@ -251,3 +251,37 @@ def test_sp_matches_one_rank_without_sp_and_resumes_mid_stage(tmp_path):
     proc = launch_recipe("zero3_sp", resumed, *saves, config=LONG)
     assert "at step 3 (stage 'ctx64', 1/2 steps done)" in proc.stdout
     assert step_losses(read_summary(resumed))[-3:] == pytest.approx(step_losses(a)[3:], abs=1e-5, rel=0)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow  # three launches (~2-3 min here); the default tier runs the full fine-tune parity and SP resume above
+def test_sp_lora_matches_without_sp_resumes_on_one_rank_and_exports(tmp_path):
+    """LoRA under sp_size 2 on 2 ranks against the same LoRA run on 1 rank without SP: every step's loss within 1e-5.
+    Its checkpoint-3 (mid-stage ctx64) resumes on 1 rank without SP with the same losses, and its final adapter
+    exports merged into a model that transformers loads."""
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    lora = ["--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0"]  # dropout draws per token: not comparable
+    saves = ["--save_strategy", "steps", "--save_steps", "3"]
+    launch_recipe("zero3_sp", tmp_path / "sp", *lora, *saves, config=LONG)
+    launch_recipe("zero3", tmp_path / "one", *lora, config=LONG, nproc=1)
+    a, b = read_summary(tmp_path / "sp"), read_summary(tmp_path / "one")
+    assert a["use_peft"] and a["sp_size"] == 2 and len(a["losses"]) == 6
+    assert step_losses(a) == pytest.approx(step_losses(b), abs=1e-5, rel=0)
+    adapter = load_file(tmp_path / "sp" / "final" / "adapter_model.safetensors")  # trained: B starts at zero
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items())
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp_path / "sp" / "checkpoint-3", resumed / "checkpoint-3")
+    proc = launch_recipe("zero3", resumed, *lora, *saves, config=LONG, nproc=1)
+    assert "at step 3 (stage 'ctx64', 1/2 steps done)" in proc.stdout
+    assert step_losses(read_summary(resumed))[-3:] == pytest.approx(step_losses(a)[3:], abs=1e-5, rel=0)
+
+    out = tmp_path / "exported"
+    assert main(["export", str(tmp_path / "sp"), "--out", str(out), "--merge-lora"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert not hasattr(model, "peft_config") and model.config.num_attention_heads == 4
