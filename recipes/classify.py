@@ -61,7 +61,7 @@ def main(argv=None):
         model=model, args=args, train_dataset=CurriculumDataset(data.sources, order),
         eval_dataset=data.eval_samples, processing_class=processor, schedule=schedule, plan=ctx.plan,
         data_collator=DataCollatorWithPadding(processor) if kind == "text" else default_data_collator,
-        compute_metrics=build_compute_metrics(args),
+        compute_metrics=build_compute_metrics(args), settings=ctx.settings,
     )
     trainer.add_callback(SyncNormStatsCallback())  # BatchNorm statistics are per rank under DeepSpeed
     steps.attach_probes(trainer, ctx)

@@ -54,7 +54,7 @@ def main(argv=None):
     trainer = CurriculumTrainer(
         model=model, args=args, train_dataset=CurriculumDataset([d.sources for d in stage_data], order),
         eval_dataset=eval_sets or None, processing_class=tokenizer, schedule=schedule, plan=ctx.plan,
-        data_collator=build_collator(tokenizer, packing=args.packing, model=model),
+        settings=ctx.settings, data_collator=build_collator(tokenizer, packing=args.packing, model=model),
         fused_cross_entropy=args.fused_cross_entropy,
     )
     steps.attach_probes(trainer, ctx, args.measure_memory)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from hf_zero.checkpoint.compare import current_settings
 from hf_zero.checkpoint.final import SavedModelMismatch, make_shareable, verify_saved_weights
 from hf_zero.checkpoint.fsdp import save_pretrained_gathered
 from hf_zero.checkpoint.store import (
@@ -71,7 +70,8 @@ def _versions() -> dict:
 
 def build_checkpoint_metadata(trainer) -> dict:
     """What a resume (or a person) needs to know about the checkpoint being written at trainer.state.global_step.
-    How the run is laid out (profile, precision, ranks, batch) is copied from its run plan."""
+    How the run is laid out (profile, precision, ranks, batch) is copied from its run plan, what it trains from the
+    settings the Trainer was built with (train/run.py's RunContext.settings)."""
     state, args = trainer.state, trainer.args
     step = state.global_step
     metrics = {}
@@ -97,7 +97,7 @@ def build_checkpoint_metadata(trainer) -> dict:
             getattr(trainer.model, "config", None), "_name_or_path", None),
         "trainable_params": count_parameters(trainer.model)[0],
         "seed": args.seed,
-        "settings": current_settings(),  # what a resume is compared with (checkpoint/compare.py)
+        "settings": trainer.settings,  # what a resume is compared with (checkpoint/compare.py)
         "versions": _versions(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
