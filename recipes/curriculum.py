@@ -40,10 +40,11 @@ def main(argv=None):
     stage_data = [load_stage_data(s, tokenizer, args.max_seq_length, args.text_field, args.eval_samples,
                                   args.seed, packing=args.packing, formats=FormatOptions.from_args(args))
                   for s in ctx.stages]
-    schedule, order = steps.lay_out(ctx, [d.pool_size for d in stage_data],
-                                    [[len(src) for src in d.sources] for d in stage_data])
     eval_sets = {s.name: d.eval_samples for s, d in zip(ctx.stages, stage_data) if d.eval_samples}
-    args.eval_on_start = bool(eval_sets)  # the "before" eval loss, measured with the real engine
+    schedule, order = steps.lay_out(ctx, [d.pool_size for d in stage_data],
+                                    [[len(src) for src in d.sources] for d in stage_data], has_eval=bool(eval_sets),
+                                    eval_on_start=bool(eval_sets))  # the "before" eval loss, with the real engine
+    args = ctx.training_args  # final: with the schedule's steps
 
     # Model: under ZeRO-3 built with zero.Init; LoRA through peft.
     model = build_causal_lm(model_args, tokenizer, ctx.profile, packing=args.packing)
