@@ -5,6 +5,7 @@ recipe records."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -63,8 +64,6 @@ def final_training_args(args, **values):
     after it is built (tests/train/test_training_args_final.py). Building them again runs __post_init__ again, which
     normalizes what it already normalized; the process group, set up by the first build, is only looked up (accelerate
     initializes one only where none exists)."""
-    import dataclasses
-
     try:
         return dataclasses.replace(args, **values)
     except ValueError as err:  # TrainingArguments' own checks of combinations: still a mistake in the recipe
