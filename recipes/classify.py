@@ -49,8 +49,10 @@ def main(argv=None):
     kind = get_data_kind(ctx.stages, args)
     processor = build_processor(model_args, kind)
     data = load_classification_data(ctx.stages, args, processor, kind, args.seed)
-    schedule, order = steps.lay_out(ctx, data.pool_sizes, [[len(src) for src in stage] for stage in data.sources])
-    args.label_names = ["labels"]  # peft's wrapper hides the forward signature the Trainer reads them from
+    # label_names: peft's wrapper hides the forward signature the Trainer reads them from.
+    schedule, order = steps.lay_out(ctx, data.pool_sizes, [[len(src) for src in stage] for stage in data.sources],
+                                    has_eval=data.eval_samples is not None, label_names=["labels"])
+    args = ctx.training_args  # final: with the schedule's steps
 
     # Model: pretrained encoder + new head, or built from a config; under ZeRO-3 with zero.Init.
     model = build_classifier(model_args, kind, data.label_names, args.seed, ctx.profile)
@@ -61,7 +63,7 @@ def main(argv=None):
         model=model, args=args, train_dataset=CurriculumDataset(data.sources, order),
         eval_dataset=data.eval_samples, processing_class=processor, schedule=schedule, plan=ctx.plan,
         data_collator=DataCollatorWithPadding(processor) if kind == "text" else default_data_collator,
-        compute_metrics=build_compute_metrics(args),
+        compute_metrics=build_compute_metrics(args), settings=ctx.settings,
     )
     trainer.add_callback(SyncNormStatsCallback())  # BatchNorm statistics are per rank under DeepSpeed
     steps.attach_probes(trainer, ctx)

@@ -40,10 +40,11 @@ def main(argv=None):
     stage_data = [load_stage_data(s, tokenizer, args.max_seq_length, args.text_field, args.eval_samples,
                                   args.seed, packing=args.packing, formats=FormatOptions.from_args(args))
                   for s in ctx.stages]
-    schedule, order = steps.lay_out(ctx, [d.pool_size for d in stage_data],
-                                    [[len(src) for src in d.sources] for d in stage_data])
     eval_sets = {s.name: d.eval_samples for s, d in zip(ctx.stages, stage_data) if d.eval_samples}
-    args.eval_on_start = bool(eval_sets)  # the "before" eval loss, measured with the real engine
+    schedule, order = steps.lay_out(ctx, [d.pool_size for d in stage_data],
+                                    [[len(src) for src in d.sources] for d in stage_data], has_eval=bool(eval_sets),
+                                    eval_on_start=bool(eval_sets))  # the "before" eval loss, with the real engine
+    args = ctx.training_args  # final: with the schedule's steps
 
     # Model: under ZeRO-3 built with zero.Init; LoRA through peft.
     model = build_causal_lm(model_args, tokenizer, ctx.profile, packing=args.packing)
@@ -54,7 +55,7 @@ def main(argv=None):
     trainer = CurriculumTrainer(
         model=model, args=args, train_dataset=CurriculumDataset([d.sources for d in stage_data], order),
         eval_dataset=eval_sets or None, processing_class=tokenizer, schedule=schedule, plan=ctx.plan,
-        data_collator=build_collator(tokenizer, packing=args.packing, model=model),
+        settings=ctx.settings, data_collator=build_collator(tokenizer, packing=args.packing, model=model),
         fused_cross_entropy=args.fused_cross_entropy,
     )
     steps.attach_probes(trainer, ctx, args.measure_memory)

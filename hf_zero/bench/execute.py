@@ -152,8 +152,8 @@ def execute(args, reference: bool = False) -> tuple[dict, int]:
     overhead = args.overhead_strategy or ("zero2" if "zero2" in names else names[0])
     log = print
     log(f"[hf_zero bench] {plan.model}: {plan.count.total_params:,} params, {plan.total_steps} steps x "
-        f"{plan.global_batch} {'packed rows' if plan.packing else 'samples'} ({plan.micro} micro x "
-        f"{plan.accumulation} accum x {args.nproc} ranks); strategies {', '.join(names)}; output in {out}", flush=True)
+        f"{plan.global_batch} {'packed rows' if plan.packing else 'samples'} (batch: {plan.batch.line()}); "
+        f"strategies {', '.join(names)}; output in {out}", flush=True)
 
     results = {}
     if reference:

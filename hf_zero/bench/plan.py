@@ -14,10 +14,10 @@ from hf_zero.data.packing import padding_stats, real_tokens
 from hf_zero.estimate.flops import flops_per_token
 from hf_zero.estimate.memory import count_model, estimate, strategies_for
 from hf_zero.plan.parse import load_yaml_config, parse_recipe_args, parse_stages, recipe_fields
-from hf_zero.plan.profiles import accelerate_precision, gpu_count, load_profile
-from hf_zero.plan.reconcile import plan_batch, reconcile_training_kwargs
+from hf_zero.plan.profiles import Profile, gpu_count, load_profile, with_precision
+from hf_zero.plan.reconcile import BatchPlan, plan_batch, reconcile_training_kwargs
 
-__all__ = ["BenchPlan", "build_plan", "write_plain_spec", "estimate_bytes"]
+__all__ = ["BenchPlan", "build_plan", "run_profile", "write_plain_spec", "estimate_bytes"]
 
 
 @dataclass
@@ -45,6 +45,16 @@ class BenchPlan:
     @property
     def total_steps(self) -> int:
         return len(self.learning_rates)
+
+    @property
+    def batch(self) -> BatchPlan:
+        """Every strategy's batch (one rank count for all), as `hf-zero check` and the runs' banners show it."""
+        return BatchPlan(self.micro, self.accumulation, self.nproc)
+
+
+def run_profile(name: str, precision: str | None) -> Profile:
+    """A strategy's profile as the bench runs it: in `--precision` when given, else in the profile's own."""
+    return with_precision(load_profile(name), precision)
 
 
 def _recipe_types():
@@ -156,9 +166,7 @@ def write_plain_spec(plan: BenchPlan, profile_name: str, precision: str | None, 
 
     from hf_zero.train.model import base_precision, causal_lm_load_kwargs, lora_kwargs
 
-    prof = load_profile(profile_name)
-    if precision:
-        prof.mixed_precision = accelerate_precision(precision)
+    prof = run_profile(profile_name, precision)
     kwargs, _ = reconcile_training_kwargs(dict(plan.training_kwargs), prof, plan.nproc, has_gpu=gpu_count() > 0,
                                           global_batch=plan.global_batch)
     kwargs.update(max_steps=plan.total_steps, train_sampling_strategy="sequential", disable_tqdm=True,

@@ -15,7 +15,7 @@ from dataclasses import asdict, fields, is_dataclass
 from hf_zero.core.errors import UserError, flag_hint
 
 __all__ = ["NOT_COMPARED", "FIXED", "run_settings", "differences", "allowed_changes", "check_resume_settings",
-           "check_finished_settings", "note_settings", "current_settings"]
+           "check_finished_settings"]
 
 # Not compared, deliberately: none of these changes what the optimizer sees at a given step.
 NOT_COMPARED = frozenset({
@@ -62,19 +62,6 @@ FIXED = {
 }
 
 _LORA = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules")
-
-_current: dict | None = None  # this process's run (set by setup_run, read by checkpoint metadata)
-
-
-def note_settings(settings: dict) -> dict:
-    global _current
-    _current = settings
-    return settings
-
-
-def current_settings() -> dict | None:
-    return _current
-
 
 def _plain(value):
     """JSON's view of a value (tuples as lists, enums as strings), so recorded and current values compare equal."""

@@ -12,6 +12,7 @@ what the checkpoint (or the finished run) trained: checkpoint/compare.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -249,7 +250,11 @@ def prepare_resume(ctx, fresh_start: bool = False) -> str | None:
     if "complete" in decision:
         raise RunComplete(decision["complete"])
     if decision["universal"]:
-        ctx.training_args.hf_deepspeed_config.config["checkpoint"] = {"load_universal": True}
+        # Part of the DeepSpeed config the TrainingArguments are built from (not set on the config they derived):
+        # the final build (train/recipe_steps.py) starts from these values.
+        args = ctx.training_args
+        ctx.training_args = dataclasses.replace(
+            args, deepspeed={**args.deepspeed, "checkpoint": {"load_universal": True}})
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return decision["resume"]

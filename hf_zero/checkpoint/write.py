@@ -13,7 +13,6 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from hf_zero.checkpoint.compare import current_settings
 from hf_zero.checkpoint.final import SavedModelMismatch, make_shareable, verify_saved_weights
 from hf_zero.checkpoint.fsdp import save_pretrained_gathered
 from hf_zero.checkpoint.store import (
@@ -34,22 +33,25 @@ from hf_zero.core.report import report_user_error
 from hf_zero.data.model_names import BASE_PATH_ATTR
 from hf_zero.estimate.measure import count_parameters
 
-__all__ = ["CheckpointCallback", "build_checkpoint_metadata", "complete_checkpoint", "verify_saved_model",
-           "is_disk_full", "stop_on_full_disk"]
+__all__ = ["CheckpointCallback", "best_metric_default", "build_checkpoint_metadata", "complete_checkpoint",
+           "verify_saved_model", "is_disk_full", "stop_on_full_disk"]
+
+
+def best_metric_default(args, has_eval: bool) -> dict:
+    """The metric that picks the best checkpoint, when the recipe names none: the mean eval loss over the eval sets,
+    when the run saves checkpoints and has eval data (lower is better: TrainingArguments derives greater_is_better
+    from the name's "loss"). The fields to build the final TrainingArguments with (train/recipe_steps.py)."""
+    if args.save_strategy != "no" and has_eval and args.metric_for_best_model is None:
+        return {"metric_for_best_model": "eval_loss"}
+    return {}
 
 
 class CheckpointCallback(TrainerCallback):
-    """Makes every checkpoint carry the metric that picks the best one: evaluates at each save step, and defaults
-    that metric to the mean eval loss over the eval sets when the run saves checkpoints and has eval data."""
+    """Makes every checkpoint carry the metric that picks the best one (best_metric_default): evaluates at each save
+    step."""
 
     def __init__(self, has_eval: bool):
         self.has_eval = has_eval
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if args.save_strategy != "no" and self.has_eval and args.metric_for_best_model is None:
-            args.metric_for_best_model = "eval_loss"
-            if args.greater_is_better is None:
-                args.greater_is_better = False
 
     def on_step_end(self, args, state, control, **kwargs):
         if control.should_save and self.has_eval and args.metric_for_best_model:
@@ -71,7 +73,8 @@ def _versions() -> dict:
 
 def build_checkpoint_metadata(trainer) -> dict:
     """What a resume (or a person) needs to know about the checkpoint being written at trainer.state.global_step.
-    How the run is laid out (profile, precision, ranks, batch) is copied from its run plan."""
+    How the run is laid out (profile, precision, ranks, batch) is copied from its run plan, what it trains from the
+    settings the Trainer was built with (train/run.py's RunContext.settings)."""
     state, args = trainer.state, trainer.args
     step = state.global_step
     metrics = {}
@@ -97,7 +100,7 @@ def build_checkpoint_metadata(trainer) -> dict:
             getattr(trainer.model, "config", None), "_name_or_path", None),
         "trainable_params": count_parameters(trainer.model)[0],
         "seed": args.seed,
-        "settings": current_settings(),  # what a resume is compared with (checkpoint/compare.py)
+        "settings": trainer.settings,  # what a resume is compared with (checkpoint/compare.py)
         "versions": _versions(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

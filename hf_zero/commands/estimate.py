@@ -24,7 +24,7 @@ from hf_zero.estimate import memory
 from hf_zero.estimate.activations import ATTENTION
 from hf_zero.estimate.memory import CONVENTIONS, PRECISIONS, strategies_for
 from hf_zero.estimate.recipe import HEADROOM, RecipeMemory, lora_fields, plan, read_recipe, sp_by_stage, sp_sizes
-from hf_zero.plan.profiles import load_profile
+from hf_zero.plan.profiles import load_profile, with_precision
 from hf_zero.plan.reconcile import plan_batch
 
 __all__ = ["add_arguments", "run", "parse_bytes"]
@@ -134,7 +134,7 @@ def run(args) -> int:
     gpn = at_least("--gpus-per-node", args.gpus_per_node) or (
         max(prof.num_processes // max(prof.num_machines, 1), 1) if prof else 1)
     nodes = at_least("--nodes", args.nodes) or (prof.num_machines if prof else 1)
-    precision = args.precision or (prof.precision if prof else "bf16")
+    precision = with_precision(prof, args.precision).precision if prof else args.precision or "bf16"
     gpu_mem = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
     cpu_mem = parse_bytes(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
     sp = prof.sp_size if prof else 1  # a sequence-parallel profile: activations split over sp ranks
@@ -178,7 +178,7 @@ def run(args) -> int:
               "packing": recipe.packing, "gradient_checkpointing": recipe.gradient_checkpointing,
               "attn_implementation": recipe.attn_implementation or (layer.attn_implementation if layer else None),
               "lora": recipe.lora, "gpu_memory_bytes": gpu_mem, "cpu_memory_bytes": cpu_mem, "recipe": recipe.path,
-              "sp_size": sp}
+              "sp_size": sp, "batch": batch.line()}
     if args.json:
         print(json.dumps({"model": summary, "convention": args.convention, "inputs": inputs, "strategies": estimates,
                           "recommendation": rec, "sequence_parallel": seq_par}, indent=2))
@@ -250,6 +250,7 @@ def _print_table(summary, inputs, convention, estimates, rec) -> None:
           f"{f', each sequence split over {sp} ranks (Ulysses)' if (sp := inputs['sp_size']) > 1 else ''}"
           f"; convention {convention}",
           file=out)
+    print(f"batch: {inputs['batch']} | precision: {inputs['precision']}", file=out)  # as check and train show them
     head = ("strategy", "params", "grads", "optimizer", "states@step", "states@fwd", "activations", "buffers",
             "peak/GPU", "at", "CPU/node", "NVMe", "fits")
     rows = []

@@ -11,7 +11,7 @@ back from the environment accelerate sets (`profile_from_env`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -33,6 +33,7 @@ __all__ = [
     "gpu_count",
     "precision_name",
     "accelerate_precision",
+    "with_precision",
 ]
 
 PROFILES_DIR = shipped_dir("accelerate_configs")
@@ -112,6 +113,12 @@ def accelerate_precision(precision: str) -> str:
     if precision not in (*PRECISIONS, "no"):
         raise UserError("--precision", f"unknown precision {precision!r}", "use fp32, bf16 or fp16")
     return "no" if precision == "fp32" else precision
+
+
+def with_precision(profile: Profile, precision: str | None) -> Profile:
+    """The profile as it runs under a command's `--precision` (fp32, bf16, fp16; None: the profile's own): the one
+    place `hf-zero check`, `estimate` and `bench` turn that flag into the profile's precision."""
+    return replace(profile, mixed_precision=accelerate_precision(precision)) if precision else profile
 
 
 def list_profiles() -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
@@ -20,7 +20,7 @@ from hf_zero.estimate.recipe import pick_profile
 from hf_zero.plan.fsdp import verify_fsdp
 from hf_zero.plan.hostfile import read_hostfile
 from hf_zero.plan.parse import load_yaml_config, parse_recipe_args, recipe_fields
-from hf_zero.plan.profiles import accelerate_precision, gpu_count, load_profile
+from hf_zero.plan.profiles import gpu_count, load_profile, with_precision
 from hf_zero.plan.reconcile import check_profile_accumulation, plan_batch
 from hf_zero.plan.sequence_parallel import verify_recipe_kind, verify_recipe_sp
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types
@@ -99,9 +99,7 @@ class _State:
 def _profile(st):
     prof = load_profile(st.args.profile or pick_profile()[0])
     message = verify_profile_keys(prof)
-    if st.args.precision:
-        prof = replace(prof, mixed_precision=accelerate_precision(st.args.precision))
-    st.profile = prof
+    st.profile = with_precision(prof, st.args.precision)
     return message
 
 

@@ -5,12 +5,14 @@ recipe records."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
 
 from hf_zero.checkpoint.resume import prepare_resume
 from hf_zero.checkpoint.safe_load import safe_checkpoint_loading
+from hf_zero.checkpoint.write import best_metric_default
 from hf_zero.core import startup
 from hf_zero.core.config import CurriculumArguments
 from hf_zero.core.console import say
@@ -24,8 +26,8 @@ from hf_zero.train.loss_plot import LOSS_PLOT
 from hf_zero.train.run import RunContext, print_banner
 from hf_zero.train.trainer import step_losses
 
-__all__ = ["start", "lay_out", "attach_probes", "announce", "train", "summary_fields", "loss_words",
-           "exact_match_words", "next_steps"]
+__all__ = ["start", "lay_out", "final_training_args", "attach_probes", "announce", "train", "summary_fields",
+           "loss_words", "exact_match_words", "next_steps"]
 
 
 def start(ctx: RunContext, fresh_start: bool, example: str) -> str | None:
@@ -45,13 +47,28 @@ def start(ctx: RunContext, fresh_start: bool, example: str) -> str | None:
     return resume
 
 
-def lay_out(ctx: RunContext, pool_sizes: list[int], source_sizes: list[list[int]]):
-    """The curriculum's schedule and its step-ordered sample indices; the Trainer runs exactly its steps."""
+def lay_out(ctx: RunContext, pool_sizes: list[int], source_sizes: list[list[int]], has_eval: bool, **values):
+    """The curriculum's schedule and its step-ordered sample indices, and the run's final TrainingArguments
+    (ctx.training_args): the Trainer runs exactly the schedule's steps, and saves with a best metric when it has
+    eval data. `values`: the recipe's own fields that only its data decides (eval_on_start, label_names)."""
     args = ctx.training_args
     schedule = build_schedule(ctx.stages, pool_sizes, ctx.plan.batch.global_batch, args.learning_rate)
     order = build_sample_order(schedule, source_sizes, [s.weights for s in ctx.stages], args.seed)
-    args.max_steps = schedule.total_steps
+    ctx.training_args = final_training_args(args, max_steps=schedule.total_steps,
+                                            **best_metric_default(args, has_eval), **values)
     return schedule, order
+
+
+def final_training_args(args, **values):
+    """`args` built once more with `values`, before any Trainer reads them: no code sets a TrainingArguments field
+    after it is built (tests/train/test_training_args_final.py). Building them again runs __post_init__ again, which
+    normalizes what it already normalized; the process group, set up by the first build, is only looked up (accelerate
+    initializes one only where none exists)."""
+    try:
+        return dataclasses.replace(args, **values)
+    except ValueError as err:  # TrainingArguments' own checks of combinations: still a mistake in the recipe
+        raise UserError("TrainingArguments", str(err).strip().splitlines()[0],
+                        "change the recipe YAML or flags it names") from None
 
 
 def attach_probes(trainer, ctx: RunContext, measure_memory: bool = False) -> None:

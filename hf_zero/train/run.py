@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hf_zero.checkpoint.compare import note_settings, run_settings
+from hf_zero.checkpoint.compare import run_settings
 from hf_zero.core import startup
 from hf_zero.core.console import rank, say, verbose
 from hf_zero.core.distributed import set_dist_timeout, waiting_for
@@ -37,7 +37,8 @@ class RunContext:
     training_args: object  # the recipe's TrainingArguments subclass, built once from its values and the plan
     plan: RunPlan  # profile, precision, ranks, batch: read from here, never re-derived
     started: float = field(default_factory=time.time)
-    settings: dict = field(default_factory=dict)  # what it trains (checkpoint/compare.py), recorded and compared
+    # What it trains (checkpoint/compare.py): summary.json and, through the Trainer, every checkpoint record it.
+    settings: dict = field(default_factory=dict)
 
     @property
     def output_dir(self) -> Path:
@@ -115,7 +116,7 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     # NVMe and output room for the model's size, now that its config is in the cache; still before any engine.
     check_room_at_start(profile, kwargs, tuple(parsed), stages, world)
     startup.phase("loading the tokenizer and the data")
-    settings = note_settings(run_settings(tuple(parsed), stages, kwargs))  # checkpoints record them too
+    settings = run_settings(tuple(parsed), stages, kwargs)  # the Trainer's checkpoints record them too
     return RunContext(tuple(parsed), stages, training_args, plan, settings=settings)
 
 

@@ -30,11 +30,12 @@ class CurriculumTrainer(SequenceParallelMixin, FusedCrossEntropyMixin, StagedChe
     # SequenceParallelMixin: under Ulysses (sp_size > 1) the batches and the loss (sequence_parallel.py).
     # FusedCrossEntropyMixin: compute_loss without full logits, `fused_cross_entropy=` auto|True|False (fused_ce.py).
     # StagedCheckpointMixin: staged, verified checkpoints with a manifest, rotation keeping the best (staging.py).
-    def __init__(self, *args, schedule: CurriculumSchedule, plan: RunPlan, **kwargs):
+    def __init__(self, *args, schedule: CurriculumSchedule, plan: RunPlan, settings: dict, **kwargs):
         from transformers import PrinterCallback, ProgressCallback
 
         startup.phase("building the Trainer")
         self.schedule, self.plan = schedule, plan  # the plan: what the checkpoints and throughput logs record
+        self.settings = settings  # what the run trains (checkpoint/compare.py): every checkpoint records it
         super().__init__(*args, **kwargs)
         self.add_callback(CheckpointCallback(has_eval=self.eval_dataset is not None))
         for noisy in (ProgressCallback, PrinterCallback):  # raw dicts per step; hf_zero.core.console prints lines

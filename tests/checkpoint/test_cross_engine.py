@@ -18,14 +18,11 @@ import torch
 from safetensors.torch import load_file
 from testing_utils import REPO, TINY, launch_recipe, run_cmd
 
-from hf_zero.checkpoint.convert import (
-    FSDP_OPTIM_DIR,
-    convert_checkpoint,
-    read_dcp_groups,
-    universal_groups,
-)
+from hf_zero.checkpoint.convert import convert_checkpoint
+from hf_zero.checkpoint.dcp import FSDP_OPTIM_DIR, read_dcp_groups
 from hf_zero.checkpoint.fsdp import FSDP_MODEL_DIR
 from hf_zero.checkpoint.store import crc32_of, file_sizes, read_metadata, write_json_atomic, write_manifest
+from hf_zero.checkpoint.universal import universal_groups
 from hf_zero.core.errors import UserError
 
 COMMON = ["--save_strategy", "steps", "--save_steps", "3", "--global_batch_size", "4"]

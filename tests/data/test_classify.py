@@ -15,12 +15,11 @@ from hf_zero.core.config import ModelArguments, Stage
 from hf_zero.core.errors import UserError
 from hf_zero.data.classification import (
     ClassificationArguments,
-    ImageSource,
     get_data_kind,
     load_classification_data,
-    random_affine,
     split_indices,
 )
+from hf_zero.data.images import ImageSource, random_affine
 from hf_zero.plan.parse import parse_recipe_args
 
 CLASSIFY = REPO / "recipes" / "classify.py"

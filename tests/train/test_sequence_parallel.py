@@ -254,7 +254,7 @@ def test_sp_matches_one_rank_without_sp_and_resumes_mid_stage(tmp_path):
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow  # three launches (~2-3 min here); the default tier runs the full fine-tune parity and SP resume above
+@pytest.mark.slow  # three launches (~2-3 min here); the default tier runs the full fine-tune parity and resume
 def test_sp_lora_matches_without_sp_resumes_on_one_rank_and_exports(tmp_path):
     """LoRA under sp_size 2 on 2 ranks against the same LoRA run on 1 rank without SP: every step's loss within 1e-5.
     Its checkpoint-3 (mid-stage ctx64) resumes on 1 rank without SP with the same losses, and its final adapter
