@@ -80,7 +80,7 @@ HF_ZERO_LINES = (
     r"stage '",  # preview
     # estimate: its model line, the table's header and rows (a strategy name, then sizes), the legend, the advice
     r"model \S+: [\d,]+ params", r"strategy  ", r"(ddp|zero\d|fsdp2)\w*( 4-bit)? +(\d|0 B)", r"peak/GPU = ",
-    r"recommended: ",
+    r"recommended: ", r"batch: \d+ micro x ",  # estimate: the batch line and precision, as check and train show them
     r"\|",  # bench's table
 )
 # What the launcher of a plain `accelerate launch` prints itself: no hf_zero code runs in that process.
