@@ -12,6 +12,7 @@ from hf_zero.checkpoint.resume import complete_message
 from hf_zero.core import startup
 from hf_zero.core.console import VERBOSE_ENV, quiet_environment
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.core.lean_import import import_training_args
 from hf_zero.core.once import read_once
 from hf_zero.core.validate import at_least
 from hf_zero.estimate.recipe import pick_profile, read_recipe
@@ -138,6 +139,7 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
+    import_training_args()  # the checks and the plan parse the recipe; they build no model: no peft here
     validate_flags(args)
     if args.help_recipe:
         args.recipe = str(recipe_script(args.recipe, args.config or str(DEFAULT_CONFIG)))
