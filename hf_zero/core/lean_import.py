@@ -46,6 +46,7 @@ def import_training_args() -> None:
         import transformers.training_args  # noqa: F401
     finally:
         setattr(import_utils, "_is_package_available", real)  # noqa: B010
+        import_utils.is_peft_available.cache_clear()  # it remembered "absent": whoever asks later gets the truth
     for name in _PEFT_NAMES:
         if not hasattr(trainer_utils, name):
             setattr(trainer_utils, name, _PeftClass(name, (), {}))

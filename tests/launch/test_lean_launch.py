@@ -24,7 +24,14 @@ def stand_in(args):
 
 launch.launch_command = stand_in
 from hf_zero.cli import main
-sys.exit(main(sys.argv[2:]))
+assert main(sys.argv[2:]) == 0
+# The same process building a LoRA model afterwards: transformers sees peft, and sees a peft model as one.
+import peft, transformers
+from transformers import trainer_utils
+config = transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=2, vocab_size=16)
+model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+print("peft model:", trainer_utils._is_peft_model(model), trainer_utils._is_peft_model(model.base_model.model))
 """
 
 
@@ -38,3 +45,4 @@ def test_train_launcher_imports_nothing_the_ranks_import(tmp_path):
     modules = set(json.loads(seen.read_text()))
     assert "accelerate.commands.launch" in modules and "hf_zero.preflight.checks" in modules  # it got that far
     assert [m for m in HEAVY if m in modules] == []
+    assert "peft model: True False" in proc.stdout
