@@ -139,9 +139,9 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    import_training_args()  # the checks and the plan parse the recipe; they build no model: no peft here
     validate_flags(args)
     if args.help_recipe:
+        import_training_args()  # TrainingArguments' fields are all it needs
         args.recipe = str(recipe_script(args.recipe, args.config or str(DEFAULT_CONFIG)))
         print(f"Flags of {args.recipe} (each also a key of the --config YAML; a flag overrides the YAML):")
         print("\n".join(recipe_help(recipe_argument_types(load_recipe(args.recipe)), args.help_recipe == "all")))
@@ -150,6 +150,7 @@ def _run(args) -> int:
         under = f" under profile {Path(args.profile).stem}" if args.profile else ""
         startup.phase(f"checking {args.config}{under}: recipe, data, model, launch", say=True)
         startup.start_heartbeat()
+    import_training_args()  # the checks and the plan parse the recipe; they build no model: no peft here
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"
     quiet_environment()  # before the preflight loads data and models: no progress bars there either

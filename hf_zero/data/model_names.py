@@ -26,7 +26,8 @@ from hf_zero.data.smollm2 import SMOLLM2_HUB_ID, get_smollm2_path
 
 __all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "HUB_IDS", "resolve_model_path", "get_tiny_llama_path",
            "get_model_config", "get_tokenizer", "is_tiny", "short_name", "hub_model_id", "tiny_llama_folder",
-           "BASE_PATH_ATTR", "read_config_json", "tokenizer_size"]
+           "BASE_PATH_ATTR", "read_config_json", "tokenizer_size",
+           "weight_module_names"]
 
 TINY_LLAMA = "tiny-llama"
 # Llamas built from config with the bundled tiny tokenizer: name -> shape.
@@ -193,6 +194,27 @@ def tokenizer_size(name_or_path: str, tokenizer_name_or_path: str | None = None)
         return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
     except Exception:  # the tokenizers library raises its own exception types: the full check words the problem
         return None
+
+
+def weight_module_names(name_or_path: str) -> set[str] | None:
+    """The names of the model's modules that hold weights, from its local safetensors files' headers (no tensor
+    read, no model built): what LoRA's target_modules are matched against. None when there are no local
+    safetensors files."""
+    folder = Path(resolve_model_path(name_or_path))
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            keys = json.loads(index.read_text())["weight_map"]
+        elif (folder / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(folder / "model.safetensors"), "np") as f:
+                keys = list(f.keys())
+        else:
+            return None
+    except (OSError, ValueError, KeyError):  # an unreadable file is from_pretrained's to word, in the ranks
+        return None
+    return {k.rsplit(".", 1)[0] for k in keys if "." in k}
 
 
 def get_tokenizer(name_or_path: str, tokenizer_name_or_path: str | None = None):

@@ -20,6 +20,7 @@ from hf_zero.data.model_names import (
     read_config_json,
     resolve_model_path,
     tokenizer_size,
+    weight_module_names,
 )
 from hf_zero.estimate.memory import estimate
 from hf_zero.plan.parse import build_stage
@@ -79,10 +80,26 @@ def _model_files(st, model_args):
                         "embeddings", "use the model's own tokenizer")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     verify_seq_length(SimpleNamespace(**text), st.value("max_seq_length"), st.parsed[-2])
+    _lora_targets(model_args)
     quantized = verify_quantization(model_args, st.profile, gpu_count() if st.args.gpus is None else st.args.gpus) \
         if st.profile is not None else None
     return f"{name}: {config.get('model_type', 'model')}, {size} tokens; parameters counted by `hf-zero check`" + (
         f"; {quantized}" if quantized else "")
+
+
+def _lora_targets(model_args) -> None:
+    """LoRA's target_modules against the module names in the model's weight files, matched as peft matches a list
+    (the name, or its last dotted parts): peft refuses a list of which no name matches."""
+    targets = model_args.lora_target_modules
+    if not model_args.use_peft or not isinstance(targets, list | tuple) or not targets:
+        return  # peft's default targets for the model type, or a regex: the ranks' peft decides
+    modules = weight_module_names(model_args.model_name_or_path)
+    if modules is None or any(m == t or m.endswith(f".{t}") for m in modules for t in targets):
+        return
+    ends = sorted({m.rsplit(".", 1)[-1] for m in modules if not m.rsplit(".", 1)[-1].isdigit()})
+    raise UserError("lora_target_modules", f"none of {', '.join(targets)} is a module of "
+                    f"{model_args.model_name_or_path} (its weights are in: {', '.join(ends[:12])})",
+                    "name modules the model has")
 
 
 def _data(st):
