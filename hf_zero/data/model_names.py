@@ -26,8 +26,7 @@ from hf_zero.data.smollm2 import SMOLLM2_HUB_ID, get_smollm2_path
 
 __all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "HUB_IDS", "resolve_model_path", "get_tiny_llama_path",
            "get_model_config", "get_tokenizer", "is_tiny", "short_name", "hub_model_id", "tiny_llama_folder",
-           "BASE_PATH_ATTR", "read_config_json", "tokenizer_size",
-           "weight_module_names"]
+           "BASE_PATH_ATTR", "read_config_json", "tokenizer_size", "weight_module_names"]
 
 TINY_LLAMA = "tiny-llama"
 # Llamas built from config with the bundled tiny tokenizer: name -> shape.

@@ -66,9 +66,9 @@ def _model(st):
 
 
 def _model_files(st, model_args):
-    """The launch path's model check, from config.json and tokenizer.json read as files: transformers' model and
-    tokenizer classes are the ranks' to load (they check the same again, with the parameter count and the LoRA
-    targets, before writing anything). None when the files are not local: then the full check."""
+    """The launch path's model check, from config.json, tokenizer.json and the weights' names read as files:
+    transformers' model and tokenizer classes are the ranks' to load (they check the same again, and the sizes from
+    the parameter count, before writing anything). None when the files are not local: then the full check."""
     name = model_args.model_name_or_path
     config = read_config_json(name)
     size = tokenizer_size(name, model_args.tokenizer_name_or_path)
