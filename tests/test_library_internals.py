@@ -124,6 +124,16 @@ def _guards():
 
     yield "_action_groups", lambda: argparse_actions() and accelerate_groups()
 
+    def package_probe():
+        """core/lean_import.py: transformers decides whether to import peft through this function, with this
+        signature and answer."""
+        from transformers.utils import import_utils
+
+        params = list(inspect.signature(import_utils._is_package_available).parameters)
+        return params == ["pkg_name", "return_version"] and import_utils._is_package_available("peft")[0] is True
+
+    yield "_is_package_available", package_probe
+
     def ulysses_groups():
         """What train/sequence_parallel.py calls to build its batch adapter around DeepSpeed's Ulysses group."""
         from deepspeed.utils import groups

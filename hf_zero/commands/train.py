@@ -12,6 +12,7 @@ from hf_zero.checkpoint.resume import complete_message
 from hf_zero.core import startup
 from hf_zero.core.console import VERBOSE_ENV, quiet_environment
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.core.lean_import import import_training_args
 from hf_zero.core.once import read_once
 from hf_zero.core.validate import at_least
 from hf_zero.estimate.recipe import pick_profile, read_recipe
@@ -140,6 +141,7 @@ def run(args) -> int:
 def _run(args) -> int:
     validate_flags(args)
     if args.help_recipe:
+        import_training_args()  # TrainingArguments' fields are all it needs
         args.recipe = str(recipe_script(args.recipe, args.config or str(DEFAULT_CONFIG)))
         print(f"Flags of {args.recipe} (each also a key of the --config YAML; a flag overrides the YAML):")
         print("\n".join(recipe_help(recipe_argument_types(load_recipe(args.recipe)), args.help_recipe == "all")))
@@ -148,6 +150,7 @@ def _run(args) -> int:
         under = f" under profile {Path(args.profile).stem}" if args.profile else ""
         startup.phase(f"checking {args.config}{under}: recipe, data, model, launch", say=True)
         startup.start_heartbeat()
+    import_training_args()  # the checks and the plan parse the recipe; they build no model: no peft here
     if args.verbose:
         os.environ[VERBOSE_ENV] = "1"
     quiet_environment()  # before the preflight loads data and models: no progress bars there either

@@ -17,6 +17,7 @@ Each short name and its hub id are the same model to hf_zero.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
@@ -25,7 +26,7 @@ from hf_zero.data.smollm2 import SMOLLM2_HUB_ID, get_smollm2_path
 
 __all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "HUB_IDS", "resolve_model_path", "get_tiny_llama_path",
            "get_model_config", "get_tokenizer", "is_tiny", "short_name", "hub_model_id", "tiny_llama_folder",
-           "BASE_PATH_ATTR"]
+           "BASE_PATH_ATTR", "read_config_json", "tokenizer_size", "weight_module_names"]
 
 TINY_LLAMA = "tiny-llama"
 # Llamas built from config with the bundled tiny tokenizer: name -> shape.
@@ -164,6 +165,60 @@ def get_model_config(name_or_path: str, vocab_size: int | None = None):
                             f"local folder or one of {', '.join(OFFLINE_MODELS)}") from None
         raise UserError("model_name_or_path", f"cannot load {name_or_path!r} ({str(err).splitlines()[0]})",
                         f"use a local folder, a hub id, or one of {', '.join(OFFLINE_MODELS)}") from None
+
+
+def read_config_json(name_or_path: str) -> dict | None:
+    """The model's config.json as plain JSON when it is a local file (an offline model's snapshot, a folder), for
+    checks that must not load transformers' config classes (the launcher's: the ranks load them); None otherwise, or
+    when it does not parse (AutoConfig then words the problem)."""
+    path = Path(resolve_model_path(name_or_path))
+    if not (path / "config.json").is_file():
+        return None
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def tokenizer_size(name_or_path: str, tokenizer_name_or_path: str | None = None) -> int | None:
+    """len(get_tokenizer(...)) read from a local tokenizer.json by the tokenizers library (the backend transformers
+    wraps) instead of building the transformers tokenizer: never more than the real length (transformers may only add
+    tokens from tokenizer_config.json); None when there is no local tokenizer.json."""
+    if tokenizer_name_or_path:
+        source = tokenizer_name_or_path
+    else:
+        source = str(TINY_TOKENIZER_DIR) if is_tiny(name_or_path) else resolve_model_path(name_or_path)
+    path = Path(source) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception:  # the tokenizers library raises its own exception types: the full check words the problem
+        return None
+
+
+def weight_module_names(name_or_path: str) -> set[str] | None:
+    """The names of the model's modules that hold weights, from its local safetensors files' headers (no tensor
+    read, no model built): what LoRA's target_modules are matched against. None when there are no local
+    safetensors files."""
+    folder = Path(resolve_model_path(name_or_path))
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            keys = json.loads(index.read_text())["weight_map"]
+        elif (folder / "model.safetensors").is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(folder / "model.safetensors"), "np") as f:
+                keys = list(f.keys())
+        else:
+            return None
+    except (OSError, ValueError, KeyError):  # an unreadable file is from_pretrained's to word, in the ranks
+        return None
+    return {k.rsplit(".", 1)[0] for k in keys if "." in k}
 
 
 def get_tokenizer(name_or_path: str, tokenizer_name_or_path: str | None = None):

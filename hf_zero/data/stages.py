@@ -196,14 +196,23 @@ def check_held_out(stage: Stage, sizes: list[int], eval_samples: int, unit: str 
                         "give the stage 4 or more rows, or its own eval_data, or set eval_samples: 0")
 
 
-def check_stage_files(stage: Stage, eval_samples: int) -> list[int]:
+def check_stage_files(stage: Stage, eval_samples: int, light: bool = False) -> list[int]:
     """Every file of a stage read and parsed as load_stage_data reads it (not tokenized), and its held-out slice sized
-    by rows: `hf-zero check`'s data check, and each rank's before anything is written. Rows per source."""
-    rows = [len(load_source(spec, f"stages[{stage.name}].data[{j}]")) for j, spec in enumerate(stage.data)]
+    by rows: `hf-zero check`'s data check, and each rank's before anything is written. Rows per source. `light` (the
+    launcher, before the ranks): JSON-lines files parsed and counted without datasets, which the ranks load anyway."""
+    rows = [_source_rows(spec, f"stages[{stage.name}].data[{j}]", light) for j, spec in enumerate(stage.data)]
     for j, spec in enumerate(stage.eval_data or []):
-        load_source(spec, f"stages[{stage.name}].eval_data[{j}]")
+        _source_rows(spec, f"stages[{stage.name}].eval_data[{j}]", light)
     check_held_out(stage, rows, eval_samples)
     return rows
+
+
+def _source_rows(spec: str, where: str, light: bool) -> int:
+    local = Path(resolve_data_path(spec) if spec.startswith("builtin:") else spec)
+    if light and local.suffix == ".jsonl" and local.is_file():
+        verify_data_file(local, spec, where)  # every line an object: a row each, as datasets' JSON reader reads it
+        return sum(1 for line in local.read_text(encoding="utf-8").splitlines() if line.strip())
+    return len(load_source(spec, where))
 
 
 def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: str, eval_samples: int,

@@ -25,6 +25,7 @@ from pathlib import Path
 from hf_zero.core import startup
 from hf_zero.core.console import VERBOSE_ENV, quiet_environment
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.core.lean_import import import_training_args
 from hf_zero.core.report import STATUS_ENV, read_status
 from hf_zero.core.run_lock import LOCK_ENV, RunLock
 from hf_zero.launch.interrupt import RESUME_ENV, status_line, where_it_stands
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     startup.start_clock()
     startup.phase("loading the launcher (torch, accelerate)")
     quiet_environment()
+    import_training_args()  # the run plan parses the recipe; no model is built here: no peft
     status = Path(tempfile.mkdtemp(prefix="hf_zero-run-"))
     os.environ[STATUS_ENV] = str(status)
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # each rank ends when this process ends (parent_watch.py)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 from pathlib import Path
+from types import SimpleNamespace
 
 from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, run_settings
 from hf_zero.checkpoint.resume import check_profile_switch
@@ -13,7 +14,14 @@ from hf_zero.checkpoint.store import list_checkpoints, read_metadata, validate_c
 from hf_zero.core.errors import UserError, flag_hint
 from hf_zero.core.validate import yaml_lines
 from hf_zero.data.chat import FormatOptions
-from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
+from hf_zero.data.model_names import (
+    get_model_config,
+    get_tokenizer,
+    read_config_json,
+    resolve_model_path,
+    tokenizer_size,
+    weight_module_names,
+)
 from hf_zero.estimate.memory import estimate
 from hf_zero.plan.parse import build_stage
 from hf_zero.plan.profiles import gpu_count
@@ -34,6 +42,10 @@ def _model(st):
     model_args = st.parsed[0]
     name = model_args.model_name_or_path
     resolve_model_path(name)
+    if st.light:
+        light = _model_files(st, model_args)
+        if light is not None:
+            return light
     config = get_model_config(name)
     try:
         st.tokenizer = get_tokenizer(name, model_args.tokenizer_name_or_path)
@@ -51,6 +63,43 @@ def _model(st):
         if st.profile is not None else None
     return f"{name}: {type(config).__name__.replace('Config', '')}, {c.total_params:,} parameters{lora}" + (
         f"; {quantized}" if quantized else "")
+
+
+def _model_files(st, model_args):
+    """The launch path's model check, from config.json, tokenizer.json and the weights' names read as files:
+    transformers' model and tokenizer classes are the ranks' to load (they check the same again, and the sizes from
+    the parameter count, before writing anything). None when the files are not local: then the full check."""
+    name = model_args.model_name_or_path
+    config = read_config_json(name)
+    size = tokenizer_size(name, model_args.tokenizer_name_or_path)
+    if config is None or size is None:
+        return None
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and size > vocab:
+        raise UserError("tokenizer_name_or_path", f"the tokenizer has {size} tokens but the model only {vocab} "
+                        "embeddings", "use the model's own tokenizer")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    verify_seq_length(SimpleNamespace(**text), st.value("max_seq_length"), st.parsed[-2])
+    _lora_targets(model_args)
+    quantized = verify_quantization(model_args, st.profile, gpu_count() if st.args.gpus is None else st.args.gpus) \
+        if st.profile is not None else None
+    return f"{name}: {config.get('model_type', 'model')}, {size} tokens; parameters counted by `hf-zero check`" + (
+        f"; {quantized}" if quantized else "")
+
+
+def _lora_targets(model_args) -> None:
+    """LoRA's target_modules against the module names in the model's weight files, matched as peft matches a list
+    (the name, or its last dotted parts): peft refuses a list of which no name matches."""
+    targets = model_args.lora_target_modules
+    if not model_args.use_peft or not isinstance(targets, list | tuple) or not targets:
+        return  # peft's default targets for the model type, or a regex: the ranks' peft decides
+    modules = weight_module_names(model_args.model_name_or_path)
+    if modules is None or any(m == t or m.endswith(f".{t}") for m in modules for t in targets):
+        return
+    ends = sorted({m.rsplit(".", 1)[-1] for m in modules if not m.rsplit(".", 1)[-1].isdigit()})
+    raise UserError("lora_target_modules", f"none of {', '.join(targets)} is a module of "
+                    f"{model_args.model_name_or_path} (its weights are in: {', '.join(ends[:12])})",
+                    "name modules the model has")
 
 
 def _data(st):
@@ -73,7 +122,7 @@ def _data(st):
         try:
             stage = build_stage({k: v for k, v in s.items() if k in keys}, i, st.args.config, lines)
             if st.tokenizer is None or st.light:  # every file read and parsed as the run reads it, not tokenized
-                check_stage_files(stage, held)
+                check_stage_files(stage, held, light=st.light)
                 continue
             data = load_stage_data(stage, st.tokenizer, seq, text, held, seed, formats=formats)
             pools, kinds = data.sources, sorted({r.format for r in data.reports} - {"text"})

@@ -186,7 +186,7 @@ from hf_zero.preflight.check_io import _data, _model, _offload, _output  # noqa:
 
 def _fsdp(st):
     config = None
-    if st.profile.uses_fsdp:
+    if st.profile.uses_fsdp and not st.light:  # the layer classes need the model's code: the ranks check them
         with contextlib.suppress(UserError):  # an unloadable model is the model check's to report
             config = get_model_config(st.parsed[0].model_name_or_path)
     return verify_fsdp(st.profile, st.parsed[-1], gpu_count() if st.args.gpus is None else st.args.gpus, config)

@@ -146,6 +146,21 @@ def test_check_runs_the_same_functions(tmp_path, bad_files):
     assert not (tmp_path / "o").exists()
 
 
+def test_launch_path_model_check_reads_files_as_the_full_check_loads_them(tmp_path):
+    """`hf-zero train`'s model check (light: config.json, tokenizer.json and the weights' names read as files) gives
+    the full check's verdict on LoRA targets: refused when peft would find none of them, passed when it would."""
+    from hf_zero.preflight.checks import run_checks
+
+    for targets, ok in ((["qq_proj", "vv"], False), (["q_proj", "nope"], True), (["self_attn.v_proj"], True)):
+        args = Namespace(profile="cpu", config=str(TINY), nproc=None, hostfile=None, output_dir=str(tmp_path / "o"),
+                         gpus=None, precision=None, recipe=str(RECIPE),
+                         extra=["--use_peft", "true", "--lora_target_modules", *targets])
+        verdicts = [{r.name: r for r in run_checks(args, light=light)}["model"] for light in (True, False)]
+        assert [v.ok for v in verdicts] == [ok, ok], (targets, [v.message for v in verdicts])
+        assert ok or all(v.error.field == "lora_target_modules" for v in verdicts)
+    assert "parameters counted by `hf-zero check`" in verdicts[0].message
+
+
 def _bad_recipe(tmp_path) -> Path:
     data = tmp_path / "latin.jsonl"
     data.write_bytes(b'{"text": "hello world"}\n' * 5 + b'{"text": "caf\xe9"}\n')

@@ -1,0 +1,48 @@
+"""`hf-zero train`'s own process (the checks, the offline assets, the run plan, up to accelerate's launch) imports
+none of what only the ranks use: the ranks import it anyway, so there it was duplicate start-up work."""
+
+import json
+import subprocess
+import sys
+
+from testing_utils import REPO, TINY
+
+from hf_zero.launch.launch_command import prepare_assets
+
+# What the ranks import and the launcher must not: peft (with bitsandbytes and torch's compiler behind it),
+# datasets, DeepSpeed, and transformers' model and tokenizer code.
+HEAVY = ("peft", "bitsandbytes", "datasets", "deepspeed", "torch._inductor", "transformers.modeling_utils",
+         "transformers.trainer", "transformers.models.llama.modeling_llama", "transformers.tokenization_utils_base")
+
+# accelerate's launch_command stood in: what this process has imported when the ranks would start, then exit 0.
+_PROBE = """
+import json, sys
+import accelerate.commands.launch as launch
+
+def stand_in(args):
+    json.dump(sorted(sys.modules), open(sys.argv[1], "w"))
+
+launch.launch_command = stand_in
+from hf_zero.cli import main
+assert main(sys.argv[2:]) == 0
+# The same process building a LoRA model afterwards: transformers sees peft, and sees a peft model as one.
+import peft, transformers
+from transformers import trainer_utils
+config = transformers.LlamaConfig(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=2, vocab_size=16)
+model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+print("peft model:", trainer_utils._is_peft_model(model), trainer_utils._is_peft_model(model.base_model.model))
+"""
+
+
+def test_train_launcher_imports_nothing_the_ranks_import(tmp_path):
+    prepare_assets(["--config", str(TINY)])  # built once before (the first run builds them in this process)
+    seen = tmp_path / "modules.json"
+    proc = subprocess.run([sys.executable, "-c", _PROBE, str(seen), "train", "--config", str(TINY), "--profile",
+                           "zero2", "--output_dir", str(tmp_path / "out"), "--max_steps", "3"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modules = set(json.loads(seen.read_text()))
+    assert "accelerate.commands.launch" in modules and "hf_zero.preflight.checks" in modules  # it got that far
+    assert [m for m in HEAVY if m in modules] == []
+    assert "peft model: True False" in proc.stdout
