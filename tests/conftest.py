@@ -50,6 +50,8 @@ def pytest_configure(config):
     # The offline models live in the hub cache under their hub ids (hf_zero/data/model_names.py): fresh as well, and
     # never the user's own ~/.cache/huggingface.
     os.environ["HF_HUB_CACHE"] = os.path.join(reuse or _FRESH_CACHE, "hub")
+    if os.environ.get("HF_ZERO_TEST_LAUNCH_LOG"):  # every launch appends a line there (process_guard/sitecustomize.py)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROCESS_GUARD), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(autouse=True)

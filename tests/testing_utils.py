@@ -45,9 +45,12 @@ GROUP_MARKS_ENV = "HF_ZERO_TEST_GROUP_MARKS"
 # ---------------------------------------------------------------- commands and launches
 
 def run_cmd(cmd, timeout=900, cwd=REPO, env=None, check=True):
+    env = {**os.environ, **(env or {})}
+    if os.environ.get("HF_ZERO_TEST_LAUNCH_LOG") and str(PROCESS_GUARD) not in env.get("PYTHONPATH", ""):
+        # the launch counter (conftest.py) survives a test's own PYTHONPATH
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROCESS_GUARD), env.get("PYTHONPATH")]))
     proc = subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {})},
+        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
     )
     if check and proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from testing_utils import REPO, TINY, launch_recipe, run_cmd
+from testing_utils import REPO, TINY, TINY24_FLAGS, launch_recipe, run_cmd
 
 from hf_zero.checkpoint.convert import convert_checkpoint
 from hf_zero.checkpoint.dcp import FSDP_OPTIM_DIR, read_dcp_groups
@@ -25,7 +25,7 @@ from hf_zero.checkpoint.store import crc32_of, file_sizes, read_metadata, write_
 from hf_zero.checkpoint.universal import universal_groups
 from hf_zero.core.errors import UserError
 
-COMMON = ["--save_strategy", "steps", "--save_steps", "3", "--global_batch_size", "4"]
+COMMON = TINY24_FLAGS  # the session's reference runs (tiny24_references) are made with these: their runs serve here
 TOL = 1e-5
 
 
@@ -63,11 +63,11 @@ def resume(profile, source_run, step, dest, config, nproc=None, extra=()):
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory, config):
-    """zero3 uninterrupted (2 ranks); zero3 -> fsdp2 on 1 rank from step 9; fsdp2 -> zero3 on 2 ranks from 12."""
+def chain(tmp_path_factory, config, tiny24_references):
+    """zero3 uninterrupted (2 ranks; the session's reference run, COMMON being its flags); zero3 -> fsdp2 on 1 rank
+    from step 9; fsdp2 -> zero3 on 2 ranks from 12."""
     root = tmp_path_factory.mktemp("cross")
-    ref = root / "zero3"
-    launch_recipe("zero3", ref, *COMMON, config=config)
+    ref = tiny24_references["zero3"]
     to_fsdp = root / "zero3-to-fsdp2"
     first = resume("fsdp2", ref, 9, to_fsdp, config, nproc=1)
     back = root / "fsdp2-to-zero3"
@@ -249,11 +249,14 @@ LORA = ["--use_peft", "true", "--lora_r", "8", "--lora_dropout", "0", "--lora_ta
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory, config, chain):
-    """An uninterrupted run per (source profile, LoRA), started the first time a pair asks for it."""
+def sources(tmp_path_factory, config, chain, tiny24_references):
+    """An uninterrupted run per (source profile, LoRA), started the first time a pair asks for it; without LoRA the
+    session's reference runs (COMMON being their flags)."""
     runs = {("zero3", False): chain.ref}
 
     def get(profile, lora=False):
+        if not lora:
+            return tiny24_references[profile]
         if (profile, lora) not in runs:
             out = tmp_path_factory.mktemp("src") / f"{profile}{'-lora' if lora else ''}"
             launch_recipe(profile, out, *COMMON, *(LORA if lora else []), config=config)

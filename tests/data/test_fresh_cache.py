@@ -188,27 +188,29 @@ from hf_zero.data.assets import missing_run_assets
 from hf_zero.plan.parse import recipe_assets
 from hf_zero.launch.launch_command import ensure_launched
 
-argv = ensure_launched(sys.argv[1:], __file__)
-rank = os.environ.get("RANK", "0")
-out = os.environ["PROBE_OUT"]
-with open(os.path.join(out, f"rank{rank}.txt"), "w") as fh:
-    fh.write(repr(missing_run_assets(*recipe_assets(argv))))
+if __name__ == "__main__":  # `hf-zero train` also loads a recipe as a module (its ARGUMENT_TYPES)
+    argv = ensure_launched(sys.argv[1:], __file__)
+    rank = os.environ.get("RANK", "0")
+    out = os.environ["PROBE_OUT"]
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as fh:
+        fh.write(repr(missing_run_assets(*recipe_assets(argv))))
+    if os.environ.get("PROBE_THEN_RUN"):  # then train: the same launch serves a test of the whole first run
+        import runpy
+
+        sys.argv = [os.environ["PROBE_THEN_RUN"], *argv]
+        runpy.run_path(os.environ["PROBE_THEN_RUN"], run_name="__main__")
 """
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("how", ["hf-zero train", "recipe --config_file"])
-def test_the_launcher_builds_the_assets_before_any_rank_starts(tmp_path, how):
-    """Ranks that only look: each finds the model already complete when it starts."""
+def test_the_launcher_builds_the_assets_before_any_rank_starts(tmp_path):
+    """Ranks that only look: each finds the model already complete when it starts. (`hf-zero train`'s launcher:
+    test_first_run_on_an_empty_cache_finishes_and_leaves_a_loadable_model, whose ranks look, then train.)"""
     probe, out, empty = tmp_path / "probe.py", tmp_path / "out", tmp_path / "cache"
     probe.write_text(_PROBE_RECIPE)
     out.mkdir()
     config = write_short_config(TINY, tmp_path / "tiny.yaml", [1], model_name_or_path="small-llama")
-    if how == "hf-zero train":
-        cmd = [sys.executable, "-m", "hf_zero.cli", "train", "--profile", "zero3", "--nproc", "2", "--recipe", probe,
-               "--config", config]
-    else:
-        cmd = [sys.executable, probe, "--config_file", PROFILES / "zero2.yaml", "--config", config]
+    cmd = [sys.executable, probe, "--config_file", PROFILES / "zero2.yaml", "--config", config]
     run_cmd(cmd, env={"HF_ZERO_CACHE": str(empty), "HF_HUB_CACHE": str(empty / "hub"), "PROBE_OUT": str(out),
                       "PYTHONPATH": str(REPO)}, timeout=600)
     assert {p.name: p.read_text() for p in out.iterdir()} == {"rank0.txt": "[]", "rank1.txt": "[]"}
@@ -228,16 +230,21 @@ def test_the_launcher_builds_the_assets_before_any_rank_starts(tmp_path, how):
 def test_first_run_on_an_empty_cache_finishes_and_leaves_a_loadable_model(tmp_path, profile, model, launcher):
     from transformers import AutoModelForCausalLM
 
-    empty, run = tmp_path / "cache", tmp_path / "run"
+    empty, run, probes = tmp_path / "cache", tmp_path / "run", tmp_path / "probes"
     config = write_short_config(TINY, tmp_path / "short.yaml", [2, 2], model_name_or_path=model)
+    env = {"HF_ZERO_CACHE": str(empty), "HF_HUB_CACHE": str(empty / "hub"), "PYTHONPATH": str(REPO)}
     if launcher == "accelerate":  # no launcher-side build: local rank 0 builds while rank 1 waits at the barrier
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", PROFILES / f"{profile}.yaml",
                RECIPE]
-    else:
-        cmd = [sys.executable, "-m", "hf_zero.cli", "train", "--profile", profile, "--nproc", "2", "--recipe", RECIPE]
-    run_cmd([*cmd, "--config", config, "--output_dir", run, "--disable_tqdm", "true"],
-            env={"HF_ZERO_CACHE": str(empty), "HF_HUB_CACHE": str(empty / "hub"), "PYTHONPATH": str(REPO)},
-            timeout=900)
+    else:  # the launcher builds first: each rank records what it finds missing when it starts, then trains
+        probe = tmp_path / "probe.py"
+        probe.write_text(_PROBE_RECIPE)
+        probes.mkdir()
+        env.update(PROBE_OUT=str(probes), PROBE_THEN_RUN=str(RECIPE))
+        cmd = [sys.executable, "-m", "hf_zero.cli", "train", "--profile", profile, "--nproc", "2", "--recipe", probe]
+    run_cmd([*cmd, "--config", config, "--output_dir", run, "--disable_tqdm", "true"], env=env, timeout=900)
+    if launcher != "accelerate":
+        assert {p.name: p.read_text() for p in probes.iterdir()} == {"rank0.txt": "[]", "rank1.txt": "[]"}
     summary = read_summary(run)
     assert summary["profile"] == profile and summary["world_size"] == 2 and summary["total_steps"] == 4
     (folder,) = (empty / "hub" / f"models--hf-zero--{model}" / "snapshots").iterdir()

@@ -31,3 +31,13 @@ if _MARKS:
                 _f.write(" ".join(getattr(sys, "orig_argv", sys.argv)))
         except OSError:  # the test already ended and removed its folder: nothing left to fail
             pass
+
+# Counting launches (a suite's cost): HF_ZERO_TEST_LAUNCH_LOG=<file> with this folder on PYTHONPATH appends one line
+# per process group: its launcher, or rank 0 of ranks started in-process; its descendants inherit the mark below.
+_LOG = os.environ.get("HF_ZERO_TEST_LAUNCH_LOG")
+if _LOG and not os.environ.get("HF_ZERO_TEST_LAUNCH_LOGGED"):
+    _argv = list(getattr(sys, "orig_argv", sys.argv))
+    if _is_launcher(_argv) or (os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK", "0") == "0"):
+        os.environ["HF_ZERO_TEST_LAUNCH_LOGGED"] = "1"
+        with open(_LOG, "a") as _f:
+            _f.write(f"{os.environ.get('PYTEST_CURRENT_TEST', '?')}\t{' '.join(_argv[1:6])}\n")
