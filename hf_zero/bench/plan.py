@@ -12,7 +12,8 @@ from hf_zero.core.errors import UserError
 from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
 from hf_zero.data.packing import padding_stats, real_tokens
 from hf_zero.estimate.flops import flops_per_token
-from hf_zero.estimate.memory import count_model, estimate, strategies_for
+from hf_zero.estimate.memory import estimate, strategies_for
+from hf_zero.estimate.model_count import count_model
 from hf_zero.plan.parse import load_yaml_config, parse_recipe_args, parse_stages, recipe_fields
 from hf_zero.plan.profiles import Profile, gpu_count, load_profile, with_precision
 from hf_zero.plan.reconcile import BatchPlan, plan_batch, reconcile_training_kwargs
@@ -36,7 +37,7 @@ class BenchPlan:
     unpacked_text_tokens_per_step: list[int]
     packed_text_tokens_per_step: list[int]
     padding: dict  # {"unpacked": padding_stats, "packed": padding_stats} over the whole run
-    count: object  # hf_zero.estimate.memory.ModelCount
+    count: object  # hf_zero.estimate.model_count.ModelCount
     flops_per_token: float
     model_args: object = field(repr=False, default=None)  # hf_zero.core.config.ModelArguments
     training_kwargs: dict = field(repr=False, default_factory=dict)

@@ -23,6 +23,7 @@ from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate import memory
 from hf_zero.estimate.activations import ATTENTION
 from hf_zero.estimate.memory import CONVENTIONS, PRECISIONS, strategies_for
+from hf_zero.estimate.model_count import count_model
 from hf_zero.estimate.recipe import HEADROOM, RecipeMemory, lora_fields, plan, read_recipe, sp_by_stage, sp_sizes
 from hf_zero.plan.profiles import load_profile, with_precision
 from hf_zero.plan.reconcile import plan_batch
@@ -140,7 +141,7 @@ def run(args) -> int:
     sp = prof.sp_size if prof else 1  # a sequence-parallel profile: activations split over sp ranks
     batch = plan_batch(recipe.micro, recipe.accumulation, gpn * nodes, recipe.global_batch, sp=sp)
     try:
-        count = memory.count_model(get_model_config(recipe.model), lora=recipe.lora)
+        count = count_model(get_model_config(recipe.model), lora=recipe.lora)
     except ValueError as err:  # peft: target modules not in the model
         raise UserError("--lora-target-modules" if recipe.lora else "--model", str(err).splitlines()[0]) from None
     usable = int(gpu_mem * (1 - HEADROOM)) if gpu_mem else None

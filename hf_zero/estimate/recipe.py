@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.data.model_names import get_model_config
-from hf_zero.estimate.memory import QLORA_STRATEGIES, count_model, estimate
+from hf_zero.estimate.memory import QLORA_STRATEGIES, estimate
+from hf_zero.estimate.model_count import count_model
 from hf_zero.plan.parse import parse_recipe_args
 from hf_zero.plan.profiles import gpu_count, load_profile
 from hf_zero.plan.reconcile import plan_batch

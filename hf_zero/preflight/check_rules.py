@@ -14,7 +14,8 @@ from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.core.ops import build_ops
 from hf_zero.data.model_names import get_model_config
-from hf_zero.estimate.memory import count_model, estimate
+from hf_zero.estimate.memory import estimate
+from hf_zero.estimate.model_count import count_model
 from hf_zero.plan.fsdp import verify_fsdp
 from hf_zero.plan.hostfile import find_machine_rank, read_hostfile
 from hf_zero.plan.profiles import gpu_count, precision_name

@@ -16,7 +16,8 @@ import pytest
 from testing_utils import REPO
 
 from hf_zero.data.model_names import get_model_config
-from hf_zero.estimate.memory import count_model, estimate
+from hf_zero.estimate.memory import estimate
+from hf_zero.estimate.model_count import count_model
 
 DATA = REPO / "tests" / "data" / "calibration"
 RUNS = [json.loads(line) for line in (DATA / "h100-bf16-peak-memory.jsonl").read_text().splitlines() if line]

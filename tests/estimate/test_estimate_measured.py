@@ -15,7 +15,8 @@ import pytest
 from testing_utils import LORA_R, LORA_TARGETS, ONE_STEP_LORA, launch_recipe, read_summary
 
 from hf_zero.estimate.measure import read_measurements
-from hf_zero.estimate.memory import count_model, estimate
+from hf_zero.estimate.memory import estimate
+from hf_zero.estimate.model_count import count_model
 
 pytestmark = pytest.mark.multiproc
 

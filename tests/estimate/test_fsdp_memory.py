@@ -16,7 +16,8 @@ from testing_utils import REPO, launch_recipe, read_summary
 from hf_zero.cli import main
 from hf_zero.estimate import fsdp as fsdp_memory
 from hf_zero.estimate.measure import read_measurements
-from hf_zero.estimate.memory import ModelCount, count_model, estimate, estimate_all, recommend
+from hf_zero.estimate.memory import estimate, estimate_all, recommend
+from hf_zero.estimate.model_count import ModelCount, count_model
 
 GIB = 2**30
 

@@ -12,7 +12,8 @@ from testing_utils import REPO
 from hf_zero.cli import main
 from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate import memory
-from hf_zero.estimate.memory import ModelCount, count_model, estimate, estimate_all, largest_micro_batch, recommend
+from hf_zero.estimate.memory import estimate, estimate_all, largest_micro_batch, recommend
+from hf_zero.estimate.model_count import ModelCount, count_model
 
 GB, GIB = 10**9, 2**30
 
@@ -222,7 +223,8 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORL
                   LOCAL_WORLD_SIZE="1")
 import torch, deepspeed
 from hf_zero.estimate.measure import measure_engine_bytes
-from hf_zero.estimate.memory import count_model, estimate
+from hf_zero.estimate.memory import estimate
+from hf_zero.estimate.model_count import count_model
 from hf_zero.estimate.measure import StepPeakRecorder
 deepspeed.init_distributed(dist_backend="gloo")
 results = {}

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from hf_zero.estimate.activations import step_bytes
-from hf_zero.estimate.memory import count_model, estimate
+from hf_zero.estimate.memory import estimate
+from hf_zero.estimate.model_count import count_model
 
 LORA = {"r": 4, "lora_dropout": 0.0, "task_type": "CAUSAL_LM"}
 

@@ -102,7 +102,8 @@ LLAMA_1B = str(REPO / "tests" / "data" / "calibration" / "models" / "llama-1b")
 def _peaks(recipe, gpus, strategies):
     """The estimator's peak per GPU for each strategy, as pick_profile sizes them (bf16)."""
     from hf_zero.data.model_names import get_model_config
-    from hf_zero.estimate.memory import count_model, estimate
+    from hf_zero.estimate.memory import estimate
+    from hf_zero.estimate.model_count import count_model
 
     model = get_model_config(recipe.model) if isinstance(recipe.model, str) else recipe.model
     count = count_model(model, lora=recipe.lora)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from testing_utils import LORA_TARGETS, OutAndRun, read_summary
 
-from hf_zero.estimate.memory import count_model
+from hf_zero.estimate.model_count import count_model
 
 pytestmark = pytest.mark.multiproc
 STRATEGIES = ["zero1", "zero2", "zero3", "zero3_offload"]

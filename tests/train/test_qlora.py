@@ -23,7 +23,8 @@ from testing_utils import REPO, SMOL_SHAPE, launch_recipe, read_summary, run_cmd
 from hf_zero.core.config import ModelArguments
 from hf_zero.core.errors import UserError
 from hf_zero.estimate.measure import count_parameters, measure_engine_bytes
-from hf_zero.estimate.memory import count_model, estimate, nf4_bytes
+from hf_zero.estimate.memory import estimate
+from hf_zero.estimate.model_count import count_model, nf4_bytes
 from hf_zero.estimate.recipe import RecipeMemory, lora_fields, plan
 from hf_zero.plan.profiles import gpu_count, load_profile
 from hf_zero.plan.quantization import quantization_config, verify_quantization

@@ -146,7 +146,8 @@ def test_estimate_splits_activations_over_sp_ranks():
     plus one layer's all-to-all buffers (transient); model states unchanged."""
     from hf_zero.data.model_names import get_model_config
     from hf_zero.estimate.activations import _layer_bytes, step_bytes
-    from hf_zero.estimate.memory import count_model, estimate
+    from hf_zero.estimate.memory import estimate
+    from hf_zero.estimate.model_count import count_model
 
     c = count_model(get_model_config("tiny-llama"))
     one, two = (estimate(c, "zero3", world_size=2, precision="bf16", seq_len=4096, sp_size=n)["gpu_bytes_per_rank"]
@@ -192,7 +193,8 @@ def activations_by_step(out) -> dict[int, dict]:
 
 def estimated_activations(seq: int, sp: int) -> int:
     from hf_zero.data.model_names import get_model_config
-    from hf_zero.estimate.memory import count_model, estimate
+    from hf_zero.estimate.memory import estimate
+    from hf_zero.estimate.model_count import count_model
 
     count = count_model(get_model_config("tiny-llama"))
     return estimate(count, "zero3", world_size=sp, precision="fp32", seq_len=seq, sp_size=sp)["gpu_bytes_per_rank"][
