@@ -258,7 +258,8 @@ def test_sp_matches_one_rank_without_sp_and_resumes_mid_stage(tmp_path):
 @pytest.mark.multiproc
 @pytest.mark.slow  # three launches (~2-3 min here); the default tier runs the full fine-tune parity and resume
 def test_sp_lora_matches_without_sp_resumes_on_one_rank_and_exports(tmp_path):
-    """LoRA under sp_size 2 on 2 ranks against the same LoRA run on 1 rank without SP: every step's loss within 1e-5.
+    """LoRA under sp_size 2 on 2 ranks with the fused loss against the same LoRA run on 1 rank without SP and with the
+    standard loss: every step's loss within 1e-5.
     Its checkpoint-3 (mid-stage ctx64) resumes on 1 rank without SP with the same losses, and its final adapter
     exports merged into a model that transformers loads."""
     import shutil
@@ -268,8 +269,9 @@ def test_sp_lora_matches_without_sp_resumes_on_one_rank_and_exports(tmp_path):
 
     lora = ["--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0"]  # dropout draws per token: not comparable
     saves = ["--save_strategy", "steps", "--save_steps", "3"]
-    launch_recipe("zero3_sp", tmp_path / "sp", *lora, *saves, config=LONG)
-    launch_recipe("zero3", tmp_path / "one", *lora, config=LONG, nproc=1)
+    # the fused loss under SP (each rank's sum without full logits) against the standard loss without SP
+    launch_recipe("zero3_sp", tmp_path / "sp", *lora, *saves, "--fused_cross_entropy", "true", config=LONG)
+    launch_recipe("zero3", tmp_path / "one", *lora, "--fused_cross_entropy", "false", config=LONG, nproc=1)
     a, b = read_summary(tmp_path / "sp"), read_summary(tmp_path / "one")
     assert a["use_peft"] and a["sp_size"] == 2 and len(a["losses"]) == 6
     assert step_losses(a) == pytest.approx(step_losses(b), abs=1e-5, rel=0)
