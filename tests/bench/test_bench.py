@@ -312,6 +312,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, field, tmp_path, 
 
 
 @pytest.mark.slow
+@pytest.mark.multiproc
 def test_make_bench_default(tmp_path):
     """The full default (what `make bench` runs): every target that is deterministic holds."""
     out = tmp_path / "out"
