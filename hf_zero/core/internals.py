@@ -34,7 +34,7 @@ INTERNALS: tuple[Internal, ...] = (
              "compiles a chat template exactly as apply_chat_template will, so a broken template is one line before "
              "any data is tokenized"),
     Internal("_model_mapping", "transformers auto classes (AutoModelForCausalLM, ...)",
-             ("estimate/memory.py", "train/classifier.py"),
+             ("estimate/model_count.py", "train/classifier.py"),
              "which model class a config maps to, without building the model (from_config would allocate it)"),
     Internal("_no_split_modules", "transformers.PreTrainedModel", ("plan/fsdp.py",),
              "the layer classes accelerate wraps for FSDP2 when the profile names none: read the same attribute "
