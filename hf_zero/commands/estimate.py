@@ -147,7 +147,8 @@ def run(args) -> int:
     usable = int(gpu_mem * (1 - HEADROOM)) if gpu_mem else None
     kw = dict(gpus_per_node=gpn, nodes=nodes, precision=precision, seq_len=recipe.seq_len,
               grad_checkpointing=recipe.gradient_checkpointing, convention=args.convention,
-              attn_implementation=recipe.attn_implementation, sp_size=sp)
+              attn_implementation=recipe.attn_implementation, sp_size=sp,
+              fused_cross_entropy=recipe.fused_cross_entropy)
     # LoRA over every strategy: QLoRA's 4-bit base as rows of their own where it is most used; a 4-bit recipe: only
     # those, under every strategy that runs it
     rows = [(s, None) for s in strategies if not recipe.load_in_4bit]

@@ -25,6 +25,7 @@ the H100 runs in tests/data/calibration (tests/estimate/test_estimate_calibratio
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 __all__ = ["LayerShape", "describe_layers", "step_bytes"]
@@ -140,7 +141,7 @@ def _layer_bytes(ls: LayerShape, mode: str, seq: int, attn: str, full: bool, fro
 
 def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, seq: int, checkpointing: bool,
                attn: str | None = None, full: bool = True, sp: int = 1, quantized: bool = False,
-               frozen_inputs: bool = False) -> dict:
+               frozen_inputs: bool = False, fused_loss: bool = False) -> dict:
     """Bytes alive besides model states at each candidate peak of one training step (all tokens of a micro-batch):
     `frozen_inputs`: every linear saves its input, frozen or not, as ZeRO-3's does (LinearFunctionForZeroStage3,
     which zero.Init installs as torch.nn.functional.linear under memory_efficient_linear, DeepSpeed's default:
@@ -151,7 +152,11 @@ def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, s
     `sp`: Ulysses sequence-parallel ranks. A rank holds seq / sp tokens outside attention and all seq tokens of
     heads / sp heads inside it: both are tokens / sp per rank. Ulysses drops the attention mask (causal kernels
     instead), so sdpa's mask term goes; one layer's all-to-all send and receive buffers of q, k, v and the
-    attention output are alive at once (2 e (2 q + 2 kv) per local token)."""
+    attention output are alive at once (2 e (2 q + 2 kv) per local token).
+    `fused_loss` (hf_zero.train.fused_ce, on by default where exact): no full logits. The forward computes the
+    gradients for the hidden states (their dtype) and, when lm_head trains, its fp32 weight gradient, and holds one
+    chunk's logits at a time (16-bit, fp32 and the fp32 softmax gradient: chunk_tokens keeps a chunk near the
+    hidden states' size); backward only scales what is kept."""
     attn = attn or ls.attn_implementation
     tokens = micro * seq / sp
     e, r = (4, 4) if mode == "fp32" else (2, 2 if mode == "half" else 4)
@@ -160,6 +165,10 @@ def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, s
     head = (4 * ls.hidden + (r * ls.hidden if full else 0)
             + (e * ls.hidden if ls.lm_head_trainable or frozen_inputs else 0)) * tokens
     loss_bwd, loss_fwd = 12 * vocab * tokens, (8 if mode == "fp32" else 10) * vocab * tokens
+    if fused_loss:
+        chunk = math.ceil(tokens / math.ceil(vocab / ls.hidden))  # fused_ce.chunk_tokens
+        loss_bwd = loss_fwd = (r * ls.hidden * tokens + (4 * vocab * ls.hidden if ls.lm_head_trainable else 0)
+                               + (e + 8) * chunk * vocab)
     casts = 2 if mode == "autocast" else 0  # bytes per weight element of a 16-bit autocast copy
     linear, layer_linear, lm_head = ls.linear, ls.layer_linear, ls.lm_head
     if quantized:  # 4-bit linears are dequantized by bitsandbytes, not autocast (the caller adds that copy); the

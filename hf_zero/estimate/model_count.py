@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate.activations import describe_layers
 from hf_zero.estimate.fsdp import describe_shards
+from hf_zero.plan.fused_loss import config_problem
 
 __all__ = ["ModelCount", "count_model", "nf4_bytes"]
 
@@ -30,6 +31,7 @@ class ModelCount:
     shard_groups: tuple = ()  # FSDP2's largest group and tail group (elements, trainable): hf_zero.estimate.fsdp
     quantizable: tuple = ()  # elements of each linear weight a 4-bit base (QLoRA) quantizes: nf4_bytes
     embeddings: tuple = ()  # elements of the input and output embedding weights (one if tied)
+    fused_loss: tuple = ()  # the fused_cross_entropy modes ("auto", True) under which the run uses the fused loss
 
     def persistent_params(self, threshold: int) -> int:  # ZeRO-3 keeps params with numel <= threshold whole
         return sum(n for n in self.param_numels if n <= threshold)
@@ -53,6 +55,8 @@ def count_model(config_or_name, lora=None) -> ModelCount:
     a dict of LoraConfig fields (r, target_modules, lora_dropout, ...) or a LoraConfig; the real peft model is built
     on meta."""
     import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if isinstance(config_or_name, torch.nn.Module):
         model, config, name = config_or_name, getattr(config_or_name, "config", None), type(config_or_name).__name__
@@ -60,13 +64,12 @@ def count_model(config_or_name, lora=None) -> ModelCount:
         config, name = config_or_name, getattr(config_or_name, "name_or_path", "") or ""
         if isinstance(config, str) or hasattr(config, "__fspath__"):
             name, config = str(config), get_model_config(str(config))
-        from transformers import AutoModel, AutoModelForCausalLM
-
         # The model class itself, not from_config: inside a ZeRO-3 run from_config would partition it (zero.Init).
         auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModel  # encoders
         with torch.device("meta"):
             known = type(config) in auto._model_mapping
             model = auto._model_mapping[type(config)](config) if known else auto.from_config(config)  # its ValueError
+    causal = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
     if lora is not None:
         from peft import LoraConfig, get_peft_model
 
@@ -86,7 +89,11 @@ def count_model(config_or_name, lora=None) -> ModelCount:
     embed = _embeddings(model, "get_input_embeddings")
     tables = {id(w): w.numel() for w in (getattr(embed, "weight", None), getattr(head, "weight", None))
               if w is not None}
+    # as the run decides (train.fused_ce.plan_fused_head): a causal LM whose lm_head is a plain Linear, then its config
+    fused = tuple(m for m in ("auto", True) if causal and type(head) is torch.nn.Linear
+                  and config_problem(text, m) is None)
     return ModelCount(
+        fused_loss=fused,
         total_params=sum(p.numel() for p in params), largest_layer_params=layer,
         trainable_params=sum(p.numel() for p in params if p.requires_grad), largest_trainable_layer_params=tlayer,
         num_layers=_attr(text, "num_hidden_layers", "n_layer", "num_layers"),

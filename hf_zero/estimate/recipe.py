@@ -50,6 +50,7 @@ class RecipeMemory:
     flags: tuple = field(default=(), compare=False)  # overrides a train command must repeat
     load_in_4bit: bool = False  # QLoRA: the frozen base in 4 bits
     stages: tuple = ()  # (name, max_seq_length) of each stage, in order
+    fused_cross_entropy: object = "auto"  # the recipe's: auto, True or False (the loss without full logits)
 
 
 def lora_fields(model_args) -> dict | None:
@@ -83,7 +84,8 @@ def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
         gradient_checkpointing=bool(training.get("gradient_checkpointing")),
         attn_implementation=model_args.attn_implementation, path=path, flags=tuple(flags),
         load_in_4bit=bool(model_args.load_in_4bit and model_args.use_peft),
-        stages=tuple((s.name, s.max_seq_length or seq) for s in stages))
+        stages=tuple((s.name, s.max_seq_length or seq) for s in stages),
+        fused_cross_entropy=training.get("fused_cross_entropy", "auto"))
 
 
 def sp_sizes(recipe: RecipeMemory, world: int) -> list[int]:
@@ -191,7 +193,7 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
         raise UserError("lora_target_modules", str(err).splitlines()[0], "name modules the model has") from None
     kw = dict(gpus_per_node=gpus_per_node, nodes=nodes, precision=precision, seq_len=recipe.seq_len,
               grad_checkpointing=recipe.gradient_checkpointing, attn_implementation=recipe.attn_implementation,
-              sp_size=sp_size)
+              sp_size=sp_size, fused_cross_entropy=recipe.fused_cross_entropy)
     usable = int(gpu_memory_bytes * (1 - HEADROOM))
     any_profile = choices is None
     choices = choices or candidates(gpus_per_node * nodes, recipe.lora is not None, recipe.load_in_4bit)

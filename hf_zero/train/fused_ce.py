@@ -22,16 +22,11 @@ from torch.autograd.function import once_differentiable
 
 from hf_zero.core.errors import UserError
 from hf_zero.data.packing import IGNORE
+from hf_zero.plan.fused_loss import config_problem
 
 __all__ = ["ChunkedLinearCrossEntropy", "FusedCrossEntropyMixin", "plan_fused_head", "chunk_tokens",
            "linear_cross_entropy", "shifted_targets"]
 
-# Model types whose causal-LM forward applies nothing to the logits after lm_head (checked in transformers 5.23's
-# modeling files): for them the fused loss is the same computation. Gemma2/3 (softcapping), Cohere (logit_scale) and
-# Granite (logits_scaling) change the logits; MoE models add their router loss only when given labels.
-EXACT_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi", "phi3", "gpt2", "gemma", "olmo", "olmo2",
-                               "starcoder2", "smollm3", "glm", "gpt_neox"})
-LOGIT_CHANGING_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "router_aux_loss_coef")
 
 
 def chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
@@ -154,19 +149,12 @@ def plan_fused_head(model, mode) -> tuple[torch.nn.Module | None, str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    model_type = getattr(config, "model_type", None)
     if head is None or base._get_name() not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         why = "the model is not a causal LM with an lm_head"
     elif not isinstance(head, torch.nn.Linear):
         why = f"its lm_head is a {type(head).__name__} (LoRA or modules_to_save on lm_head), not a plain Linear"
-    elif any(getattr(config, f, None) not in (None, 1, 1.0) for f in LOGIT_CHANGING_FIELDS):
-        changed = next(f for f in LOGIT_CHANGING_FIELDS if getattr(config, f, None) not in (None, 1, 1.0))
-        why = f"{model_type} changes the logits or the loss after lm_head ({changed})"
-    elif getattr(config, "loss_type", None) not in (None, "ForCausalLM"):
-        why = f"the model's loss is {config.loss_type}, not ForCausalLM"
-    elif model_type not in EXACT_MODEL_TYPES and mode == "auto":
-        why = (f"model type {model_type} is not one hf_zero checked to apply nothing to the logits after lm_head "
-               "(set fused_cross_entropy: true if it applies nothing)")
+    elif (problem := config_problem(config, mode)) is not None:
+        why = problem
     else:
         kind = "Liger's Triton kernel" if _liger_kernel() is not None else "chunked PyTorch"
         return head, f"on ({kind}): the logits of all tokens never exist at once"
