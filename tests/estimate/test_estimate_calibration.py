@@ -184,3 +184,16 @@ def test_fused_loss_step_peak_on_unseen_shapes(shape, autocast, lora, base):
     assert (g["total"] - g["resident"] - g["buffers"]) == pytest.approx(measured, rel=0.05)
     standard = estimate(count, "ddp", fused_cross_entropy=False, **kw)["gpu_bytes_per_rank"]["activations"]
     assert g["activations"] < standard  # and the full logits' bytes are what it saves
+
+
+def test_readme_gpu_table_is_the_h200_calibration_data():
+    """The README's "Measured on a GPU" rows: peak and estimate as this data and today's estimate give them."""
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    for run in (r for r in RUNS if r["name"].startswith("h200_")):
+        est, got = calibration_estimate(run)["gpu_bytes_per_rank"]["total"], run["measured_peak_allocated_bytes"]
+        sign = "+" if est >= got else "−"
+        row = (rf"\| `{run['profile']}` \| {run['step_s_median']:.3f} \| [\d,]+ \| {got / 2**30:.1f} GiB \| "
+               rf"{est / 2**30:.1f} GiB \({re.escape(sign)}{abs(100 * (est / got - 1)):.1f}%\) \|")
+        assert re.search(row, readme), row

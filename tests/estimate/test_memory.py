@@ -151,21 +151,26 @@ def test_activations_per_attention_and_checkpointing(llama7b):
     """Bytes per layer and token in 16-bit DeepSpeed weights, full fine-tune (hf_zero/estimate/activations.py): sdpa
     26h + 8i + 2s (norms 2 x 6h, the shared q/k/v input 2h, q/k/v/output 8h + the kernel's mask copy 2s, o_proj's
     input 2h, the MLP's input 2h, gate/act/up/product 8i); eager 24h + 8i + 6as (no output saved, fp32 + 16-bit
-    probabilities); the loss 12 bytes per vocabulary entry and token; checkpointing keeps 2h per layer."""
+    probabilities); the loss 12 bytes per vocabulary entry and token (transformers' loss), or with hf_zero's fused
+    loss the hidden states' gradient 2h per token, lm_head's fp32 gradient 4vh and one chunk's logits 10 bytes per
+    entry; checkpointing keeps 2h per layer."""
     s, b, h, i, a, layers, v = 2048, 2, 4096, 11008, 32, 32, 32000
     tok = s * b
     head, loss = (4 * h + 2 * h + 2 * h) * tok, 12 * v * tok
 
     def act(**kw):
-        kw = {"micro_batch": b, "seq_len": s, "gpus_per_node": 8, **kw}
+        kw = {"micro_batch": b, "seq_len": s, "gpus_per_node": 8, "fused_cross_entropy": False, **kw}
         return estimate(llama7b, "zero3", **kw)["gpu_bytes_per_rank"]["activations"]
 
     assert act() == layers * tok * (26 * h + 8 * i + 2 * s) + head + loss
     assert act(attn_implementation="eager") == layers * tok * (24 * h + 8 * i + 6 * a * s) + head + loss
     assert act(flash_attention=True) == layers * tok * (26 * h + 8 * i) + head + loss  # no KV repeat (32 KV heads)
     assert act(grad_checkpointing=True) == layers * 2 * h * tok + head + loss
+    chunk = -(-tok // -(-v // h))  # fused_ce.chunk_tokens: 512 tokens of logits at a time
+    fused = 2 * h * tok + 4 * v * h + (2 + 8) * chunk * v
+    assert act(fused_cross_entropy="auto") == layers * tok * (26 * h + 8 * i + 2 * s) + head + fused
     # the Trainer without DeepSpeed keeps fp32 weights: fp32 residual stream, each linear casts its input
-    ddp = estimate(llama7b, "ddp", micro_batch=b, seq_len=s)["gpu_bytes_per_rank"]
+    ddp = estimate(llama7b, "ddp", micro_batch=b, seq_len=s, fused_cross_entropy=False)["gpu_bytes_per_rank"]
     assert ddp["activations"] == layers * tok * (36 * h + 8 * i + 2 * s) + (4 + 4 + 2) * h * tok + loss + \
         2 * llama7b.layer.linear  # + the 16-bit copy of every linear weight autocast keeps for backward
     assert ddp["resident"] == 12 * llama7b.total_params  # fp32 weights + Adam; gradients freed by zero_grad

@@ -61,7 +61,8 @@ def test_zero3_lora_estimate_counts_them_and_nothing_else_moves():
 
     config = get_model_config("benchmarks/models/llama-1b")
     lora, full = count_model(config, lora={"r": 16, "task_type": "CAUSAL_LM"}), count_model(config)
-    kw = dict(world_size=1, precision="bf16", micro_batch=8, seq_len=1024)
+    # as the H100 runs the +19% is about were made: transformers' loss (before hf_zero's fused loss)
+    kw = dict(world_size=1, precision="bf16", micro_batch=8, seq_len=1024, fused_cross_entropy=False)
     rows = {s: estimate(lora, s, **kw)["gpu_bytes_per_rank"] for s in ("ddp", "zero2", "zero3", "zero3_offload")}
     # Llama-1.1B shape, bf16, packed 1024 x 8: the linear inputs a frozen layer saves under ZeRO-3 alone
     ls, tokens = lora.layer, 8 * 1024
