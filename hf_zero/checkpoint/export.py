@@ -24,7 +24,7 @@ from hf_zero.checkpoint.store import MANIFEST_NAME, find_resume_checkpoint, list
 from hf_zero.core.console import progress_prints
 from hf_zero.core.errors import UserError
 from hf_zero.data.model_names import hub_model_id, resolve_model_path
-from hf_zero.plan.profiles import Profile
+from hf_zero.plan.profiles import Profile, with_precision
 from hf_zero.plan.quantization import quantization_config
 
 __all__ = ["export_checkpoint", "DTYPES"]
@@ -175,13 +175,10 @@ def _quantization(folder: Path):
             info = json.loads(record.read_text())
             if not (info.get("settings") or {}).get("load_in_4bit"):
                 return None
-            from dataclasses import replace
-
             from hf_zero.core.config import ModelArguments
 
-            precision = {"fp32": "no"}.get(info.get("precision"), info.get("precision") or "no")
             return quantization_config(ModelArguments(use_peft=True, load_in_4bit=True),
-                                       replace(Profile(name="export"), mixed_precision=precision))
+                                       with_precision(Profile(name="export"), info.get("precision")))
     return None
 
 

@@ -27,6 +27,7 @@ from hf_zero.estimate.model_count import count_model
 from hf_zero.estimate.recipe import HEADROOM, RecipeMemory, lora_fields, plan, read_recipe, sp_by_stage, sp_sizes
 from hf_zero.plan.profiles import load_profile, with_precision
 from hf_zero.plan.reconcile import plan_batch
+from hf_zero.plan.world import per_machine_of, world_of
 
 __all__ = ["add_arguments", "run", "parse_bytes"]
 
@@ -133,13 +134,13 @@ def run(args) -> int:
     recipe = _recipe(args)
     strategies, prof = strategies_for(args.profile)
     gpn = at_least("--gpus-per-node", args.gpus_per_node) or (
-        max(prof.num_processes // max(prof.num_machines, 1), 1) if prof else 1)
+        per_machine_of(prof.num_processes, prof.num_machines) if prof else 1)
     nodes = at_least("--nodes", args.nodes) or (prof.num_machines if prof else 1)
     precision = with_precision(prof, args.precision).precision if prof else args.precision or "bf16"
     gpu_mem = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
     cpu_mem = parse_bytes(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
     sp = prof.sp_size if prof else 1  # a sequence-parallel profile: activations split over sp ranks
-    batch = plan_batch(recipe.micro, recipe.accumulation, gpn * nodes, recipe.global_batch, sp=sp)
+    batch = plan_batch(recipe.micro, recipe.accumulation, world_of(gpn, nodes), recipe.global_batch, sp=sp)
     try:
         count = count_model(get_model_config(recipe.model), lora=recipe.lora)
     except ValueError as err:  # peft: target modules not in the model
@@ -170,7 +171,7 @@ def run(args) -> int:
             rec["largest_micro_batch"] = memory.largest_micro_batch(
                 count, rec["strategy"], usable, cpu_mem, frozen_base="nf4" if rec["load_in_4bit"] else None,
                 **{**kw, "sp_size": rec["sp_size"]})
-    seq_par = _sequence_parallel(recipe, count, gpn * nodes, usable, args, batch, kw)
+    seq_par = _sequence_parallel(recipe, count, world_of(gpn, nodes), usable, args, batch, kw)
     layer = count.layer
     summary = {"name": recipe.model, "params": count.total_params, "largest_layer_params": count.largest_layer_params,
                "trainable_params": count.trainable_params, "num_layers": count.num_layers,

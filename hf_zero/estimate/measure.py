@@ -157,8 +157,8 @@ class ActivationRecorder:
 class MemoryMeasureCallback(TrainerCallback):
     """Records the first optimizer step of a fresh run on every rank, and every step's activations."""
 
-    def __init__(self, output_dir):
-        self.output_dir = Path(output_dir)
+    def __init__(self, output_dir, world: int):
+        self.output_dir, self.world = Path(output_dir), world  # world: the run plan's
         self.recorder = None
         self.activations = None
         self.done = False
@@ -185,7 +185,7 @@ class MemoryMeasureCallback(TrainerCallback):
             self.activations.end(state.global_step)
         if self.done or self.recorder is None:
             return
-        record = {"rank": rank(), "world_size": int(os.environ.get("WORLD_SIZE", "1")), "step": state.global_step,
+        record = {"rank": rank(), "world_size": self.world, "step": state.global_step,
                   **self.recorder.result()}
         self.recorder, self.done = None, True
         self.output_dir.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,7 @@ from hf_zero.estimate import fsdp as fsdp_memory
 from hf_zero.estimate.activations import ATTENTION, step_bytes
 from hf_zero.estimate.model_count import ModelCount, nf4_bytes
 from hf_zero.plan.profiles import PRECISIONS, list_profiles, load_profile
+from hf_zero.plan.world import world_of
 
 __all__ = ["strategies_for", "STRATEGIES", "SPEED_ORDER", "QLORA_STRATEGIES", "estimate", "estimate_all", "recommend",
            "largest_micro_batch"]
@@ -185,7 +186,7 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
                          f"{grad_accumulation=} / {attn=} / {frozen_base=}")
     gpn = int(gpus_per_node or 1)
     nodes = (1 if world_size is None else world_size // gpn) if nodes is None else int(nodes)
-    n = gpn * nodes
+    n = world_of(gpn, nodes)
     if gpn < 1 or nodes < 1 or world_size not in (None, n):
         raise ValueError(f"{world_size=} is not {gpus_per_node=} x {nodes=}")
     c, mixed = count, precision != "fp32"

@@ -23,6 +23,7 @@ from hf_zero.plan.profiles import gpu_count, load_profile
 from hf_zero.plan.reconcile import plan_batch
 from hf_zero.plan.sequence_parallel import verify_sequence_parallel
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
+from hf_zero.plan.world import world_of
 
 __all__ = ["HEADROOM", "RecipeMemory", "read_recipe", "lora_fields", "plan", "candidates", "pick_profile",
            "sp_sizes", "sp_by_stage"]
@@ -160,10 +161,10 @@ def _command(recipe: RecipeMemory, profile: str, gpn: int, nodes: int, precision
     return shlex.join(cmd)
 
 
-def _first_fit(count, recipe, world, estimate_kw, usable, cpu_memory, choices, only_own=False):
+def _first_fit(count, recipe, per_rank, estimate_kw, usable, cpu_memory, choices, only_own=False):
     """(profile, strategy, micro, accumulation, estimate, 4-bit base) of the fastest launch that fits, else None;
+    `per_rank`: one data-parallel rank's samples per optimizer step (micro x accumulation, kept by every fit);
     `only_own`: at the recipe's own micro-batch only."""
-    per_rank = (recipe.global_batch or recipe.micro * recipe.accumulation * world) // world
     micros = [recipe.micro] if only_own else [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
     for profile, strategy, *base in choices:
         qlora = bool(base) or recipe.load_in_4bit
@@ -183,8 +184,9 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
     headroom it leaves and why; "profile": None and what would fit when nothing does. `choices`: (profile,
     strategy) pairs to try in order (default: candidates(world)); `only_own`: keep the recipe's micro-batch;
     `sp_size`: the choices' sequence-parallel size (the batch then counts world / sp_size data-parallel ranks)."""
-    batch = plan_batch(recipe.micro, recipe.accumulation, gpus_per_node * nodes, recipe.global_batch, sp=sp_size)
-    world = batch.dp  # below: the ranks that take their own micro-batches
+    batch = plan_batch(recipe.micro, recipe.accumulation, world_of(gpus_per_node, nodes), recipe.global_batch,
+                       sp=sp_size)
+    per_rank = batch.global_batch // batch.dp  # the ranks that take their own micro-batches share the global batch
     recipe = replace(recipe, accumulation=batch.accumulation)
     try:
         config = get_model_config(recipe.model) if isinstance(recipe.model, str) else recipe.model
@@ -196,19 +198,19 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
               sp_size=sp_size, fused_cross_entropy=recipe.fused_cross_entropy)
     usable = int(gpu_memory_bytes * (1 - HEADROOM))
     any_profile = choices is None
-    choices = choices or candidates(gpus_per_node * nodes, recipe.lora is not None, recipe.load_in_4bit)
+    choices = choices or candidates(world_of(gpus_per_node, nodes), recipe.lora is not None, recipe.load_in_4bit)
     # Sequence parallelism (exact, its all-to-all on the GPUs' own links) before an offload or a 4-bit base
     cut = next((i for i, (name, _, *base) in enumerate(choices) if base or "offload" in name), len(choices))
-    found = _first_fit(count, recipe, world, kw, usable, cpu_memory_bytes, choices[:cut], only_own)
+    found = _first_fit(count, recipe, per_rank, kw, usable, cpu_memory_bytes, choices[:cut], only_own)
     if found is None and any_profile and sp_size == 1:
         fit = _sequence_parallel_fit(recipe, gpus_per_node, gpu_memory_bytes, nodes, precision, cpu_memory_bytes,
                                      only_own)
         if fit:
             return fit
     if found is None and cut < len(choices):
-        found = _first_fit(count, recipe, world, kw, usable, cpu_memory_bytes, choices[cut:], only_own)
+        found = _first_fit(count, recipe, per_rank, kw, usable, cpu_memory_bytes, choices[cut:], only_own)
     if found is None:
-        return _what_would_fit(count, recipe, world, kw, usable, gpu_memory_bytes, cpu_memory_bytes, choices,
+        return _what_would_fit(count, recipe, per_rank, kw, usable, gpu_memory_bytes, cpu_memory_bytes, choices,
                                only_own)
     profile, strategy, micro, accum, est, qlora = found
     peak = est["gpu_bytes_per_rank"]["total"]
@@ -220,7 +222,7 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
               f"{human_bytes(gpu_memory_bytes - peak)} "
               f"({100 * (1 - peak / gpu_memory_bytes):.0f}%) left; {HEADROOM_WHY}")
     return {"profile": profile, "strategy": strategy, "nproc": gpus_per_node, "nodes": nodes, "micro_batch": micro,
-            "accumulation": accum, "global_batch": micro * accum * world, "precision": precision,
+            "accumulation": accum, "global_batch": batch.global_batch, "precision": precision,
             "peak_bytes": peak, "headroom_bytes": gpu_memory_bytes - peak, "reason": reason, "load_in_4bit": qlora,
             "command": _command(recipe, profile, gpus_per_node, nodes, precision, micro, accum, switch),
             "sp_size": sp_size}
@@ -232,7 +234,7 @@ def _sequence_parallel_fit(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_
     none does, or SP cannot run).
     Smallest, because each doubling halves the data-parallel groups; the shipped zero3_sp runs its own sp_size,
     another needs a copy of it with that parallelism_config_sp_size (the command names it)."""
-    world = gpus_per_node * nodes
+    world = world_of(gpus_per_node, nodes)
     if world < 2 or recipe.load_in_4bit:
         return None
     shipped = load_profile("zero3_sp")
@@ -255,7 +257,7 @@ def _sequence_parallel_fit(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_
     return None
 
 
-def _what_would_fit(count, recipe, world, kw, usable, gpu_memory, cpu_memory, choices, only_own) -> dict:
+def _what_would_fit(count, recipe, per_rank, kw, usable, gpu_memory, cpu_memory, choices, only_own) -> dict:
     """The smallest estimate tried (the last choice at the smallest micro-batch) and what would fit instead."""
     last, strategy, *base = choices[-1]
     micro = recipe.micro if only_own else 1
@@ -263,7 +265,7 @@ def _what_would_fit(count, recipe, world, kw, usable, gpu_memory, cpu_memory, ch
                     **kw)["gpu_bytes_per_rank"]["total"]
     hint = "use more GPUs, LoRA (use_peft: true) or a shorter max_seq_length"
     if not recipe.gradient_checkpointing:
-        hit = _first_fit(count, recipe, world, {**kw, "grad_checkpointing": True}, usable, cpu_memory, choices,
+        hit = _first_fit(count, recipe, per_rank, {**kw, "grad_checkpointing": True}, usable, cpu_memory, choices,
                          only_own)
         hint = (f"with gradient_checkpointing: true {hit[0]} fits at micro-batch {hit[2]} "
                 f"({human_bytes(hit[4]['gpu_bytes_per_rank']['total'])})") if hit else hint

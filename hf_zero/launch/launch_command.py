@@ -13,6 +13,7 @@ from hf_zero.data.assets import prepare_run_assets
 from hf_zero.launch.interrupt import RESUME_ENV
 from hf_zero.plan.parse import pop_flag, recipe_assets
 from hf_zero.plan.profiles import PROFILE_ENV, accelerate_precision, load_profile, resolve_profile_path
+from hf_zero.plan.world import world_from_env, world_of
 
 __all__ = ["build_launch_command", "ensure_launched", "prepare_assets"]
 
@@ -29,7 +30,7 @@ def build_launch_command(profile: str, script: str, script_args: list[str], npro
         cmd += ["--num_machines", str(nodes)]
     if nproc is not None:
         # accelerate counts processes over all machines; NPROC is per machine, as users think of GPUs.
-        cmd += ["--num_processes", str(nproc * (nodes or prof.num_machines))]
+        cmd += ["--num_processes", str(world_of(nproc, nodes or prof.num_machines))]
     if machine_rank is not None:
         cmd += ["--machine_rank", str(machine_rank)]
     if main_ip:
@@ -56,7 +57,7 @@ def ensure_launched(argv: list[str], script: str) -> list[str]:
     path = str(resolve_profile_path(profile))
     if os.environ.get(PROFILE_ENV) and str(resolve_profile_path(os.environ[PROFILE_ENV])) == path:
         return rest
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if world_from_env() > 1:
         right = f"accelerate launch --config_file {shlex.quote(profile)} {shlex.quote(script)} {shlex.join(rest)}"
         raise UserError("--config_file", "a profile given after the script cannot change a running launch",
                         f"run: {right}")

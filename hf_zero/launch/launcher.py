@@ -30,7 +30,7 @@ from hf_zero.core.report import STATUS_ENV, read_status
 from hf_zero.core.run_lock import LOCK_ENV, RunLock
 from hf_zero.launch.interrupt import RESUME_ENV, status_line, where_it_stands
 from hf_zero.launch.parent_watch import LAUNCHER_PID_ENV
-from hf_zero.plan.profiles import load_profile
+from hf_zero.plan.profiles import load_profile, with_precision
 from hf_zero.plan.run_plan import PLAN_ENV, RunPlan, plan_for_launch
 
 __all__ = ["main"]
@@ -136,13 +136,9 @@ def _resolve_plan(args, folder: Path) -> Path | None:
     """The run plan, resolved here once before any rank starts, from the launch this process was given (the
     profile, and the process count, machines and precision hf_zero put on accelerate's command line); its path goes
     to every rank in the environment (hf_zero.plan.run_plan)."""
-    from dataclasses import replace
-
     if not args.config_file or not args.training_script.endswith(".py"):
         return None  # not a recipe under a profile: the ranks resolve it themselves, as under `accelerate launch`
-    profile = load_profile(args.config_file)
-    if args.mixed_precision:
-        profile = replace(profile, mixed_precision=args.mixed_precision)
+    profile = with_precision(load_profile(args.config_file), args.mixed_precision)
     nodes = args.num_machines or profile.num_machines
     world = args.num_processes or profile.num_processes
     path = plan_for_launch(profile, args.training_script, args.training_script_args, world, nodes, folder)

@@ -21,6 +21,7 @@ from hf_zero.launch.launch_command import build_launch_command
 from hf_zero.plan.parse import load_yaml_config, pop_flag
 from hf_zero.plan.profiles import load_profile
 from hf_zero.plan.shipped import recipe_script
+from hf_zero.plan.world import per_machine_of, world_of
 
 __all__ = ["build_sbatch_script"]
 
@@ -89,7 +90,7 @@ def build_sbatch_script(args, extra: list[str], command_line: str = "") -> str:
     recipe = recipe_script(args.recipe, args.config).expanduser().resolve()
     if not recipe.is_file():
         raise UserError("--recipe", f"{recipe} does not exist", "pass a recipe script, e.g. recipes/curriculum.py")
-    nproc = args.nproc_per_node or args.gpus_per_node or max(profile.num_processes // profile.num_machines, 1)
+    nproc = args.nproc_per_node or args.gpus_per_node or per_machine_of(profile.num_processes, profile.num_machines)
     if args.gpus_per_node and nproc > args.gpus_per_node:
         raise UserError("--nproc-per-node", f"{nproc} processes for {args.gpus_per_node} GPUs per node",
                         "use at most one process per GPU")
@@ -107,7 +108,7 @@ def build_sbatch_script(args, extra: list[str], command_line: str = "") -> str:
     # The node's rank and the main host are known only inside the allocation: expanded by the task's own shell.
     task = (f'exec {shlex.join(launcher)} --machine_rank "$SLURM_NODEID" --main_process_ip "$MAIN_IP" '
             f"{shlex.join([str(recipe), *recipe_args])}")
-    world = args.nodes * nproc
+    world = world_of(nproc, args.nodes)
     sbatch = {"job-name": args.job_name, "nodes": args.nodes, "ntasks-per-node": 1,
               "gpus-per-node": args.gpus_per_node or None, "cpus-per-task": args.cpus_per_task,
               "partition": args.partition, "account": args.account, "time": args.time}

@@ -21,6 +21,7 @@ from hf_zero.core.once import once, read_text
 from hf_zero.core.validate import at_line, yaml_lines
 from hf_zero.plan.sequence_parallel import sp_size_of, verify_profile_sp
 from hf_zero.plan.shipped import shipped_dir
+from hf_zero.plan.world import world_from_env
 
 __all__ = [
     "PROFILES_DIR",
@@ -242,10 +243,10 @@ def profile_from_env(env: dict | None = None) -> Profile:
     env = dict(os.environ if env is None else env)
     if env.get(PROFILE_ENV):
         prof = load_profile(env[PROFILE_ENV])
-        prof.num_processes = int(env.get("WORLD_SIZE", prof.num_processes))
+        prof.num_processes = world_from_env(env, prof.num_processes)
         prof.mixed_precision = env.get("ACCELERATE_MIXED_PRECISION", prof.mixed_precision).lower()
         return prof
-    world = int(env.get("WORLD_SIZE", 1))
+    world = world_from_env(env)
     precision = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", 2))

@@ -26,6 +26,7 @@ from hf_zero.plan.parse import parse_recipe_args
 from hf_zero.plan.profiles import Profile, gpu_count, profile_from_env
 from hf_zero.plan.reconcile import BatchPlan, reconcile_training_kwargs
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types
+from hf_zero.plan.world import nodes_from_env, world_from_env
 
 __all__ = ["PLAN_ENV", "PLAN_NAME", "RunPlan", "resolve_run", "plan_for_launch", "plan_in_worker"]
 
@@ -126,7 +127,7 @@ def plan_in_worker(types: tuple, argv: list[str], script: str, env=os.environ):
     """A rank's side: (parsed recipe dataclasses, stages, TrainingArguments kwargs, plan). The plan comes from the
     launcher's file when there is one, else it is resolved here, as the launcher would."""
     parsed, stages, training_kwargs, config = _parse(script, argv, types)
-    world = int(env.get("WORLD_SIZE", "1"))
+    world = world_from_env(env)
     if env.get(PLAN_ENV):
         path = Path(env[PLAN_ENV])
         try:
@@ -140,7 +141,7 @@ def plan_in_worker(types: tuple, argv: list[str], script: str, env=os.environ):
                             f"{' '.join(plan.argv)}, but this rank runs in {world} with {' '.join(argv)}",
                             "launch through hf-zero train (or the recipe) again, or unset HF_ZERO_RUN_PLAN")
         return parsed, stages, {**training_kwargs, **plan.training}, plan
-    nodes = max(world // int(env.get("LOCAL_WORLD_SIZE") or world), 1)
+    nodes = nodes_from_env(env, world)
     plan, kwargs = resolve_run(profile_from_env(env), parsed, training_kwargs, world=world, nodes=nodes,
                                gpus=gpu_count(), recipe=script, config=config, argv=argv)
     return parsed, stages, kwargs, plan

@@ -22,6 +22,7 @@ from hf_zero.plan.profiles import gpu_count, precision_name
 from hf_zero.plan.quantization import verify_quantization
 from hf_zero.plan.reconcile import _profile_precision
 from hf_zero.plan.sequence_parallel import verify_recipe_sp
+from hf_zero.plan.world import per_machine_from_env, world_from_env
 
 __all__ = ["verify_profile_keys", "verify_devices", "verify_precision", "verify_launch", "verify_hostfile",
            "verify_offload", "verify_output", "strategy_of", "count_for", "checkpoint_plan", "output_needs",
@@ -111,12 +112,12 @@ def verify_launch(profile, env: dict, config: str | None = None, in_recipe: bool
     if profile.num_machines > 1 and not (hosts or profile.raw.get("main_process_ip") or env.get("MASTER_ADDR")):
         raise UserError("launch", f"profile {profile.name} spans {profile.num_machines} machines but names no "
                         "main_process_ip", "add main_process_ip to the profile, pass --main-ip HOST0 or --hostfile")
-    if in_recipe and world > 1 and "WORLD_SIZE" not in env:
+    if in_recipe and world > 1 and world_from_env(env, None) is None:
         raise UserError("launch", f"profile {profile.name} runs {world} processes but this recipe was started as one "
                         "process (plain `python`)", f"run: {command} (or accelerate launch --config_file "
                         f"{profile.path or profile.name} <recipe> ...)")
     if in_recipe:
-        return f"launched as rank {env.get('RANK', '0')} of {env.get('WORLD_SIZE', '1')}"
+        return f"launched as rank {env.get('RANK', '0')} of {world_from_env(env)}"
     return f"start it with `{command}` ({world} process(es) in all); plain `python` would run one"
 
 
@@ -269,7 +270,7 @@ def check_at_start(profile, training_kwargs: dict, parsed: tuple, stages: list, 
 
 
 def _nproc(profile, world: int, env: dict) -> int:
-    return int(env.get("LOCAL_WORLD_SIZE") or max(world // max(profile.num_machines, 1), 1))
+    return per_machine_from_env(env, world, profile.num_machines)
 
 
 def check_launch_at_start(profile, parsed: tuple, world: int, config: str | None = None, env: dict | None = None):

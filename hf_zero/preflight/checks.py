@@ -24,6 +24,7 @@ from hf_zero.plan.profiles import gpu_count, load_profile, with_precision
 from hf_zero.plan.reconcile import check_profile_accumulation, plan_batch
 from hf_zero.plan.sequence_parallel import verify_recipe_kind, verify_recipe_sp
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types
+from hf_zero.plan.world import per_machine_of, world_of
 from hf_zero.preflight.check_rules import (
     verify_devices,
     verify_hostfile,
@@ -72,7 +73,7 @@ class _State:
     def nproc(self) -> int:
         if self.args.nproc or self.hosts:
             return self.args.nproc or self.hosts[0][1]
-        return max(self.profile.num_processes // max(self.profile.num_machines, 1), 1)
+        return per_machine_of(self.profile.num_processes, self.profile.num_machines)
 
     def value(self, key, default=None):
         if self.parsed is None:
@@ -148,7 +149,7 @@ def _batch(st):
     accum = st.value("gradient_accumulation_steps")
     accum = int(1 if accum is None else accum)
     check_profile_accumulation(st.profile, accum, env={})
-    world = st.nproc * st.machines
+    world = world_of(st.nproc, st.machines)
     micro = st.value("per_device_train_batch_size")
     sp = st.profile.sp_size
     st.batch = plan_batch(int(1 if micro is None else micro), accum, world, st.value("global_batch_size"), sp=sp)
@@ -173,7 +174,7 @@ def _precision(st):
 def _launch(st):
     flags = "".join(f" --{k} {v}" for k, v in (("nproc", st.args.nproc), ("hostfile", st.args.hostfile)) if v)
     return verify_launch(st.profile, dict(os.environ), st.args.config, in_recipe=False, hosts=st.hosts,
-                         world=st.nproc * st.machines, flags=flags)
+                         world=world_of(st.nproc, st.machines), flags=flags)
 
 
 def _hostfile(st):

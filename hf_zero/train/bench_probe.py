@@ -67,8 +67,8 @@ def peak_memory() -> dict:
 
 
 class BenchProbeCallback(TrainerCallback):
-    def __init__(self, output_dir, trainer=None):
-        self.output_dir, self.trainer = Path(output_dir), trainer
+    def __init__(self, output_dir, world: int, trainer=None):
+        self.output_dir, self.world, self.trainer = Path(output_dir), world, trainer  # world: the run plan's
         self.begin, self.end, self.buckets, self.fingerprint = [], [], 0, {}
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -83,7 +83,7 @@ class BenchProbeCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         import psutil
 
-        record = {"rank": rank(), "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        record = {"rank": rank(), "world_size": self.world,
                   "process_start": psutil.Process().create_time(), "step_begin": self.begin,
                   "step_end": self.end, "train_end": time.time(), "ddp_bucket_bytes": self.buckets, **peak_memory(),
                   "fingerprint": self.fingerprint, "t0": startup.t0(), "startup_phases": startup.phases()}

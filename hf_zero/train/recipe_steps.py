@@ -75,9 +75,9 @@ def attach_probes(trainer, ctx: RunContext, measure_memory: bool = False) -> Non
     """The callbacks the tools switch on: bytes per rank at step 1 (`hf-zero estimate` checks) and step times,
     start-up and peak memory (`hf-zero bench`)."""
     if measure_requested(measure_memory):
-        trainer.add_callback(MemoryMeasureCallback(ctx.output_dir))
+        trainer.add_callback(MemoryMeasureCallback(ctx.output_dir, ctx.plan.world))
     if bench_requested():
-        trainer.add_callback(BenchProbeCallback(ctx.output_dir, trainer))
+        trainer.add_callback(BenchProbeCallback(ctx.output_dir, ctx.plan.world, trainer))
     trainer.add_callback(StartupCallback())
 
 

@@ -183,5 +183,7 @@ class SequenceParallelMixin:
         if num_items_in_batch is None:  # a batch not counted by get_batch_samples: this micro-batch over the world
             num_items_in_batch = (targets != IGNORE).sum().to(local.device)
             torch.distributed.all_reduce(num_items_in_batch)
+        # Read live, not from the plan: the engine averages gradients over this process group, and x world
+        # undoes that average so the step's loss is the global token mean.
         world = torch.distributed.get_world_size()
         return local * world / num_items_in_batch.to(local.device).clamp(min=1)
