@@ -79,6 +79,7 @@ def verify_data_file(path: Path, spec: str, where: str) -> None:
 
 
 _VERIFIED: set = set()
+_LOADED: dict = {}  # (path, size, mtime) -> the datasets.Dataset load_source read from it in this process
 
 
 def load_source(spec: str, where: str):
@@ -98,6 +99,10 @@ def load_source(spec: str, where: str):
             raise UserError(where, f"data file {path} does not exist",
                             "fix the path (a relative path is read from the recipe YAML's folder)")
         verify_data_file(local, spec, where)
+        stat = local.stat()
+        key = (str(local.resolve()), stat.st_size, stat.st_mtime_ns)
+        if key in _LOADED:  # each rank counts a file's rows before writing anything, then tokenizes the same rows
+            return _LOADED[key]
         try:
             ds = datasets.load_dataset(_FORMATS[local.suffix], data_files=str(local), split="train")
         except Exception as err:  # datasets raises many types for unreadable files
@@ -105,6 +110,7 @@ def load_source(spec: str, where: str):
                             "check the file's format") from None
         if not len(ds):
             raise UserError(where, f"{spec} has no rows", "give it rows, or remove it from the stage")
+        _LOADED[key] = ds  # a Dataset never changes in place (map/filter return new ones): safe to hand out again
         return ds
     try:
         return datasets.load_dataset(path, split="train")
@@ -132,12 +138,11 @@ def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str, spec: st
     report = SourceReport(spec, "text", "all tokens")
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out = []
-    for text in ds[text_field]:
-        report.rows += 1
-        if not text or not str(text).strip():
-            report.empty += 1
-            continue
-        ids = tokenizer(str(text), add_special_tokens=False)["input_ids"]
+    texts = ds[text_field][:]  # the column at once: iterating it decodes one row per call
+    kept = [str(t) for t in texts if t and str(t).strip()]
+    report.rows, report.empty = len(texts), len(texts) - len(kept)
+    # One call for the whole column: the same ids as one call per row, without the per-call overhead.
+    for ids in tokenizer(kept, add_special_tokens=False)["input_ids"] if kept else []:
         report.truncated += len(ids) > max_len - len(eos)
         ids = ids[: max_len - len(eos)] + eos
         if len(ids) > 1:
