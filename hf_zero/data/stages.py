@@ -138,11 +138,7 @@ def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str, spec: st
     report = SourceReport(spec, "text", "all tokens")
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out = []
-    texts = ds[text_field][:]  # the column at once: iterating it decodes one row per call
-    kept = [str(t) for t in texts if t and str(t).strip()]
-    report.rows, report.empty = len(texts), len(texts) - len(kept)
-    # One call for the whole column: the same ids as one call per row, without the per-call overhead.
-    for ids in tokenizer(kept, add_special_tokens=False)["input_ids"] if kept else []:
+    for ids in _token_ids(ds[text_field], tokenizer, report):
         report.truncated += len(ids) > max_len - len(eos)
         ids = ids[: max_len - len(eos)] + eos
         if len(ids) > 1:
@@ -151,6 +147,18 @@ def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str, spec: st
             report.lengths.append(len(ids))
             report.loss_tokens += len(ids) - 1
     return out, report
+
+
+def _token_ids(column, tokenizer, report, batch: int = 1024):
+    """The non-empty texts' token ids, a batch of rows at a time: one tokenizer call per batch gives the same ids as
+    one call per row without its per-call overhead, and a slice of the column is decoded at once (iterating it
+    decodes one row per call)."""
+    for start in range(0, len(column), batch):
+        texts = column[start:start + batch]
+        kept = [str(t) for t in texts if t and str(t).strip()]
+        report.rows, report.empty = report.rows + len(texts), report.empty + len(texts) - len(kept)
+        if kept:
+            yield from tokenizer(kept, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
 
 def _load_tokenized(spec: str, where: str, tokenizer, max_len: int, opts):
