@@ -79,6 +79,7 @@ def verify_data_file(path: Path, spec: str, where: str) -> None:
 
 
 _VERIFIED: set = set()
+_LOADED: dict = {}  # (path, size, mtime) -> the datasets.Dataset load_source read from it in this process
 
 
 def load_source(spec: str, where: str):
@@ -98,6 +99,10 @@ def load_source(spec: str, where: str):
             raise UserError(where, f"data file {path} does not exist",
                             "fix the path (a relative path is read from the recipe YAML's folder)")
         verify_data_file(local, spec, where)
+        stat = local.stat()
+        key = (str(local.resolve()), stat.st_size, stat.st_mtime_ns)
+        if key in _LOADED:  # each rank counts a file's rows before writing anything, then tokenizes the same rows
+            return _LOADED[key]
         try:
             ds = datasets.load_dataset(_FORMATS[local.suffix], data_files=str(local), split="train")
         except Exception as err:  # datasets raises many types for unreadable files
@@ -105,6 +110,7 @@ def load_source(spec: str, where: str):
                             "check the file's format") from None
         if not len(ds):
             raise UserError(where, f"{spec} has no rows", "give it rows, or remove it from the stage")
+        _LOADED[key] = ds  # a Dataset never changes in place (map/filter return new ones): safe to hand out again
         return ds
     try:
         return datasets.load_dataset(path, split="train")
@@ -132,12 +138,7 @@ def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str, spec: st
     report = SourceReport(spec, "text", "all tokens")
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out = []
-    for text in ds[text_field]:
-        report.rows += 1
-        if not text or not str(text).strip():
-            report.empty += 1
-            continue
-        ids = tokenizer(str(text), add_special_tokens=False)["input_ids"]
+    for ids in _token_ids(ds[text_field], tokenizer, report):
         report.truncated += len(ids) > max_len - len(eos)
         ids = ids[: max_len - len(eos)] + eos
         if len(ids) > 1:
@@ -146,6 +147,18 @@ def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str, spec: st
             report.lengths.append(len(ids))
             report.loss_tokens += len(ids) - 1
     return out, report
+
+
+def _token_ids(column, tokenizer, report, batch: int = 1024):
+    """The non-empty texts' token ids, a batch of rows at a time: one tokenizer call per batch gives the same ids as
+    one call per row without its per-call overhead, and a slice of the column is decoded at once (iterating it
+    decodes one row per call)."""
+    for start in range(0, len(column), batch):
+        texts = column[start:start + batch]
+        kept = [str(t) for t in texts if t and str(t).strip()]
+        report.rows, report.empty = report.rows + len(texts), report.empty + len(texts) - len(kept)
+        if kept:
+            yield from tokenizer(kept, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
 
 def _load_tokenized(spec: str, where: str, tokenizer, max_len: int, opts):
