@@ -141,7 +141,7 @@ def test_one_rank_packed_lora_bench_compares_like_with_like(tmp_path):
 
 # The default tier runs the preset's code on its reference pair and the one offloading strategy (zero2 and zero3 run
 # through the real launcher in the session's strategy runs); every preset strategy is the slow tier's (and the GPU's).
-PRESET_SUBSETS = [("single_gpu", "zero3_offload"),
+PRESET_SUBSETS = [pytest.param(("single_gpu", "zero3_offload"), id="single_gpu-zero3_offload"),
                   pytest.param(None, marks=pytest.mark.slow, id="every-preset-strategy")]
 
 
