@@ -135,8 +135,8 @@ def lora_zero3_run(tmp_path_factory):
 def small_llama_zero3_first_run(tmp_path_factory):
     """recipes/configs/nvme_swap.yaml (small-llama, 4 steps) under zero3 on 2 ranks through plain `accelerate
     launch`, from an empty cache of its own: the first run that once deadlocked (the model built under zero.Init
-    while rank 1 sat on the cache lock: test_fresh_cache.py), and plain ZeRO-3's losses that NVMe offload must
-    match (test_nvme.py). .out (the run), .cache (the cache it built its model in)."""
+    while rank 1 sat on the cache lock: test_fresh_cache.py). The config is test_nvme.py's, whose plain ZeRO-3
+    baseline is the same run. .out (the run), .cache (the cache it built its model in)."""
     root = tmp_path_factory.mktemp("small_llama_zero3")
     config = write_short_config(REPO / "recipes" / "configs" / "nvme_swap.yaml", root / "nvme_swap.yaml", [4])
     empty, out = root / "cache", root / "run"
