@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -24,6 +25,7 @@ from testing_utils import (
     hf_zero_train,
     launch_recipe,
     run_as_user,
+    write_short_config,
 )
 
 # Tests never touch a hub; every model and data set is built or shipped locally.
@@ -127,6 +129,20 @@ def lora_zero3_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("shared_lora") / "zero3"
     proc = launch_recipe("zero3", out, *LORA_FLAGS, env={"HF_ZERO_MEASURE_MEMORY": "1"})
     return Run(out, proc.stdout, proc.stderr)
+
+
+@pytest.fixture(scope="session")
+def small_llama_zero3_first_run(tmp_path_factory):
+    """recipes/configs/nvme_swap.yaml (small-llama, 4 steps) under zero3 on 2 ranks through plain `accelerate
+    launch`, from an empty cache of its own: the first run that once deadlocked (the model built under zero.Init
+    while rank 1 sat on the cache lock: test_fresh_cache.py). The config is test_nvme.py's, whose plain ZeRO-3
+    baseline is the same run. .out (the run), .cache (the cache it built its model in)."""
+    root = tmp_path_factory.mktemp("small_llama_zero3")
+    config = write_short_config(REPO / "recipes" / "configs" / "nvme_swap.yaml", root / "nvme_swap.yaml", [4])
+    empty, out = root / "cache", root / "run"
+    launch_recipe("zero3", out, config=config,
+                  env={"HF_ZERO_CACHE": str(empty), "HF_HUB_CACHE": str(empty / "hub"), "PYTHONPATH": str(REPO)})
+    return SimpleNamespace(out=out, cache=empty)
 
 
 @pytest.fixture(scope="session")

@@ -182,6 +182,9 @@ def test_plain_trainer_script_trains_the_same_without_hf_zero(bench):
     assert not re.search(r"^\s*(from|import)\s+hf_zero", source, flags=re.M)
 
 
+@pytest.mark.slow  # one more launch; the default tier proves the verdict in-process (test_bench_compare.py's
+# test_overhead_verdict_needs_the_same_training_and_a_spread_within_the_target) and the plain script training what
+# its spec says (test_plain_trainer_script_trains_the_same_without_hf_zero)
 @pytest.mark.multiproc
 def test_a_baseline_that_trains_something_else_is_not_comparable(bench, tmp_path):
     """The plain script run again with a different learning rate: the report must call the pair "not comparable",

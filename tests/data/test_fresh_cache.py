@@ -202,20 +202,48 @@ if __name__ == "__main__":  # `hf-zero train` also loads a recipe as a module (i
 """
 
 
-@pytest.mark.multiproc
-def test_the_launcher_builds_the_assets_before_any_rank_starts(tmp_path):
-    """Ranks that only look: each finds the model already complete when it starts. (`hf-zero train`'s launcher:
-    test_first_run_on_an_empty_cache_finishes_and_leaves_a_loadable_model, whose ranks look, then train.)"""
-    probe, out, empty = tmp_path / "probe.py", tmp_path / "out", tmp_path / "cache"
+@pytest.fixture(scope="module")
+def relaunch_with_a_stalled_rank(tmp_path_factory):
+    """The recipe run as a script with `--config_file` (it relaunches itself under hf_zero's launcher) from an empty
+    cache: the launcher builds small-llama, each rank records what it finds missing, then trains; rank 1 sleeps an
+    hour before its first collective, and with a 20 s timeout rank 0 gives up. One launch, two tests."""
+    root = tmp_path_factory.mktemp("relaunch")
+    probe, probes, empty = root / "probe.py", root / "probes", root / "cache"
     probe.write_text(_PROBE_RECIPE)
-    out.mkdir()
-    config = write_short_config(TINY, tmp_path / "tiny.yaml", [1], model_name_or_path="small-llama")
-    cmd = [sys.executable, probe, "--config_file", PROFILES / "zero2.yaml", "--config", config]
-    run_cmd(cmd, env={"HF_ZERO_CACHE": str(empty), "HF_HUB_CACHE": str(empty / "hub"), "PROBE_OUT": str(out),
-                      "PYTHONPATH": str(REPO)}, timeout=600)
-    assert {p.name: p.read_text() for p in out.iterdir()} == {"rank0.txt": "[]", "rank1.txt": "[]"}
+    probes.mkdir()
+    config = write_short_config(TINY, root / "tiny.yaml", [1], model_name_or_path="small-llama")
+    cmd = [sys.executable, probe, "--config_file", PROFILES / "zero2.yaml", "--config", config, "--output_dir",
+           root / "run", "--disable_tqdm", "true"]
+    proc = run_cmd(cmd, env={"HF_ZERO_CACHE": str(empty), "HF_HUB_CACHE": str(empty / "hub"),
+                             "PROBE_OUT": str(probes), "PROBE_THEN_RUN": str(RECIPE), "PYTHONPATH": str(REPO),
+                             "HF_ZERO_TEST_STALL": "1:3600", "HF_ZERO_DIST_TIMEOUT": "20"}, timeout=600, check=False)
+    return proc, probes, empty, root / "run"
+
+
+@pytest.mark.multiproc
+def test_the_launcher_builds_the_assets_before_any_rank_starts(relaunch_with_a_stalled_rank):
+    """Each rank finds the model already complete when it starts. (`hf-zero train`'s launcher:
+    test_first_run_on_an_empty_cache_finishes_and_leaves_a_loadable_model, whose ranks look, then train.)"""
+    _, probes, empty, _ = relaunch_with_a_stalled_rank
+    assert {p.name: p.read_text() for p in probes.iterdir()} == {"rank0.txt": "[]", "rank1.txt": "[]"}
     (folder,) = (empty / "hub" / "models--hf-zero--small-llama" / "snapshots").iterdir()
     assert cache.model_folder_problem(folder) is None
+
+
+@pytest.mark.multiproc
+def test_a_rank_that_never_joins_fails_the_run_with_one_line(relaunch_with_a_stalled_rank):
+    """Rank 1 sleeps an hour before its first collective; with a 20 s timeout rank 0 gives up and says so, once.
+    The run ending at all is the proof: nothing else wakes rank 1 before the test's own time limit."""
+    proc, _, _, run = relaunch_with_a_stalled_rank
+    assert proc.returncode != 0
+    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "hf-zero: error:" in ln]
+    assert len(errors) == 1, (proc.stdout + proc.stderr)[-3000:]
+    assert errors[0].endswith(
+        "hf-zero: error: distributed: rank 0 gave up after 20 s waiting for the other ranks at the offline-asset "
+        "barrier (a rank is stuck or has died); see that rank's output; if it is only slow, raise "
+        "HF_ZERO_DIST_TIMEOUT (seconds) or ddp_timeout"), errors
+    assert "Timed out waiting" not in proc.stderr  # gloo's own error did not come out as a traceback
+    assert not Path(run / "summary.json").exists()
 
 
 @pytest.mark.multiproc
@@ -223,13 +251,12 @@ def test_the_launcher_builds_the_assets_before_any_rank_starts(tmp_path):
     # poisoned the cache: a non-main rank's save_pretrained wrote no weights (the same build-then-wait path as the
     # zero3 case below, which the default suite runs)
     pytest.param("zero2", "tiny-llama", "accelerate", marks=pytest.mark.slow),
-    ("zero3", "small-llama", "accelerate"),  # deadlocked: the model built under zero.Init while rank 1 sat on the lock
+    # zero3 small-llama through accelerate (it deadlocked: the model built under zero.Init while rank 1 sat on the
+    # lock) is the session's run (test_first_zero3_run_of_a_model_under_zero_init_finishes)
     pytest.param("zero3_offload", "mid-llama", "accelerate", marks=pytest.mark.slow),
     ("zero3", "tiny-llama", "hf-zero train"),  # the README's `make train PROFILE=zero3 NPROC=2 CONFIG=...tiny...`
 ])
 def test_first_run_on_an_empty_cache_finishes_and_leaves_a_loadable_model(tmp_path, profile, model, launcher):
-    from transformers import AutoModelForCausalLM
-
     empty, run, probes = tmp_path / "cache", tmp_path / "run", tmp_path / "probes"
     config = write_short_config(TINY, tmp_path / "short.yaml", [2, 2], model_name_or_path=model)
     env = {"HF_ZERO_CACHE": str(empty), "HF_HUB_CACHE": str(empty / "hub"), "PYTHONPATH": str(REPO)}
@@ -245,6 +272,20 @@ def test_first_run_on_an_empty_cache_finishes_and_leaves_a_loadable_model(tmp_pa
     run_cmd([*cmd, "--config", config, "--output_dir", run, "--disable_tqdm", "true"], env=env, timeout=900)
     if launcher != "accelerate":
         assert {p.name: p.read_text() for p in probes.iterdir()} == {"rank0.txt": "[]", "rank1.txt": "[]"}
+    _finished_with_a_loadable_model(run, empty, profile, model)
+
+
+@pytest.mark.multiproc
+def test_first_zero3_run_of_a_model_under_zero_init_finishes(small_llama_zero3_first_run):
+    """small-llama (nvme_swap.yaml's 4 steps), plain `accelerate launch`, its own empty cache: local rank 0 builds
+    the model under zero.Init while rank 1 waits at the barrier (it once deadlocked on the cache lock)."""
+    run = small_llama_zero3_first_run
+    _finished_with_a_loadable_model(run.out, run.cache, "zero3", "small-llama")
+
+
+def _finished_with_a_loadable_model(run, empty, profile, model):
+    from transformers import AutoModelForCausalLM
+
     summary = read_summary(run)
     assert summary["profile"] == profile and summary["world_size"] == 2 and summary["total_steps"] == 4
     (folder,) = (empty / "hub" / f"models--hf-zero--{model}" / "snapshots").iterdir()
@@ -252,25 +293,6 @@ def test_first_run_on_an_empty_cache_finishes_and_leaves_a_loadable_model(tmp_pa
     assert cache.model_folder_problem(folder) is None
     loaded = AutoModelForCausalLM.from_pretrained(folder)
     assert sum(p.numel() for p in loaded.parameters()) == summary["total_params"]
-
-
-@pytest.mark.multiproc
-def test_a_rank_that_never_joins_fails_the_run_with_one_line(tmp_path):
-    """Rank 1 sleeps an hour before its first collective; with a 20 s timeout rank 0 gives up and says so, once.
-    The run ending at all is the proof: nothing else wakes rank 1 before the test's own time limit."""
-    config = write_short_config(TINY, tmp_path / "short.yaml", [1])
-    proc = run_cmd([sys.executable, "-m", "accelerate.commands.launch", "--config_file", PROFILES / "zero2.yaml",
-                    RECIPE, "--config", config, "--output_dir", tmp_path / "run", "--disable_tqdm", "true"],
-                   env={"HF_ZERO_TEST_STALL": "1:3600", "HF_ZERO_DIST_TIMEOUT": "20"}, timeout=900, check=False)
-    assert proc.returncode != 0
-    errors = [ln for ln in proc.stderr.splitlines() if "hf-zero: error:" in ln]
-    assert len(errors) == 1, proc.stderr[-3000:]
-    assert errors[0].endswith(
-        "hf-zero: error: distributed: rank 0 gave up after 20 s waiting for the other ranks at the offline-asset "
-        "barrier (a rank is stuck or has died); see that rank's output; if it is only slow, raise "
-        "HF_ZERO_DIST_TIMEOUT (seconds) or ddp_timeout"), errors
-    assert "Timed out waiting" not in proc.stderr  # gloo's own error did not come out as a traceback
-    assert not Path(tmp_path / "run" / "summary.json").exists()
 
 
 @pytest.mark.multiproc

@@ -1,5 +1,6 @@
 """Multi-node launch, proven on one machine: two "machines" on loopback (two launches, machine_rank 0 and 1, main
-process 127.0.0.1) under ZeRO-3 give the same losses as one machine with the same global batch.
+process 127.0.0.1) under ZeRO-3 give the same losses as one machine with the same global batch (the README's
+zero3 run of the tiny curriculum, run once per session: no launch of its own).
 
 Machine 0 is started with plain `accelerate launch` and its multi-node flags, machine 1 with `hf-zero train
 --hostfile` (a DeepSpeed `host slots=N` file): the two routes must interoperate. `hf-zero train --nodes
@@ -12,7 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from testing_utils import PROFILES, RECIPE, REPO, TINY, free_port, launch_recipe, read_summary, write_short_config
+from testing_utils import PROFILES, RECIPE, REPO, TINY, free_port, read_summary, readme_command
 
 from hf_zero.cli import main as cli_main
 
@@ -67,8 +68,8 @@ def _start_machine(cmd):
 
 
 @pytest.mark.multiproc
-def test_two_machines_on_loopback_match_one_machine(tmp_path):
-    config = write_short_config(TINY, tmp_path / "short.yaml", [3, 3])
+def test_two_machines_on_loopback_match_one_machine(tmp_path, readme_checkout, readme_runs):
+    config = TINY  # as the README's one-machine zero3 run, the reference
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")
     port = free_port()
@@ -96,11 +97,11 @@ def test_two_machines_on_loopback_match_one_machine(tmp_path):
     for rank, (proc, log) in enumerate(zip(machines, logs)):
         assert proc.returncode == 0, f"machine {rank}:\n" + "\n".join(log.splitlines()[-40:])
 
-    single = tmp_path / "single"
-    launch_recipe("zero3", single, config=config)
-    m, s = read_summary(multi), read_summary(single)
-    assert (m["world_size"], m["global_batch"]) == (2, s["global_batch"])
+    cmd = readme_command("accelerate launch --config_file accelerate_configs/zero3.yaml", "runs/tiny_zero3")
+    assert readme_runs[cmd].returncode == 0, readme_runs[cmd].stderr[-3000:]
+    m, s = read_summary(multi), read_summary(readme_checkout / "runs" / "tiny_zero3")
+    assert (m["world_size"], m["global_batch"]) == (s["world_size"], s["global_batch"]) == (2, 4)
     assert m["zero_stage"] == s["zero_stage"] == 3
-    assert len(m["losses"]) == len(s["losses"]) == 6
+    assert len(m["losses"]) == len(s["losses"]) == 15
     assert max(abs(a - b) for a, b in zip(m["losses"], s["losses"])) < 1e-4, (m["losses"], s["losses"])
     assert (multi / "final" / "model.safetensors").is_file()

@@ -189,28 +189,6 @@ def _ranks(launcher_pid: int) -> list:
 
 
 @pytest.mark.multiproc
-def test_a_second_run_on_the_folder_is_refused_and_the_first_finishes(tmp_path):
-    out, log1, log2 = tmp_path / "run", tmp_path / "first.log", tmp_path / "second.log"
-    # Rank 1 of the first run waits 40 s before its first collective: the second run starts well within it.
-    first = _train(out, log=log1.open("w"), env={**os.environ, "HF_ZERO_TEST_STALL": "1:40"})
-    _wait_for(lambda: (out / LOCK_NAME).is_file() and (out / LOCK_NAME).read_text(), first, log1)
-    second = _train(out, "--fresh_start", "true", log=log2.open("w"))
-    assert second.wait(600) == 2
-    text = log2.read_text()
-    lines = [ln for ln in text.splitlines() if ln.startswith("hf-zero:")]
-    assert lines == [text.strip().splitlines()[-1]] and "Traceback" not in text, text[-3000:]
-    assert lines[0].startswith(f"hf-zero: error: output_dir: {out} is in use by pid {first.pid} on host ")
-    assert lines[0].endswith("wait for it, or pass another --output_dir")
-    assert first.poll() is None  # the refusal came while the first run was still running
-    assert first.wait(900) == 0, log1.read_text()[-3000:]
-    assert (out / "summary.json").is_file() and (out / "final").is_dir()
-    assert not (out / "previous-run").exists()  # the refused --fresh_start moved nothing
-    assert json.loads((out / "summary.json").read_text())["total_steps"] == 15
-    assert "[hf_zero] done:" in log1.read_text()
-    assert not (out / LOCK_NAME).exists()  # a run that ends removes its lock
-
-
-@pytest.mark.multiproc
 def test_sigkill_of_the_launcher_group_stops_every_rank_before_it_writes_again(tmp_path):
     out, log = tmp_path / "run", tmp_path / "run.log"
     proc = _train(out, "--save_strategy", "steps", "--save_steps", "3", log=log.open("w"), start_new_session=True)
@@ -231,10 +209,24 @@ def test_sigkill_of_the_launcher_group_stops_every_rank_before_it_writes_again(t
 
 
 @pytest.mark.multiproc
-def test_a_rank_killed_by_sigkill_is_named_with_its_signal(tmp_path):
-    out, log = tmp_path / "run", tmp_path / "run.log"
-    proc = _train(out, "--save_strategy", "steps", "--save_steps", "3", log=log.open("w"))
-    _wait_for(lambda: (out / "latest_checkpoint").is_file(), proc, log)
+def test_a_second_run_is_refused_and_a_rank_killed_by_sigkill_is_named_with_its_signal(tmp_path):
+    """One launch: a second run on its folder is refused while it runs (and moves nothing); the first goes on to
+    write a checkpoint, then its rank 1 is SIGKILLed and named with its signal, and the run ends without its lock."""
+    out, log, log2 = tmp_path / "run", tmp_path / "run.log", tmp_path / "second.log"
+    # Rank 1 waits 40 s before its first collective: the second run starts well within it.
+    proc = _train(out, "--save_strategy", "steps", "--save_steps", "3", log=log.open("w"),
+                  env={**os.environ, "HF_ZERO_TEST_STALL": "1:40"})
+    _wait_for(lambda: (out / LOCK_NAME).is_file() and (out / LOCK_NAME).read_text(), proc, log)
+    second = _train(out, "--fresh_start", "true", log=log2.open("w"))
+    assert second.wait(600) == 2
+    text = log2.read_text()
+    lines = [ln for ln in text.splitlines() if ln.startswith("hf-zero:")]
+    assert lines == [text.strip().splitlines()[-1]] and "Traceback" not in text, text[-3000:]
+    assert lines[0].startswith(f"hf-zero: error: output_dir: {out} is in use by pid {proc.pid} on host ")
+    assert lines[0].endswith("wait for it, or pass another --output_dir")
+    assert proc.poll() is None  # the refusal came while the first run was still running
+    assert not (out / "previous-run").exists()  # the refused --fresh_start moved nothing
+    _wait_for(lambda: (out / "latest_checkpoint").is_file(), proc, log)  # and the first run went on training
     (rank1,) = [r for r in _ranks(proc.pid) if r.environ().get("RANK") == "1"]
     rank1.send_signal(signal.SIGKILL)
     rc = proc.wait(300)

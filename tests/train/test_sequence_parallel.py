@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from testing_utils import REPO, launch_recipe, read_summary
+from testing_utils import REPO, launch_recipe, read_summary, readme_command
 from transformers import LlamaConfig
 
 from hf_zero.cli import main
@@ -223,34 +223,36 @@ def check_measured_activations(sp_out, one_out) -> None:
 
 
 @pytest.mark.multiproc
-def test_sp_matches_one_rank_without_sp_and_resumes_mid_stage(tmp_path):
+def test_sp_matches_one_rank_without_sp_and_resumes_mid_stage(tmp_path, readme_checkout, readme_runs):
     """The context curriculum (32 -> 64 -> 128 tokens, accumulation 2, unequal lengths padded per group) on 2 ranks
-    with sp_size 2 against the same global batch on 1 rank without SP: every step's loss within 1e-5, and the memory
-    probe's activations per rank (check_measured_activations). Then a resume under SP from checkpoint-3 (mid-stage
-    ctx64) continues with the same losses."""
+    with sp_size 2 (the docs' `hf-zero train` run of it, run once per session) against the same global batch on 1
+    rank without SP: every step's loss within 1e-5, and the memory probe's activations per rank
+    (check_measured_activations; the config switches the probe on and saves every 3 steps). Then a resume under SP
+    from checkpoint-3 (mid-stage ctx64), through plain `accelerate launch`, continues with the same losses."""
     import shutil
 
-    saves = ["--save_strategy", "steps", "--save_steps", "3"]
-    measure = ["--measure_memory", "true"]
-    sp = launch_recipe("zero3_sp", tmp_path / "sp", *saves, *measure, config=LONG)
+    sp = readme_runs[readme_command("hf-zero train --profile zero3_sp --config", "configs/tiny_long_context.yaml")]
+    assert sp.returncode == 0, (sp.stdout + sp.stderr)[-3000:]
     assert "batch: 1 micro x 2 accum x 1 dp (2 ranks = 1 dp x 2 sp) = 2 global" in sp.stdout
-    launch_recipe("zero3", tmp_path / "one", *measure, config=LONG, nproc=1)
-    check_measured_activations(tmp_path / "sp", tmp_path / "one")
-    a, b = read_summary(tmp_path / "sp"), read_summary(tmp_path / "one")
+    run = readme_checkout / "runs" / "tiny_long_context"
+    launch_recipe("zero3", tmp_path / "one", config=LONG, nproc=1)
+    check_measured_activations(run, tmp_path / "one")
+    a, b = read_summary(run), read_summary(tmp_path / "one")
     assert (a["world_size"], a["sp_size"], a["dp_size"], a["global_batch"]) == (2, 2, 1, 2)
     assert b["global_batch"] == 2 and "sp_size" not in b
     assert [s["name"] for s in a["stages"]] == ["ctx32", "ctx64", "ctx128"] and len(a["losses"]) == 6
     assert step_losses(a) == pytest.approx(step_losses(b), abs=1e-5, rel=0)
     assert a["eval_loss_after"] == pytest.approx(b["eval_loss_after"], abs=1e-5)
     assert step_losses(a)[-1] < step_losses(a)[0]  # it trained
-    plan = json.loads((tmp_path / "sp" / "run_plan.json").read_text())
+    plan = json.loads((run / "run_plan.json").read_text())
     assert (plan["profile"]["sp_size"], plan["batch"]["sp"]) == (2, 2)
-    assert (tmp_path / "sp" / "final" / "model.safetensors").is_file()
+    assert (run / "final" / "model.safetensors").is_file()
 
     resumed = tmp_path / "resumed"
     resumed.mkdir()
-    shutil.copytree(tmp_path / "sp" / "checkpoint-3", resumed / "checkpoint-3")
-    proc = launch_recipe("zero3_sp", resumed, *saves, config=LONG)
+    shutil.copytree(run / "checkpoint-3", resumed / "checkpoint-3")
+    # the checkpoint records its data's paths: the same config and files, in the checkout that trained it
+    proc = launch_recipe("zero3_sp", resumed, config=readme_checkout / LONG.relative_to(REPO))
     assert "at step 3 (stage 'ctx64', 1/2 steps done)" in proc.stdout
     assert step_losses(read_summary(resumed))[-3:] == pytest.approx(step_losses(a)[3:], abs=1e-5, rel=0)
 
