@@ -5,8 +5,8 @@
 
 Model states follow DeepSpeed's own estimators (`--convention deepspeed`, the default) or the ZeRO paper's formulas
 (`--convention paper`); the peak per GPU adds what a step keeps on the device (hf_zero/estimate/memory.py,
-hf_zero/estimate/activations.py). A recipe is estimated as it will run and `--gpu-memory` plans its launch
-(hf_zero/estimate/recipe.py).
+hf_zero/estimate/activations.py). A recipe is estimated as it will run (hf_zero/estimate/recipe.py) and
+`--gpu-memory` plans its launch (hf_zero/estimate/pick.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from hf_zero.estimate import memory
 from hf_zero.estimate.activations import ATTENTION
 from hf_zero.estimate.memory import CONVENTIONS, PRECISIONS, strategies_for
 from hf_zero.estimate.model_count import count_model
-from hf_zero.estimate.recipe import HEADROOM, RecipeMemory, lora_fields, plan, read_recipe, sp_by_stage, sp_sizes
+from hf_zero.estimate.pick import HEADROOM, plan
+from hf_zero.estimate.recipe import RecipeMemory, lora_fields, read_recipe, sp_by_stage, sp_sizes
 from hf_zero.plan.profiles import load_profile, with_precision
 from hf_zero.plan.reconcile import plan_batch
 from hf_zero.plan.world import per_machine_of, world_of

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 from hf_zero.core.console import quiet_environment
-from hf_zero.estimate.recipe import pick_profile
+from hf_zero.estimate.pick import pick_profile
 from hf_zero.plan.one_stage import data_recipe_flags
 
 __all__ = ["add_arguments", "run"]

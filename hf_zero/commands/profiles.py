@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hf_zero.estimate.recipe import pick_profile
+from hf_zero.estimate.pick import pick_profile
 from hf_zero.plan.profiles import list_profiles, load_profile
 
 __all__ = ["add_arguments", "run", "profiles_table"]

@@ -15,7 +15,8 @@ from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.core.lean_import import import_training_args
 from hf_zero.core.once import read_once
 from hf_zero.core.validate import at_least
-from hf_zero.estimate.recipe import pick_profile, read_recipe
+from hf_zero.estimate.pick import pick_profile
+from hf_zero.estimate.recipe import read_recipe
 from hf_zero.launch import launcher
 from hf_zero.launch.interrupt import RESUME_ENV
 from hf_zero.launch.launch_command import build_launch_command, prepare_assets

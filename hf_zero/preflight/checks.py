@@ -16,7 +16,7 @@ from pathlib import Path
 from hf_zero.core.errors import UserError
 from hf_zero.core.validate import resolve_recipe_paths
 from hf_zero.data.model_names import get_model_config
-from hf_zero.estimate.recipe import pick_profile
+from hf_zero.estimate.pick import pick_profile
 from hf_zero.plan.fsdp import verify_fsdp
 from hf_zero.plan.hostfile import read_hostfile
 from hf_zero.plan.parse import load_yaml_config, parse_recipe_args, recipe_fields

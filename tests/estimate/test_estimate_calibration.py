@@ -73,7 +73,7 @@ def test_llama_1b_on_80gib_recommends_what_fits():
     """--gpu-memory 80GiB recommended micro-batch 38 for llama-1.1B x 1024, where 16 already peaks at
     56.6 GiB (a plain PyTorch loop with the same weights/autocast/optimizer, calibration README)."""
     from hf_zero.estimate.memory import largest_micro_batch
-    from hf_zero.estimate.recipe import HEADROOM
+    from hf_zero.estimate.pick import HEADROOM
 
     count = count_model(get_model_config(str(DATA / "models" / "llama-1b")))
     # the loop used transformers' loss (the full logits)

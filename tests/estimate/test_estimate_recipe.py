@@ -175,7 +175,8 @@ def test_the_pick_turns_to_sequence_parallelism_only_when_nothing_else_fits():
     """No profile fits the longest stage but zero3_sp does: the recommendation and the automatic pick are zero3_sp
     at the smallest sp_size that fits; where a plain profile fits, SP is not picked."""
     from hf_zero.core.errors import UserError
-    from hf_zero.estimate.recipe import pick_profile, plan, read_recipe
+    from hf_zero.estimate.pick import pick_profile, plan
+    from hf_zero.estimate.recipe import read_recipe
 
     tiny = read_recipe(LONG)
     small = 2**20  # ctx128 needs 1.03 MiB per GPU without SP, 802 KiB with sp_size 2 (0.9 MiB usable)

@@ -110,7 +110,8 @@ def test_recommend_picks_fsdp2_only_where_zero3_does_not_fit(llama7b):
 
 
 def test_train_without_profile_picks_fsdp2_where_it_alone_fits(llama7b):
-    from hf_zero.estimate.recipe import RecipeMemory, candidates, pick_profile
+    from hf_zero.estimate.pick import candidates, pick_profile
+    from hf_zero.estimate.recipe import RecipeMemory
 
     assert [p for p, _ in candidates(8)] == ["zero2", "zero3", "fsdp2", "zero3_offload", "fsdp2_offload"]
     assert [p for p, _ in candidates(1)] == ["single_gpu", "zero2", "zero3_offload", "fsdp2_offload"]

@@ -5,7 +5,7 @@ import pytest
 from testing_utils import PROFILES, REPO
 
 from hf_zero.core.errors import UserError
-from hf_zero.estimate.recipe import pick_profile
+from hf_zero.estimate.pick import pick_profile
 from hf_zero.plan.deepspeed_config import build_deepspeed_config
 from hf_zero.plan.profiles import list_profiles, load_profile, profile_from_env
 

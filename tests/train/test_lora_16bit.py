@@ -126,7 +126,8 @@ def llama8b():
 
 
 def test_llama_8b_lora_fits_one_24gib_gpu_with_single_gpu(llama8b):
-    from hf_zero.estimate.recipe import RecipeMemory, pick_profile, plan
+    from hf_zero.estimate.pick import pick_profile, plan
+    from hf_zero.estimate.recipe import RecipeMemory
 
     c = llama8b
     assert (c.total_params, c.trainable_params) == (8_037_076_992, 6_815_744)  # Llama-3.1-8B, r 16 on q/v

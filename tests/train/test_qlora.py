@@ -25,7 +25,8 @@ from hf_zero.core.errors import UserError
 from hf_zero.estimate.measure import count_parameters, measure_engine_bytes
 from hf_zero.estimate.memory import estimate
 from hf_zero.estimate.model_count import count_model, nf4_bytes
-from hf_zero.estimate.recipe import RecipeMemory, lora_fields, plan
+from hf_zero.estimate.pick import plan
+from hf_zero.estimate.recipe import RecipeMemory, lora_fields
 from hf_zero.plan.profiles import gpu_count, load_profile
 from hf_zero.plan.quantization import quantization_config, verify_quantization
 from hf_zero.train.model import build_causal_lm, describe_weights
@@ -109,7 +110,7 @@ def llama8b():
 
 
 def test_llama_8b_lora_on_12gib_is_recommended_qlora(llama8b):
-    from hf_zero.estimate.recipe import pick_profile
+    from hf_zero.estimate.pick import pick_profile
 
     c = llama8b
     kw = dict(world_size=1, precision="bf16", micro_batch=1, seq_len=2048, grad_checkpointing=True)
