@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hf_zero.plan.fused_loss import chunk_tokens
+
 __all__ = ["LayerShape", "describe_layers", "step_bytes"]
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2")
@@ -166,7 +168,7 @@ def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, s
             + (e * ls.hidden if ls.lm_head_trainable or frozen_inputs else 0)) * tokens
     loss_bwd, loss_fwd = 12 * vocab * tokens, (8 if mode == "fp32" else 10) * vocab * tokens
     if fused_loss:
-        chunk = math.ceil(tokens / math.ceil(vocab / ls.hidden))  # fused_ce.chunk_tokens
+        chunk = chunk_tokens(math.ceil(tokens), vocab, ls.hidden)
         loss_bwd = loss_fwd = (r * ls.hidden * tokens + (4 * vocab * ls.hidden if ls.lm_head_trainable else 0)
                                + (e + 8) * chunk * vocab)
     casts = 2 if mode == "autocast" else 0  # bytes per weight element of a 16-bit autocast copy

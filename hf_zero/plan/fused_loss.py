@@ -1,9 +1,12 @@
-"""Which models the fused loss (`fused_cross_entropy`) is exact for, read from the model's config alone: the run
-(hf_zero.train.fused_ce) and the memory estimate (hf_zero.estimate) decide the same way."""
+"""Which models the fused loss (`fused_cross_entropy`) is exact for, read from the model's config alone, and how many
+tokens it computes logits for at once: the run (hf_zero.train.fused_ce) and the memory estimate (hf_zero.estimate)
+use the same answers."""
 
 from __future__ import annotations
 
-__all__ = ["EXACT_MODEL_TYPES", "LOGIT_CHANGING_FIELDS", "config_problem"]
+import math
+
+__all__ = ["EXACT_MODEL_TYPES", "LOGIT_CHANGING_FIELDS", "config_problem", "chunk_tokens"]
 
 # Model types whose causal-LM forward applies nothing to the logits after lm_head (checked in transformers 5.23's
 # modeling files): for them the fused loss is the same computation. Gemma2/3 (softcapping), Cohere (logit_scale) and
@@ -26,3 +29,9 @@ def config_problem(config, mode) -> str | None:
         return (f"model type {model_type} is not one hf_zero checked to apply nothing to the logits after lm_head "
                 "(set fused_cross_entropy: true if it applies nothing)")
     return None
+
+
+def chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
+    """Tokens per chunk such that a chunk's logits hold about as many numbers as the hidden states of all tokens
+    (Liger's rule): the loss then costs no more memory than one more copy of the activations entering lm_head."""
+    return max(1, math.ceil(tokens / math.ceil(vocab / hidden)))

@@ -14,7 +14,6 @@ module runs (DeepSpeed gathers it before the call and again before its backward,
 
 from __future__ import annotations
 
-import math
 from contextlib import contextmanager
 
 import torch
@@ -22,17 +21,11 @@ from torch.autograd.function import once_differentiable
 
 from hf_zero.core.errors import UserError
 from hf_zero.data.packing import IGNORE
-from hf_zero.plan.fused_loss import config_problem
+from hf_zero.plan.fused_loss import chunk_tokens, config_problem
 
 __all__ = ["ChunkedLinearCrossEntropy", "FusedCrossEntropyMixin", "plan_fused_head", "chunk_tokens",
            "linear_cross_entropy", "shifted_targets"]
 
-
-
-def chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
-    """Tokens per chunk such that a chunk's logits hold about as many numbers as the hidden states of all tokens
-    (Liger's rule): the loss then costs no more memory than one more copy of the activations entering lm_head."""
-    return max(1, math.ceil(tokens / math.ceil(vocab / hidden)))
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
