@@ -49,8 +49,9 @@ def run_cmd(cmd, timeout=900, cwd=REPO, env=None, check=True):
     if os.environ.get("HF_ZERO_TEST_LAUNCH_LOG") and str(PROCESS_GUARD) not in env.get("PYTHONPATH", ""):
         # the launch counter (conftest.py) survives a test's own PYTHONPATH
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROCESS_GUARD), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
+    cmd = [str(c) for c in cmd]
+    proc = run_prewarmed(cmd, cwd, env, timeout) or subprocess.run(
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
     )
     if check and proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
@@ -233,7 +234,140 @@ def run_as_user(cmd: str, checkout: Path, hf_home: Path) -> subprocess.Completed
     env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS")}
     env["PATH"] = f"{checkout / '.venv' / 'bin'}:{os.environ['PATH']}"
     env["HF_HOME"] = str(hf_home)
-    return subprocess.run(cmd, shell=True, cwd=checkout, env=env, capture_output=True, text=True, timeout=1200)
+    return (_prewarmed_shell(cmd, checkout, env, timeout=1200)
+            or subprocess.run(cmd, shell=True, cwd=checkout, env=env, capture_output=True, text=True, timeout=1200))
+
+
+# ---------------------------------------------------------------- commands through a prewarmed Python
+
+# HF_ZERO_TEST_PREWARM=0: every command in an interpreter of its own, as before (to compare, or to rule it out).
+PREWARM_ENV = "HF_ZERO_TEST_PREWARM"
+PREWARM_SERVER = Path(__file__).resolve().parent / "prewarmed_server.py"
+# What differs from test to test and no import reads: one server serves them all.
+_PER_TEST_VARS = {"PYTEST_CURRENT_TEST", GROUP_MARKS_ENV, "PWD", "OLDPWD", "_"}
+# Sub-commands that get an interpreter of their own: they start a launcher and ranks (their tests send signals to
+# process groups), or a test is about what their fresh interpreter imports (tests/launch/test_lean_launch.py).
+OWN_INTERPRETER = {"train", "bench", "slurm"}
+_SERVERS: dict[tuple, "_PrewarmedPython"] = {}
+_MAX_SERVERS = 2  # each holds torch, transformers and datasets (~0.6 GB); the suite uses one or two environments
+
+
+class _PrewarmedPython:
+    """One tests/prewarmed_server.py process for one environment; `run` forks a command from it."""
+
+    def __init__(self, env: dict):
+        read_end, write_end = os.pipe()
+        self.log = tempfile.NamedTemporaryFile(prefix="hf_zero_prewarm_", suffix=".log", delete=False)
+        self.server = subprocess.Popen([sys.executable, str(PREWARM_SERVER), str(write_end)], stdin=subprocess.PIPE,
+                                       stdout=self.log, stderr=self.log, env=env, cwd=REPO, pass_fds=(write_end,),
+                                       text=True)
+        os.close(write_end)
+        self.answers, self.pending = read_end, b""
+        ready = self._answer(timeout=600)
+        # An import that printed something would have printed it in each command's own interpreter: not usable.
+        self.usable = bool(ready and "ready" in ready) and os.path.getsize(self.log.name) == 0
+
+    def _answer(self, timeout: float) -> dict | None:
+        import select
+
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.answers], [], [], left)[0]:
+                return None
+            chunk = os.read(self.answers, 4096)
+            if not chunk:  # the server ended
+                return None
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, argv: list[str], kind: str, cwd, env: dict, timeout: float):
+        with tempfile.TemporaryDirectory(prefix="hf_zero_cmd_") as tmp:
+            out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+            request = {"argv": argv, "kind": kind, "cwd": str(cwd), "env": env, "out": out, "err": err}
+            self.server.stdin.write(json.dumps(request) + "\n")
+            self.server.stdin.flush()
+            started = self._answer(timeout=60)
+            if not started:
+                self.usable = False
+                return None
+            done = self._answer(timeout=timeout)
+            if done is None:  # as subprocess.run: kill it (and what it started), then raise
+                import signal
+
+                try:
+                    os.killpg(started["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self._answer(timeout=60)
+            text = {name: Path(path).read_text(errors="replace") if os.path.exists(path) else ""
+                    for name, path in (("out", out), ("err", err))}
+        if done is None:
+            raise subprocess.TimeoutExpired(argv, timeout, text["out"], text["err"])
+        return subprocess.CompletedProcess(argv, done["rc"], text["out"], text["err"])
+
+    def close(self):
+        self.server.kill()
+        self.server.wait()
+        os.close(self.answers)
+        os.unlink(self.log.name)
+
+
+def _close_servers():
+    while _SERVERS:
+        _SERVERS.popitem()[1].close()
+
+
+def run_prewarmed(cmd: list[str], cwd, env: dict, timeout: float) -> subprocess.CompletedProcess | None:
+    """`cmd` run in a process forked from a Python that has imported the libraries already, when it is an hf-zero
+    command (not one in OWN_INTERPRETER) or a recipe script run by this interpreter; None otherwise (the caller
+    runs it as its own process)."""
+    if os.environ.get(PREWARM_ENV) == "0" or not cmd:
+        return None
+    if cmd[0] == sys.executable and cmd[1:3] == ["-m", "hf_zero.cli"]:
+        kind, argv = "entry", ["hf_zero.cli", *cmd[3:]]
+    elif cmd[0] == sys.executable and len(cmd) > 1 and Path(cmd[1]).resolve().parent == RECIPE.parent:
+        kind, argv = "script", cmd[1:]
+    else:
+        return None
+    if kind == "entry" and len(argv) > 1 and argv[1] in OWN_INTERPRETER:
+        return None
+    key = tuple(sorted((k, v) for k, v in env.items() if k not in _PER_TEST_VARS))
+    server = _SERVERS.pop(key, None)
+    if server is None:
+        if len(_SERVERS) >= _MAX_SERVERS:
+            _SERVERS.pop(next(iter(_SERVERS))).close()  # the least recently used
+        if not _SERVERS:
+            import atexit
+
+            atexit.register(_close_servers)
+        server = _PrewarmedPython(env)
+    _SERVERS[key] = server  # most recently used last
+    if not server.usable:
+        return None
+    return server.run(argv, kind, cwd, env, timeout)
+
+
+def _prewarmed_shell(cmd: str, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess | None:
+    """A shell line that is only `[VAR=value ...] hf-zero ARGS` (no pipes, redirections or expansions), run as
+    run_prewarmed runs it; None for any other line."""
+    import shlex
+
+    if re.search(r"[|&;<>()$`*?\\]", cmd):
+        return None
+    words = shlex.split(cmd)
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env = {**env, name: value}
+    venv_python = Path(cwd) / ".venv" / "bin" / "python"
+    if not words or words[0] != "hf-zero" or not venv_python.exists() or \
+            venv_python.resolve() != Path(sys.executable).resolve():
+        return None
+    proc = run_prewarmed([sys.executable, "-m", "hf_zero.cli", *words[1:]], cwd, env, timeout)
+    if proc is not None:
+        proc.args = cmd
+    return proc
 
 
 def readme_command(*words) -> str:

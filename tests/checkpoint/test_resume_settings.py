@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testing_utils import RECIPE, REPO, TINY
+from testing_utils import RECIPE, REPO, TINY, run_cmd
 
 from hf_zero.checkpoint.compare import (
     NOT_COMPARED,
@@ -48,7 +48,7 @@ def recipe(config, out, *flags, timeout=600):
     """The recipe in one plain process (no launcher): the ranks' own comparison."""
     cmd = [sys.executable, RECIPE, "--config", config, "--output_dir", out, "--save_strategy", "steps",
            "--save_steps", "6", "--sample_prompts", "0", "--disable_tqdm", "true", *flags]
-    return subprocess.run(list(map(str, cmd)), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return run_cmd(cmd, timeout=timeout, check=False)
 
 
 def snapshot(folder: Path) -> dict:
@@ -153,9 +153,8 @@ def test_resume_with_other_settings_is_refused_in_one_line(trained, tmp_path):
     peft = recipe(config, out, "--use_peft", "true", "--allow_changes", "use_peft")
     one_error_line(peft, "use_peft False -> True", "LoRA adapters change the set of trained parameters")
     # `hf-zero check` (the preflight of `hf-zero train`) makes the same comparison before anything starts.
-    check = subprocess.run(list(map(str, [sys.executable, "-m", "hf_zero.cli", "check", "--profile", "cpu", "--nproc",
-                                          "1", "--config", config, "--output-dir", out, "--learning_rate", "0.01"])),
-                           cwd=REPO, capture_output=True, text=True, timeout=600)
+    check = run_cmd([sys.executable, "-m", "hf_zero.cli", "check", "--profile", "cpu", "--nproc", "1", "--config",
+                     config, "--output-dir", out, "--learning_rate", "0.01"], timeout=600, check=False)
     assert check.returncode == 2, (check.stdout + check.stderr)[-3000:]
     assert "FAIL output: resume: checkpoint-12 was trained with other settings: learning_rate 0.003 -> 0.01" in \
         check.stdout

@@ -4,12 +4,11 @@ with LoRA, images under ZeRO-3), with the distributed evaluation re-checked agai
 
 import json
 import math
-import subprocess
 import sys
 
 import numpy as np
 import pytest
-from testing_utils import REPO, launch_recipe, read_summary, readme_command
+from testing_utils import REPO, launch_recipe, read_summary, readme_command, run_cmd
 
 from hf_zero.core.config import ModelArguments, Stage
 from hf_zero.core.errors import UserError
@@ -324,9 +323,8 @@ def test_bad_input_one_line_exit_2_keeps_output(tmp_path):
     out = tmp_path / "o"
     (out / "checkpoint-2").mkdir(parents=True)
     (out / "checkpoint-2" / "keep.txt").write_text("earlier work")
-    proc = subprocess.run([sys.executable, str(CLASSIFY), "--config", str(TINY_TEXT), "--eval_data",
-                           "builtin:bbc/test", "--output_dir", str(out)],
-                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    proc = run_cmd([sys.executable, CLASSIFY, "--config", TINY_TEXT, "--eval_data", "builtin:bbc/test", "--output_dir",
+                    out], timeout=600, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = [line for line in proc.stderr.splitlines() if line.startswith("hf-zero: error:")]
     assert len(err) == 1 and err[0].startswith("hf-zero: error: eval_data: unknown built-in")
@@ -368,8 +366,7 @@ def test_full_size_target_on_two_ranks_zero2(tmp_path, config, target):
 
 
 def _hf_zero(*args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "hf_zero.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=600)
+    return run_cmd([sys.executable, "-m", "hf_zero.cli", *args], cwd=cwd, timeout=600, check=False)
 
 
 def test_check_reads_the_recipe_from_the_yaml_and_uses_its_data_checker():
@@ -399,8 +396,8 @@ def test_train_dry_run_launches_the_recipe_the_yaml_names():
 def test_yaml_launched_with_another_recipe_is_one_line(tmp_path):
     from testing_utils import RECIPE
 
-    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(TINY_TEXT), "--output_dir", tmp_path / "o"],
-                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    proc = run_cmd([sys.executable, RECIPE, "--config", TINY_TEXT, "--output_dir", tmp_path / "o"], timeout=600,
+                   check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     err = [line for line in proc.stderr.splitlines() if line.startswith("hf-zero: error:")]
     assert len(err) == 1 and "recipe:" in err[0] and "is for classify.py, launched with curriculum.py" in err[0]

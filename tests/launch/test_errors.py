@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testing_utils import PROFILES, RECIPE, REPO, TINY, foreign_lines, read_summary
+from testing_utils import PROFILES, RECIPE, REPO, TINY, foreign_lines, read_summary, run_cmd
 
 ERROR = "hf-zero: error:"
 
 
 def hf_zero(*args, cwd=REPO, timeout=900):
-    return subprocess.run([sys.executable, "-m", "hf_zero.cli", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_cmd([sys.executable, "-m", "hf_zero.cli", *args], cwd=cwd, timeout=timeout, check=False)
 
 
 def accelerate(*args, launcher_flags=(), timeout=900):
@@ -256,13 +255,12 @@ def test_fresh_start_keeps_the_finished_run_aside(tmp_path, quiet_env):
     """One process, in-process-fast: a finished run, a re-run (nothing to do), then a fresh start."""
     out = tmp_path / "run"
     cmd = [sys.executable, RECIPE, "--config", TINY, "--output_dir", out]
-    first = subprocess.run(list(map(str, cmd)), cwd=REPO, capture_output=True, text=True, timeout=600)
+    first = run_cmd(cmd, timeout=600, check=False)
     assert first.returncode == 0, first.stderr[-2000:]
     old = (out / "summary.json").read_text()
-    again = subprocess.run(list(map(str, cmd)), cwd=REPO, capture_output=True, text=True, timeout=600)
+    again = run_cmd(cmd, timeout=600, check=False)
     assert again.returncode == 0 and "holds a finished run" in again.stdout
-    fresh = subprocess.run(list(map(str, cmd + ["--fresh_start", "true"])), cwd=REPO, capture_output=True,
-                           text=True, timeout=600)
+    fresh = run_cmd(cmd + ["--fresh_start", "true"], timeout=600, check=False)
     assert fresh.returncode == 0, fresh.stderr[-2000:]
     assert (out / "previous-run" / "summary.json").read_text() == old
     assert (out / "previous-run" / "final" / "model.safetensors").is_file() and (out / "summary.json").is_file()

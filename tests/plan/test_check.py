@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from testing_utils import RECIPE, REPO, TINY, check, failed, profile, skipped, start_args
+from testing_utils import RECIPE, REPO, TINY, check, failed, profile, run_cmd, skipped, start_args
 
 from hf_zero.cli import main
 from hf_zero.core.errors import UserError
@@ -261,8 +261,8 @@ def test_plain_python_on_a_multi_process_profile_says_what_to_run(tmp_path):
     env = {**os.environ, "HF_ZERO_PROFILE": "zero2"}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(TINY), "--output_dir", str(tmp_path / "o")],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
+    proc = run_cmd([sys.executable, RECIPE, "--config", TINY, "--output_dir", tmp_path / "o"], env=env, timeout=600,
+                   check=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     err = [ln for ln in proc.stderr.splitlines() if ln.startswith("hf-zero: error:")]
     assert len(err) == 1 and "launch: profile zero2 runs 2 processes" in err[0], proc.stderr[-3000:]

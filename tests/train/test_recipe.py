@@ -1,7 +1,6 @@
 """The curriculum recipe in one process on the tiny model, and its handling of bad input."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -131,8 +130,7 @@ def test_lr_follows_stage_schedule(single_run):
 
 
 def run_bad(*args, cwd=REPO):
-    return subprocess.run([sys.executable, str(RECIPE), *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                          timeout=300)
+    return run_cmd([sys.executable, RECIPE, *args], cwd=cwd, timeout=300, check=False)
 
 
 @pytest.mark.parametrize("args,field", [
