@@ -17,7 +17,7 @@ CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-fast test-all test-gpu bench bench-gpu quality style docs clean
+.PHONY: install train test test-fast test-extended test-all test-gpu bench bench-gpu quality style docs clean
 
 install: $(STAMP)
 
@@ -43,18 +43,24 @@ train: install
 	$(info $(TRAIN_CMD))
 	@HF_ZERO_VIA_MAKE=1 $(TRAIN_CMD)
 
-# The default suite, launches included (setup.cfg leaves out the `slow` and `gpu` markers), in one process: its
-# 2-rank launches fill both cores and share the session's runs (tests/conftest.py). XDIST=auto spreads the modules
-# over one pytest worker per core instead (pytest-xdist; whole modules, so module fixtures are built once).
-XDIST ?=
-PARALLEL = $(if $(XDIST),-n $(XDIST) --dist loadfile)
+# The default suite, launches included (setup.cfg leaves out the `slow`, `extended` and `gpu` markers), on one pytest
+# worker per core (pytest-xdist): the launches one after another on one worker, first (each fills both cores with
+# its two ranks; the session's shared runs are built once), the in-process modules beside them (tests/conftest.py).
+# XDIST=0: everything in one process.
+XDIST ?= auto
+PARALLEL = $(if $(filter 0,$(XDIST)),,-n $(XDIST) --dist loadgroup)
 test: install
 	$(BIN)/python -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 # Everything that starts no process group (no launcher, no ranks): unit and in-process tests, before every commit.
 # tests/conftest.py fails a test here that starts one without the `multiproc` marker.
 test-fast: install
-	$(BIN)/python -m pytest -n $(or $(XDIST),auto) --dist loadfile -m "not gpu and not slow and not multiproc" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(if $(filter 0,$(XDIST)),1,$(XDIST)) --dist loadfile -m "not gpu and not slow and not multiproc" $(PYTEST_ARGS)
+
+# The launches beyond `make test`'s 15 minutes (marker `extended`: each failure scenario and engine combination end
+# to end, the README/docs commands that launch); CI runs it after `make test`.
+test-extended: install
+	$(BIN)/python -m pytest $(PARALLEL) -m "extended and not gpu and not slow" $(PYTEST_ARGS)
 
 # DDP vs ZeRO-1/2/3/offload and FSDP2/offload side by side (time, memory, loss parity, plots) into bench_out/;
 # ~12 min on 2 CPU cores.
@@ -71,7 +77,8 @@ bench-gpu: install
 test-gpu: install
 	$(BIN)/python -m pytest -m gpu $(PYTEST_ARGS)
 
-# Everything, including the long runs kept out of `make test` (marked slow): what CI runs.
+# Everything, including the long runs kept out of CI (marked slow: the full bench, the SmolLM2 runs, SIGKILL chains
+# over seeds).
 test-all: install
 	$(BIN)/python -m pytest $(PARALLEL) -m "not gpu" $(PYTEST_ARGS)
 

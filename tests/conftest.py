@@ -1,6 +1,7 @@
 """Shared test set-up: no network, quiet libraries, a fresh offline cache per session, the fast tier's guard, and the
 session's shared runs (2-rank runs and README commands made once, read by every test that asserts about them)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -45,6 +46,8 @@ def pytest_configure(config):
     global _FRESH_CACHE
     if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("HF_ZERO_CACHE"):
         return  # a worker: the controller made the cache and removes it
+    if config.getoption("dist", "no") == "loadgroup":  # the workers write their groups there (below), once collected
+        os.environ[_GROUPS_ENV] = os.path.join(tempfile.mkdtemp(prefix="hf_zero_xdist_"), "groups.json")
     reuse = os.environ.get("HF_ZERO_TEST_CACHE")
     if not reuse:
         _FRESH_CACHE = tempfile.mkdtemp(prefix="hf_zero_test_cache_")
@@ -54,6 +57,76 @@ def pytest_configure(config):
     os.environ["HF_HUB_CACHE"] = os.path.join(reuse or _FRESH_CACHE, "hub")
     if os.environ.get("HF_ZERO_TEST_LAUNCH_LOG"):  # every launch appends a line there (process_guard/sitecustomize.py)
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROCESS_GUARD), os.environ.get("PYTHONPATH")]))
+
+
+# ---------------------------------------------------------------- tiers and workers
+
+# The launches `make test` keeps, within its 15 minutes on 2 cores beside the in-process tests: the shared strategy
+# runs and every test that reads them, and the promises users lose most to: one line from inside the ranks, SIGINT,
+# SIGKILL and resume to the same weights, a second run on one folder, a crafted checkpoint refused in the ranks, a
+# ZeRO-3 LoRA checkpoint holding the trained adapter, the default `make train` (tests/commands/test_readme.py keeps
+# its own: resume on another number of ranks and sequence parallelism). Every other test that starts a process
+# group is `extended`: `make test-extended` (CI runs it after `make test`) and `make test-all`
+# run it.
+DEFAULT_LAUNCHES = (
+    "tests/train/test_distributed.py", "tests/train/test_fsdp.py", "tests/estimate/test_estimate_measured.py",
+    "tests/checkpoint/test_safe_load.py", "tests/plan/test_one_batch_line.py", "tests/launch/test_errors.py",
+    "tests/launch/test_run_lock.py", "tests/core/test_tiers.py", "tests/commands/test_readme.py",
+    "tests/checkpoint/test_checkpoints.py::test_lora_zero3_checkpoints_hold_the_gathered_adapter_only",
+    "tests/checkpoint/test_checkpoints.py::test_sigkill_and_resume_gives_the_uninterrupted_weights_zero2",
+    "tests/checkpoint/test_checkpoints.py::test_rotation_keeps_last_two_and_the_best",
+)
+# A test reading one of these runs where the run was made (under xdist: on the launches' worker). Not readme_runs: a
+# README command that launches, or reads what one wrote, is `multiproc` itself (tests/commands/test_readme.py); the
+# others are quick and may run in a second checkout on the other worker.
+SHARED_RUNS = {"strategy_runs", "lora_zero3_run", "small_llama_zero3_first_run", "tiny24_references"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Marks `extended` every launching test not in DEFAULT_LAUNCHES. Then, for `make test`'s two workers
+    (pytest-xdist, `--dist loadgroup`): every test that launches or reads a shared run goes to one worker, in order
+    and first (one launch at a time fills both cores, the session's runs are built once, the README's commands run
+    in order in one checkout); every other module goes whole to whichever worker is free (module fixtures once)."""
+    for item in items:
+        if item.get_closest_marker("multiproc") and not item.nodeid.startswith(DEFAULT_LAUNCHES):
+            item.add_marker(pytest.mark.extended)
+
+    def launches(item):
+        return item.get_closest_marker("multiproc") or SHARED_RUNS & set(getattr(item, "fixturenames", ()))
+
+    groups = {item.nodeid: "launches" if launches(item) else item.nodeid.split("::")[0] for item in items}
+    items.sort(key=lambda item: not launches(item))  # stable: each group keeps its order
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(_GROUPS_ENV):  # for the controller's scheduler
+        tmp = f"{os.environ[_GROUPS_ENV]}.{os.environ['PYTEST_XDIST_WORKER']}"
+        Path(tmp).write_text(json.dumps(groups))
+        os.replace(tmp, os.environ[_GROUPS_ENV])  # every worker writes the same groups
+
+
+# pytest-xdist 3.8's own `xdist_group` marker does not group under pytest 9 (it renames a node through an attribute
+# pytest 9 no longer reads), so the groups reach its scheduler through a file the workers write while collecting.
+_GROUPS_ENV = "HF_ZERO_TEST_XDIST_GROUPS"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ByGroup(LoadGroupScheduling):
+        """Whole groups to a worker, in collection order (the launches first, not the largest group first)."""
+
+        def __init__(self, config, log):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False
+            self.groups = None
+
+        def _split_scope(self, nodeid):
+            if self.groups is None:  # every worker has collected (and written the file) before the first call
+                self.groups = json.loads(Path(os.environ[_GROUPS_ENV]).read_text())
+            return self.groups.get(nodeid, nodeid)
+
+    return ByGroup(config, log)
 
 
 @pytest.fixture(autouse=True)

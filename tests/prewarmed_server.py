@@ -8,7 +8,8 @@ a new interpreter that had just imported these modules: its own pid, working fol
 Only what an import does is shared, so the test side starts one server per environment (an import may read a
 variable) and uses none that printed anything while importing (that output would be missing from the commands').
 
-Protocol, one JSON line each way (requests on stdin, answers on the pipe whose fd is argv[1]): {"argv", "cwd",
+Started as `prewarmed_server.py FD KIND`, for one kind of command ("entry": `hf-zero`, "script": a recipe).
+Protocol, one JSON line each way (requests on stdin, answers on the pipe whose fd is FD): {"argv", "cwd",
 "env", "out", "err", "kind": "entry"|"script"} -> {"pid"} once forked, then {"rc"} when the child has ended."""
 
 import importlib
@@ -70,6 +71,12 @@ def _child(req) -> None:
 
 
 def main() -> None:
+    if sys.argv[2] == "entry":
+        # `hf-zero` sets up the console before it loads any library (some read their switches only on import):
+        # so does a server for its commands. A recipe script imports its libraries first, as its server does.
+        from hf_zero.core.console import quiet_environment
+
+        quiet_environment()
     for name in PREWARM:
         importlib.import_module(name)
     sys.stdout.flush()

@@ -249,16 +249,17 @@ _PER_TEST_VARS = {"PYTEST_CURRENT_TEST", GROUP_MARKS_ENV, "PWD", "OLDPWD", "_"}
 # process groups), or a test is about what their fresh interpreter imports (tests/launch/test_lean_launch.py).
 OWN_INTERPRETER = {"train", "bench", "slurm"}
 _SERVERS: dict[tuple, "_PrewarmedPython"] = {}
-_MAX_SERVERS = 2  # each holds torch, transformers and datasets (~0.6 GB); the suite uses one or two environments
+_MAX_SERVERS = 3  # each holds torch, transformers and datasets (~0.6 GB); a worker uses two or three
 
 
 class _PrewarmedPython:
     """One tests/prewarmed_server.py process for one environment; `run` forks a command from it."""
 
-    def __init__(self, env: dict):
+    def __init__(self, env: dict, kind: str):
         read_end, write_end = os.pipe()
         self.log = tempfile.NamedTemporaryFile(prefix="hf_zero_prewarm_", suffix=".log", delete=False)
-        self.server = subprocess.Popen([sys.executable, str(PREWARM_SERVER), str(write_end)], stdin=subprocess.PIPE,
+        self.server = subprocess.Popen([sys.executable, str(PREWARM_SERVER), str(write_end), kind],
+                                       stdin=subprocess.PIPE,
                                        stdout=self.log, stderr=self.log, env=env, cwd=REPO, pass_fds=(write_end,),
                                        text=True)
         os.close(write_end)
@@ -331,9 +332,11 @@ def run_prewarmed(cmd: list[str], cwd, env: dict, timeout: float) -> subprocess.
         kind, argv = "script", cmd[1:]
     else:
         return None
-    if kind == "entry" and len(argv) > 1 and argv[1] in OWN_INTERPRETER:
+    if kind == "entry" and (len(argv) > 1 and argv[1] in OWN_INTERPRETER or "--verbose" in argv):
+        return None  # --verbose: the libraries' switches stay as they are, which a server has set on import
+    if env.get("HF_ZERO_VERBOSE") == "1":
         return None
-    key = tuple(sorted((k, v) for k, v in env.items() if k not in _PER_TEST_VARS))
+    key = (kind, *sorted((k, v) for k, v in env.items() if k not in _PER_TEST_VARS))
     server = _SERVERS.pop(key, None)
     if server is None:
         if len(_SERVERS) >= _MAX_SERVERS:
@@ -342,7 +345,7 @@ def run_prewarmed(cmd: list[str], cwd, env: dict, timeout: float) -> subprocess.
             import atexit
 
             atexit.register(_close_servers)
-        server = _PrewarmedPython(env)
+        server = _PrewarmedPython(env, kind)
     _SERVERS[key] = server  # most recently used last
     if not server.usable:
         return None
@@ -350,24 +353,51 @@ def run_prewarmed(cmd: list[str], cwd, env: dict, timeout: float) -> subprocess.
 
 
 def _prewarmed_shell(cmd: str, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess | None:
-    """A shell line that is only `[VAR=value ...] hf-zero ARGS` (no pipes, redirections or expansions), run as
-    run_prewarmed runs it; None for any other line."""
+    """A shell line made only of `[VAR=value ...] hf-zero ARGS [> FILE]` joined by `&&` (no pipes, expansions or
+    other redirections), each part run as run_prewarmed runs it, stopping at the first that fails, as the shell
+    would; None for any other line (the caller gives it to the shell)."""
     import shlex
 
-    if re.search(r"[|&;<>()$`*?\\]", cmd):
+    if re.search(r"[$`*?\\]", cmd):
         return None
-    words = shlex.split(cmd)
-    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
-        name, value = words.pop(0).split("=", 1)
-        env = {**env, name: value}
+    lexer = shlex.shlex(cmd, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    parts = [[]]
+    for word in lexer:
+        if word == "&&":
+            parts.append([])
+        elif set(word) <= set("|&;<>()") and word != ">":
+            return None
+        else:
+            parts[-1].append(word)
     venv_python = Path(cwd) / ".venv" / "bin" / "python"
-    if not words or words[0] != "hf-zero" or not venv_python.exists() or \
-            venv_python.resolve() != Path(sys.executable).resolve():
+    if not venv_python.exists() or venv_python.resolve() != Path(sys.executable).resolve():
         return None
-    proc = run_prewarmed([sys.executable, "-m", "hf_zero.cli", *words[1:]], cwd, env, timeout)
-    if proc is not None:
-        proc.args = cmd
-    return proc
+    commands = []
+    for part in parts:
+        part_env, target = env, None
+        while part and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", part[0]):
+            name, value = part.pop(0).split("=", 1)
+            part_env = {**part_env, name: value}
+        if len(part) >= 2 and part[-2] == ">":
+            target, part = part[-1], part[:-2]
+        if not part or part[0] != "hf-zero" or ">" in part or (len(part) > 1 and part[1] in OWN_INTERPRETER):
+            return None
+        commands.append(([sys.executable, "-m", "hf_zero.cli", *part[1:]], part_env, target))
+    out, err, rc = "", "", 0
+    for i, (argv, part_env, target) in enumerate(commands):
+        proc = run_prewarmed(argv, cwd, part_env, timeout)
+        if proc is None:
+            assert i == 0, "a prewarmed server went away between two parts of one line"
+            return None
+        if target is None:
+            out += proc.stdout
+        else:
+            (Path(cwd) / target).write_text(proc.stdout)
+        err, rc = err + proc.stderr, proc.returncode
+        if rc != 0:
+            break
+    return subprocess.CompletedProcess(cmd, rc, out, err)
 
 
 def readme_command(*words) -> str:

@@ -97,8 +97,15 @@ WRITTEN = {run for c in LAUNCHES for run in re.findall(r"runs/\w+", c)}
 LAUNCHES |= {c for c in COMMANDS if any(run in c for run in WRITTEN)}
 
 
+# The launches `make test` keeps (tests/conftest.py's DEFAULT_LAUNCHES has the rest): resume on another number of
+# ranks (runs/tiny_ckpt: 2 ranks, then 1, then its export) and sequence parallelism's profile (zero3_sp). The other
+# launching commands are `extended`: `make test-extended` and `make test-all` run them, in README order.
+DEFAULT = {c for c in LAUNCHES if "runs/tiny_ckpt" in c or "--profile zero3_sp" in c}
+
+
 def _marks(cmd):
-    return [pytest.mark.slow] * (cmd in SLOW) + [pytest.mark.multiproc] * (cmd in LAUNCHES)
+    return ([pytest.mark.slow] * (cmd in SLOW) + [pytest.mark.multiproc] * (cmd in LAUNCHES)
+            + [pytest.mark.extended] * (cmd in LAUNCHES - DEFAULT))
 
 
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in COMMANDS])
