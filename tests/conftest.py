@@ -63,11 +63,11 @@ def pytest_configure(config):
 
 # The launches `make test` keeps, within its 15 minutes on 2 cores beside the in-process tests: the shared strategy
 # runs and every test that reads them, and the promises users lose most to: one line from inside the ranks, SIGINT,
-# SIGKILL and resume to the same weights, a second run on one folder, a crafted checkpoint refused in the ranks, a
-# ZeRO-3 LoRA checkpoint holding the trained adapter, the default `make train` (tests/commands/test_readme.py keeps
-# its own: resume on another number of ranks and sequence parallelism). Every other test that starts a process
-# group is `extended`: `make test-extended` (CI runs it after `make test`) and `make test-all`
-# run it.
+# SIGKILL and resume to the same weights, a full disk, a second run on one folder, a crafted checkpoint refused in the
+# ranks, a ZeRO-3 LoRA checkpoint holding the trained adapter, a resume under another engine and number of ranks
+# (ZeRO-3 on 2 <-> FSDP2 on 1), the default `make train` (tests/commands/test_readme.py keeps its own: resume on
+# another number of ranks and sequence parallelism). Every other test that starts a process group is `extended`:
+# `make test-extended` (CI runs it after `make test`) and `make test-all` run it.
 DEFAULT_LAUNCHES = (
     "tests/train/test_distributed.py", "tests/train/test_fsdp.py", "tests/estimate/test_estimate_measured.py",
     "tests/checkpoint/test_safe_load.py", "tests/plan/test_one_batch_line.py", "tests/launch/test_errors.py",
@@ -75,6 +75,9 @@ DEFAULT_LAUNCHES = (
     "tests/checkpoint/test_checkpoints.py::test_lora_zero3_checkpoints_hold_the_gathered_adapter_only",
     "tests/checkpoint/test_checkpoints.py::test_sigkill_and_resume_gives_the_uninterrupted_weights_zero2",
     "tests/checkpoint/test_checkpoints.py::test_rotation_keeps_last_two_and_the_best",
+    "tests/checkpoint/test_checkpoints.py::test_disk_full_stops_cleanly_and_earlier_checkpoints_resume",
+    "tests/checkpoint/test_cross_engine.py::test_zero3_on_2_ranks_resumes_under_fsdp2_on_1",
+    "tests/checkpoint/test_cross_engine.py::test_fsdp2_on_1_rank_resumes_under_zero3_on_2",
 )
 # A test reading one of these runs where the run was made (under xdist: on the launches' worker). Not readme_runs: a
 # README command that launches, or reads what one wrote, is `multiproc` itself (tests/commands/test_readme.py); the

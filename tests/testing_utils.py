@@ -336,7 +336,11 @@ def run_prewarmed(cmd: list[str], cwd, env: dict, timeout: float) -> subprocess.
         return None  # --verbose: the libraries' switches stay as they are, which a server has set on import
     if env.get("HF_ZERO_VERBOSE") == "1":
         return None
-    key = (kind, *sorted((k, v) for k, v in env.items() if k not in _PER_TEST_VARS))
+    # The fast tier's guard on PYTHONPATH (process_guard/) only acts as an interpreter starts: a forked command
+    # never starts one, and what it starts gets the guard from the command's own environment.
+    guard_free = {**env, "PYTHONPATH": os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                        if p and p != str(PROCESS_GUARD))}
+    key = (kind, *sorted((k, v) for k, v in guard_free.items() if k not in _PER_TEST_VARS))
     server = _SERVERS.pop(key, None)
     if server is None:
         if len(_SERVERS) >= _MAX_SERVERS:
