@@ -294,7 +294,7 @@ class _PrewarmedPython:
                 self.usable = False
                 return None
             done = self._answer(timeout=timeout)
-            if done is None:  # as subprocess.run: kill it (and what it started), then raise
+            if done is None:  # timed out (or the server died): as subprocess.run, kill it and what it started
                 import signal
 
                 try:
@@ -353,7 +353,10 @@ def run_prewarmed(cmd: list[str], cwd, env: dict, timeout: float) -> subprocess.
     _SERVERS[key] = server  # most recently used last
     if not server.usable:
         return None
-    return server.run(argv, kind, cwd, env, timeout)
+    proc = server.run(argv, kind, cwd, env, timeout)
+    if proc is not None:
+        proc.args = cmd  # as the caller gave it, for its failure messages
+    return proc
 
 
 def _prewarmed_shell(cmd: str, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess | None:
