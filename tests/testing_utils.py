@@ -263,7 +263,7 @@ class _PrewarmedPython:
                                        stdout=self.log, stderr=self.log, env=env, cwd=REPO, pass_fds=(write_end,),
                                        text=True)
         os.close(write_end)
-        self.answers, self.pending = read_end, b""
+        self.kind, self.answers, self.pending = kind, read_end, b""
         ready = self._answer(timeout=600)
         # An import that printed something would have printed it in each command's own interpreter: not usable.
         self.usable = bool(ready and "ready" in ready) and os.path.getsize(self.log.name) == 0
@@ -283,10 +283,10 @@ class _PrewarmedPython:
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, argv: list[str], kind: str, cwd, env: dict, timeout: float):
+    def run(self, argv: list[str], cwd, env: dict, timeout: float):
         with tempfile.TemporaryDirectory(prefix="hf_zero_cmd_") as tmp:
             out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-            request = {"argv": argv, "kind": kind, "cwd": str(cwd), "env": env, "out": out, "err": err}
+            request = {"argv": argv, "kind": self.kind, "cwd": str(cwd), "env": env, "out": out, "err": err}
             self.server.stdin.write(json.dumps(request) + "\n")
             self.server.stdin.flush()
             started = self._answer(timeout=60)
@@ -353,7 +353,7 @@ def run_prewarmed(cmd: list[str], cwd, env: dict, timeout: float) -> subprocess.
     _SERVERS[key] = server  # most recently used last
     if not server.usable:
         return None
-    proc = server.run(argv, kind, cwd, env, timeout)
+    proc = server.run(argv, cwd, env, timeout)
     if proc is not None:
         proc.args = cmd  # as the caller gave it, for its failure messages
     return proc
