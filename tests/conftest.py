@@ -94,6 +94,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("multiproc") and not item.nodeid.startswith(DEFAULT_LAUNCHES):
             item.add_marker(pytest.mark.extended)
+    # before `-m` deselects them: the files `make test-gpu` has to collect (tests/commands/test_cli.py compares)
+    config.stash[GPU_TEST_FILES] = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("gpu")}
 
     def launches(item):
         return item.get_closest_marker("multiproc") or SHARED_RUNS & set(getattr(item, "fixturenames", ()))
@@ -104,6 +106,9 @@ def pytest_collection_modifyitems(config, items):
         tmp = f"{os.environ[_GROUPS_ENV]}.{os.environ['PYTEST_XDIST_WORKER']}"
         Path(tmp).write_text(json.dumps(groups))
         os.replace(tmp, os.environ[_GROUPS_ENV])  # every worker writes the same groups
+
+
+GPU_TEST_FILES = pytest.StashKey[set]()
 
 
 # pytest-xdist 3.8's own `xdist_group` marker does not group under pytest 9 (it renames a node through an attribute

@@ -245,9 +245,29 @@ PREWARM_ENV = "HF_ZERO_TEST_PREWARM"
 PREWARM_SERVER = Path(__file__).resolve().parent / "prewarmed_server.py"
 # What differs from test to test and no import reads: one server serves them all.
 _PER_TEST_VARS = {"PYTEST_CURRENT_TEST", GROUP_MARKS_ENV, "PWD", "OLDPWD", "_"}
+# ... and what the commands read only as they run, never on import (each server has imported the libraries once, in
+# its own environment; a forked command then runs in the request's): the search path for programs, make's own
+# variables, the compiler and extension folder of a JIT build, and hf_zero's variables, which hf_zero reads in
+# functions (tests/test_prewarmed_commands.py runs commands that read them). HF_ZERO_VERBOSE is the exception: the
+# server sets up the console on start as `hf-zero` does, and a verbose command never goes to a server.
+_RUN_TIME_VARS = {"PATH", "MAKEFLAGS", "MAKELEVEL", "MFLAGS", "CC", "CXX", "TORCH_EXTENSIONS_DIR"}
+
+
+def _server_key(kind: str, env: dict) -> tuple:
+    return (kind, *sorted((k, v) for k, v in env.items() if k not in _PER_TEST_VARS and k not in _RUN_TIME_VARS
+                          and not (k.startswith("HF_ZERO_") and k != "HF_ZERO_VERBOSE")))
+
+
 # Sub-commands that get an interpreter of their own: they start a launcher and ranks (their tests send signals to
 # process groups), or a test is about what their fresh interpreter imports (tests/launch/test_lean_launch.py).
+# `train` is forked all the same in a test that starts no process group (not marked multiproc, GROUP_MARKS_ENV set):
+# there it stops before any launch (a bad input, --dry-run), as conftest's fast_tier_starts_no_process_group holds.
 OWN_INTERPRETER = {"train", "bench", "slurm"}
+
+
+def _own_interpreter(argv: list[str], env: dict) -> bool:
+    """argv: the hf-zero command's words after `hf-zero`."""
+    return bool(argv) and argv[0] in OWN_INTERPRETER and not (argv[0] == "train" and GROUP_MARKS_ENV in env)
 _SERVERS: dict[tuple, "_PrewarmedPython"] = {}
 _MAX_SERVERS = 3  # each holds torch, transformers and datasets (~0.6 GB); a worker uses two or three
 
@@ -332,7 +352,7 @@ def run_prewarmed(cmd: list[str], cwd, env: dict, timeout: float) -> subprocess.
         kind, argv = "script", cmd[1:]
     else:
         return None
-    if kind == "entry" and (len(argv) > 1 and argv[1] in OWN_INTERPRETER or "--verbose" in argv):
+    if kind == "entry" and (_own_interpreter(argv[1:], env) or "--verbose" in argv):
         return None  # --verbose: the libraries' switches stay as they are, which a server has set on import
     if env.get("HF_ZERO_VERBOSE") == "1":
         return None
@@ -340,7 +360,7 @@ def run_prewarmed(cmd: list[str], cwd, env: dict, timeout: float) -> subprocess.
     # never starts one, and what it starts gets the guard from the command's own environment.
     guard_free = {**env, "PYTHONPATH": os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
                                                         if p and p != str(PROCESS_GUARD))}
-    key = (kind, *sorted((k, v) for k, v in guard_free.items() if k not in _PER_TEST_VARS))
+    key = _server_key(kind, guard_free)
     server = _SERVERS.pop(key, None)
     if server is None:
         if len(_SERVERS) >= _MAX_SERVERS:
@@ -388,7 +408,7 @@ def _prewarmed_shell(cmd: str, cwd: Path, env: dict, timeout: float) -> subproce
             part_env = {**part_env, name: value}
         if len(part) >= 2 and part[-2] == ">":
             target, part = part[-1], part[:-2]
-        if not part or part[0] != "hf-zero" or ">" in part or (len(part) > 1 and part[1] in OWN_INTERPRETER):
+        if not part or part[0] != "hf-zero" or ">" in part or _own_interpreter(part[1:], part_env):
             return None
         commands.append(([sys.executable, "-m", "hf_zero.cli", *part[1:]], part_env, target))
     out, err, rc = "", "", 0

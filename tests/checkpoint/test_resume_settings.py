@@ -10,13 +10,12 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from testing_utils import RECIPE, REPO, TINY, run_cmd
+from testing_utils import RECIPE, TINY, run_cmd
 
 from hf_zero.checkpoint.compare import (
     NOT_COMPARED,
@@ -204,7 +203,7 @@ def test_finished_run_asked_with_other_settings_is_refused_before_any_launch(tra
     def train(*flags):
         cmd = [sys.executable, "-m", "hf_zero.cli", "train", "--profile", "cpu", "--nproc", "1", "--config", config,
                "--output_dir", out, "--save_strategy", "steps", "--save_steps", "6", "--sample_prompts", "0", *flags]
-        return subprocess.run(list(map(str, cmd)), cwd=REPO, capture_output=True, text=True, timeout=600)
+        return run_cmd(cmd, timeout=600, check=False)
 
     proc = train("--learning_rate", "1e-2")
     one_error_line(proc, "output_dir:", "learning_rate: finished with 0.003, asked 0.01", "--fresh_start true",

@@ -189,3 +189,17 @@ def test_every_command_takes_verbose_and_sets_the_one_switch(monkeypatch, capsys
     assert main(["profiles", "--verbose"]) == 0
     assert os.environ[VERBOSE_ENV] == "1"
     assert "this machine:" in capsys.readouterr().out
+
+
+def test_make_test_gpu_collects_every_file_with_a_gpu_test(request):
+    """`make test-gpu` collects only GPU_TESTS (Makefile): each file holding a test marked gpu is among them (as
+    this session collected them, and by the marker's text, for a session that collected fewer files)."""
+    from conftest import GPU_TEST_FILES
+
+    make = subprocess.run(["make", "-n", "test-gpu", "BIN=.venv/bin"], capture_output=True, text=True, cwd=REPO).stdout
+    line = next(ln for ln in make.splitlines() if "pytest -m gpu" in ln)
+    marked = re.compile(r"pytest\.mark\.gpu\b")
+    written = {str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py") if marked.search(p.read_text())}
+    collected = request.config.stash.get(GPU_TEST_FILES, set())
+    assert {"tests/train/test_gpu.py", "tests/train/test_qlora.py"} <= written
+    assert written | collected <= set(line.split()), (written | collected, line)

@@ -213,3 +213,18 @@ def test_smollm2_loads_and_knows_shakespeare(smollm2_path):
     with torch.no_grad():
         loss = model(**enc, labels=enc["input_ids"]).loss.item()
     assert math.isfinite(loss) and loss < 6.0, loss
+
+
+def test_gguf_conversion_reads_the_file_once_and_puts_the_library_back():
+    """The SmolLM2 conversion shares one GGUF reader and one tensor-name table between transformers' three reads
+    (hf_zero/data/smollm2.py); outside the conversion gguf's own functions are back."""
+    import gguf
+
+    from hf_zero.data.smollm2 import _gguf_read_once, _smollm2_gguf
+
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_read_once():
+        first, again = gguf.GGUFReader(_smollm2_gguf()), gguf.GGUFReader(str(_smollm2_gguf()))
+        assert first is again and isinstance(first, reader_class)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)

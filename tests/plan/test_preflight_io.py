@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from testing_utils import PROFILES, RECIPE, REPO, TINY
+from testing_utils import PROFILES, RECIPE, REPO, TINY, run_cmd
 
 from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
@@ -182,9 +182,8 @@ WORDS = "stages[latin].data[0]: "
 
 
 def test_hf_zero_train_refuses_a_bad_file_before_launch(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "hf_zero.cli", "train", "--profile", "zero2", "--config",
-                           str(_bad_recipe(tmp_path)), "--output_dir", str(tmp_path / "o")], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "train", "--profile", "zero2", "--config",
+                    _bad_recipe(tmp_path), "--output_dir", tmp_path / "o"], timeout=600, check=False)
     assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
     assert "latin.jsonl row 6: byte 0xe9 is not UTF-8" in _one_line(proc, WORDS)
     assert "Traceback" not in proc.stdout + proc.stderr

@@ -58,8 +58,9 @@ def test_check_and_the_recipe_refuse_load_in_4bit_without_lora(tmp_path):
 
     with pytest.raises(UserError, match="^load_in_4bit"):
         check_launch_at_start(_profile("single_gpu"), (replace(QLORA, use_peft=False),), 1, env={})
-    proc = run_cmd(["hf-zero", "check", "--profile", "ddp", "--config", str(REPO / "recipes" / "configs" /
-                    "tiny_curriculum.yaml"), "--output-dir", str(tmp_path), "--load_in_4bit", "true"], check=False)
+    proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "check", "--profile", "ddp", "--config",
+                    REPO / "recipes" / "configs" / "tiny_curriculum.yaml", "--output-dir", tmp_path,
+                    "--load_in_4bit", "true"], check=False)
     assert proc.returncode == 2 and "FAIL model: load_in_4bit: a 4-bit base cannot be trained" in proc.stdout
     assert "Traceback" not in proc.stdout + proc.stderr
 
