@@ -268,6 +268,8 @@ OWN_INTERPRETER = {"train", "bench", "slurm"}
 def _own_interpreter(argv: list[str], env: dict) -> bool:
     """argv: the hf-zero command's words after `hf-zero`."""
     return bool(argv) and argv[0] in OWN_INTERPRETER and not (argv[0] == "train" and GROUP_MARKS_ENV in env)
+
+
 _SERVERS: dict[tuple, "_PrewarmedPython"] = {}
 _MAX_SERVERS = 3  # each holds torch, transformers and datasets (~0.6 GB); a worker uses two or three
 
