@@ -16,5 +16,11 @@ __all__ = ["__version__", "UserError"]
 _BIN = _os.path.dirname(_sys.executable)
 if _os.path.isfile(_os.path.join(_BIN, "ninja")) and _os.environ.get("PATH", "").split(_os.pathsep)[0] != _BIN:
     _os.environ["PATH"] = _BIN + _os.pathsep + _os.environ.get("PATH", "")
+# ... and keeps the ops it builds in the venv. torch's default folder (~/.cache/torch_extensions) is shared by every
+# environment of the user: an op is built against one venv's headers, so two checkouts (or a clean clone beside a
+# working one) rebuild each other's ops at every switch (measured: a `make test-fast` of 386 s instead of 160 s,
+# async_io, pin_memory and shm comm built again). An explicit TORCH_EXTENSIONS_DIR is kept.
+if _sys.prefix != _sys.base_prefix and "TORCH_EXTENSIONS_DIR" not in _os.environ:
+    _os.environ["TORCH_EXTENSIONS_DIR"] = _os.path.join(_sys.prefix, "torch_extensions")
 
 from hf_zero.core.errors import UserError  # noqa: E402

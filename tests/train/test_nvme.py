@@ -7,6 +7,7 @@ fp32 parameters can pass through bf16 swap buffers). Needs `apt-get install liba
 which also prebuilds the op; without it the first run here builds it, ~280 s).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -118,6 +119,23 @@ def test_every_hf_zero_process_builds_ops_with_the_venvs_ninja():
     out = subprocess.run([sys.executable, "-c", code], env={"PATH": "/usr/bin:/bin"}, capture_output=True,
                          text=True, check=True).stdout.strip()
     assert out == str(venv_ninja)
+
+
+def test_ops_are_built_in_the_venv_unless_a_folder_is_given(tmp_path):
+    """torch's default build folder is shared by all of a user's environments; two checkouts would rebuild each
+    other's ops at every switch. An hf_zero process builds them in its venv, or where TORCH_EXTENSIONS_DIR says."""
+    import subprocess
+
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("not in a virtual environment: torch's own default stays")
+    code = ("import hf_zero, os\nfrom torch.utils.cpp_extension import _get_build_directory\n"
+            "print(os.environ['TORCH_EXTENSIONS_DIR']); print(_get_build_directory('cpu_adam', False))")
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    for given, folder in ((None, Path(sys.prefix) / "torch_extensions"), (tmp_path / "ext", tmp_path / "ext")):
+        run_env = {**env, "TORCH_EXTENSIONS_DIR": str(given)} if given else env
+        out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True,
+                             check=True).stdout.split()
+        assert out == [str(folder), str(folder / "cpu_adam")], out
 
 
 @pytest.mark.slow
