@@ -118,6 +118,9 @@ def main():
     spec = json.loads(Path(cli.spec).read_text())
     output_dir = Path(cli.output_dir)
 
+    # Under `accelerate launch` with a DeepSpeed profile accelerate refuses a DeepSpeed config handed to the Trainer
+    # next to the profile's DeepSpeed fields (so none is silently dropped); the spec's config holds those settings.
+    os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
     _phase("importing torch and transformers")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments, set_seed

@@ -97,11 +97,17 @@ def _run_hf_zero(profile: str, plan, args, run_dir: Path, measure: bool, flip_pa
     return measure_launch(cmd, _env(_threads(args.nproc), **env, **extra), run_dir, args, tokens, plan.global_batch)
 
 
-def plain_launch_command(profile: str, nproc: int, port: int, spec: Path, run_dir: Path) -> list[str]:
-    """The launcher accelerate itself picks for `profile` (what hf_zero's run goes through): torchrun for DeepSpeed
-    and DDP at any rank count, the plain interpreter for a one-process profile without either. The script takes its
-    precision from the TrainingArguments in the spec, as hf_zero's recipe does."""
+def plain_launch_command(profile: str, nproc: int, port: int, spec: Path, run_dir: Path, launcher: str = "accelerate",
+                         precision: str | None = None) -> list[str]:
+    """How the plain script is started. "accelerate": `accelerate launch` with the same profile, process count and
+    precision as hf_zero's run (build_launch_command, the line hf_zero's recipe gets), so the pair differs only in
+    the script. "torchrun": the launcher accelerate itself runs underneath for DeepSpeed and DDP (the plain
+    interpreter for a one-process profile without either), which leaves accelerate's own launcher time on hf_zero's
+    side. The script takes its precision from the TrainingArguments in the spec, as hf_zero's recipe does."""
     script = [str(PLAIN_SCRIPT), "--spec", str(spec), "--output_dir", str(run_dir)]
+    if launcher == "accelerate":
+        return build_launch_command(profile, script[0], script[1:], nproc=nproc, precision=precision,
+                                    main_port=port)[0]
     if load_profile(profile).distributed_type == "NO" and nproc == 1:
         return [sys.executable, *script]
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
@@ -109,7 +115,8 @@ def plain_launch_command(profile: str, nproc: int, port: int, spec: Path, run_di
 
 
 def _run_plain(spec: Path, profile: str, args, run_dir: Path, plan) -> dict:
-    cmd = plain_launch_command(profile, args.nproc, _free_port(), spec, run_dir)
+    cmd = plain_launch_command(profile, args.nproc, _free_port(), spec, run_dir,
+                               getattr(args, "plain_launcher", "accelerate"), args.precision)
     return measure_launch(cmd, _env(_threads(args.nproc)), run_dir, args, plan.text_tokens_per_step, plan.global_batch)
 
 

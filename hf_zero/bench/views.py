@@ -57,6 +57,9 @@ def markdown(report, machine: str) -> str:
     return "\n".join(head + _notes(report) + ["", startup_markdown(report)]) + "\n"
 
 
+_PLAIN_LAUNCHERS = {"accelerate": "through `accelerate launch` with the same profile", "torchrun": "through torchrun"}
+
+
 def startup_markdown(report, machine: str | None = None) -> str:
     """Where start-up goes, hf_zero beside the plain script: seconds per phase from the launch to the first step,
     the median over the measured overhead pairs (rank 0's phases, the launcher's handed on to it)."""
@@ -71,7 +74,8 @@ def startup_markdown(report, machine: str | None = None) -> str:
     out += [f"{over['strategy']}, seconds from the launch to the first optimizer step, median over {pairs} pair"
             f"{'s' if pairs != 1 else ''}; a phase lasts until the next one starts.", ""]
     for title, rows in ((f"hf_zero ({sum(s for _, s in hf):.1f} s)", hf),
-                        (f"plain Trainer script ({sum(s for _, s in plain):.1f} s)", plain)):
+                        (f"plain Trainer script, {_PLAIN_LAUNCHERS[over.get('launcher', 'torchrun')]} "
+                         f"({sum(s for _, s in plain):.1f} s)", plain)):
         out += [f"| {title} | s |", "|---|---:|", *(f"| {name} | {s:.2f} |" for name, s in rows), ""]
     return "\n".join(out).rstrip()
 
@@ -104,7 +108,8 @@ def _overhead_line(report) -> str:
     why = f" ({over['verdict_reason']})" if over.get("verdict_reason") else ""
     spread = over["step_time_ratio_spread"]
     warm = over.get("warmup_pairs", 0)
-    return (f"- hf_zero vs a plain Trainer + DeepSpeed script ({over['strategy']}, {over['repeats']} interleaved "
+    return (f"- hf_zero vs a plain Trainer + DeepSpeed script started "
+            f"{_PLAIN_LAUNCHERS[over.get('launcher', 'torchrun')]} ({over['strategy']}, {over['repeats']} interleaved "
             f"pair{'s' if over['repeats'] != 1 else ''}" + (f", the first {warm} left out as warm-up" if warm else "")
             + f"): step time x{over['step_time_ratio']:.3f} (mean of the "
             f"pair ratios {seq('step_time_ratios', 3)}; spread, 2 standard errors, "

@@ -31,6 +31,10 @@ def add_arguments(parser) -> None:
                         "caches (default 1)")
     parser.add_argument("--overhead-strategy", help="profile for the overhead and packing runs (default: zero2 "
                         "if benchmarked, else the first strategy)")
+    parser.add_argument("--plain-launcher", choices=("accelerate", "torchrun"), default="accelerate",
+                        help="how the plain Trainer script is started: `accelerate launch` with the same profile, "
+                        "as hf_zero's recipe is (default: the layer's own cost), or the torchrun underneath it "
+                        "(also counts accelerate's launcher, ~0.5 s on 2 CPU cores, against hf_zero)")
     parser.add_argument("--no-packing", action="store_true", help="skip the run with packing switched the other "
                         "way from the recipe (packed if it does not pack, unpacked if it does)")
     parser.add_argument("--keep-models", action="store_true", help="let every run write its final model to "

@@ -81,16 +81,25 @@ def test_overhead_pairs_needed_warmup_pairs_and_start_up_phases():
         ("Python start-up and imports", 2.0), ("plan", 3.0), ("model", 7.0)]
 
 
-def test_plain_baseline_goes_through_the_launcher_accelerate_picks_for_the_profile(tmp_path):
-    """accelerate runs DeepSpeed and DDP profiles through torchrun even at one process (a plain interpreter there
-    has no process group: DeepSpeed then looks for MPI and the baseline crashed at --nproc 1)."""
+def test_plain_baseline_goes_through_accelerate_launch_with_the_same_profile_or_through_torchrun(tmp_path):
+    """By default the plain script is started as hf_zero's recipe is (the same `accelerate launch` line: profile,
+    processes, precision, port), so the pair differs only in the script. With torchrun, the launcher accelerate runs
+    DeepSpeed and DDP profiles through even at one process (a plain interpreter there has no process group:
+    DeepSpeed then looks for MPI and the baseline crashed at --nproc 1)."""
     from hf_zero.bench.execute import PLAIN_SCRIPT, plain_launch_command
+    from hf_zero.launch.launch_command import build_launch_command
 
     spec, run = tmp_path / "spec.json", tmp_path / "run"
-    single = plain_launch_command("single_gpu", 1, 1234, spec, run)
-    assert single == [sys.executable, str(PLAIN_SCRIPT), "--spec", str(spec), "--output_dir", str(run)]
+    script = [str(PLAIN_SCRIPT), "--spec", str(spec), "--output_dir", str(run)]
+    for profile, nproc, precision in (("zero3", 2, None), ("zero2", 1, "bf16"), ("single_gpu", 1, None)):
+        cmd = plain_launch_command(profile, nproc, 1234, spec, run, "accelerate", precision)
+        recipe, _ = build_launch_command(profile, "recipe.py", ["--config", "x.yaml"], nproc=nproc,
+                                         precision=precision, main_port=1234)
+        assert cmd[:-5] == recipe[:-3] and cmd[-5:] == script, (cmd, recipe)
+    single = plain_launch_command("single_gpu", 1, 1234, spec, run, "torchrun")
+    assert single == [sys.executable, *script]
     for profile, nproc in (("zero2", 1), ("zero3_offload", 1), ("ddp", 2), ("zero2", 2)):
-        cmd = plain_launch_command(profile, nproc, 1234, spec, run)
+        cmd = plain_launch_command(profile, nproc, 1234, spec, run, "torchrun")
         assert cmd[1:3] == ["-m", "torch.distributed.run"] and cmd[cmd.index("--nproc_per_node") + 1] == str(nproc)
         assert cmd[cmd.index("--master_port") + 1] == "1234" and cmd[-5:] == single[1:]
 
