@@ -113,12 +113,13 @@ def test_offloaded_bytes_are_counted_apart_from_the_device():
     assert offload_split(parts, "cpu", "cpu") == {"device": 1, "host": 90}
 
 
-@pytest.mark.slow  # five 1-rank launches (~5 min here); the default suite runs the 2-rank quick bench (test_bench.py)
+@pytest.mark.slow  # five 1-rank launches (~5 min here); make test-extended runs the 2-rank quick bench (test_bench.py)
 @pytest.mark.multiproc
 def test_one_rank_packed_lora_bench_compares_like_with_like(tmp_path):
     """At N=1: no ZeRO-3/DDP ratio (nothing is sharded), offloaded bytes apart; a recipe that packs and trains LoRA
     gives the plain baseline the same packed rows and adapters (losses equal), through the launcher accelerate
-    would pick (torchrun, one process)."""
+    would pick (torchrun, one process) with `--plain-launcher torchrun`, by the same `accelerate launch` line
+    without it."""
     out = tmp_path / "out"
     proc = run_cmd([sys.executable, "-m", "hf_zero.cli", "bench", "--config", QUICK, "--nproc", "1", "--strategies",
                     "zero2,zero3_offload", "--warmup", "1", "--overhead-repeats", "1", "--out", out,

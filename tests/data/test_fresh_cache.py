@@ -249,7 +249,7 @@ def test_a_rank_that_never_joins_fails_the_run_with_one_line(relaunch_with_a_sta
 @pytest.mark.multiproc
 @pytest.mark.parametrize("profile, model, launcher", [
     # poisoned the cache: a non-main rank's save_pretrained wrote no weights (the same build-then-wait path as the
-    # zero3 case below, which the default suite runs)
+    # zero3 case below, which `make test-extended` runs)
     pytest.param("zero2", "tiny-llama", "accelerate", marks=pytest.mark.slow),
     # zero3 small-llama through accelerate (it deadlocked: the model built under zero.Init while rank 1 sat on the
     # lock) is the session's run (test_first_zero3_run_of_a_model_under_zero_init_finishes)

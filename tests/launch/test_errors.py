@@ -115,7 +115,7 @@ def test_a_bug_on_one_rank_keeps_its_traceback_once(tmp_path):
     assert ERROR not in out and "ChildFailedError" not in out
 
 
-# The default suite sees the same path (a user error inside the ranks under plain accelerate launch) in
+# CI sees the same path (a user error inside the ranks under plain accelerate launch) in `make test-extended`:
 # tests/plan/test_preflight_io.py's bad file, found deeper in the ranks (data loading); each case here is a launch.
 ACCELERATE_CASES = [pytest.param(c, marks=pytest.mark.slow) for c in
                     ("unknown key", "wrong type", "fp16 on CPU", "output_dir a file", "invalid YAML")]
