@@ -116,7 +116,7 @@ def plain_launch_command(profile: str, nproc: int, port: int, spec: Path, run_di
 
 def _run_plain(spec: Path, profile: str, args, run_dir: Path, plan) -> dict:
     cmd = plain_launch_command(profile, args.nproc, _free_port(), spec, run_dir,
-                               getattr(args, "plain_launcher", "accelerate"), args.precision)
+                               args.plain_launcher, args.precision)
     return measure_launch(cmd, _env(_threads(args.nproc)), run_dir, args, plan.text_tokens_per_step, plan.global_batch)
 
 

@@ -107,7 +107,7 @@ def assemble(plan, args, machine, names, results, overhead_strategy, pairs, flip
         "flops_per_token": plan.flops_per_token, "recipe": str(plan.recipe_yaml), "strategies": rows,
         "loss_reference": ref, "loss_agreement": agreement,
         "plain_trainer": {**overhead(overhead_strategy, pairs, precision, getattr(args, "overhead_warmup_pairs", 0)),
-                          "launcher": getattr(args, "plain_launcher", "accelerate")},
+                          "launcher": args.plain_launcher},
         "packing_comparison": _packing(plan, overhead_strategy, results.get(overhead_strategy), flipped),
         "targets": TARGETS, "retries": _retries(results, pairs, flipped),
     }
