@@ -23,4 +23,8 @@ if _os.path.isfile(_os.path.join(_BIN, "ninja")) and _os.environ.get("PATH", "")
 if _sys.prefix != _sys.base_prefix and "TORCH_EXTENSIONS_DIR" not in _os.environ:
     _os.environ["TORCH_EXTENSIONS_DIR"] = _os.path.join(_sys.prefix, "torch_extensions")
 
+from hf_zero.core.console import VERBOSE_ENV as _VERBOSE_ENV  # noqa: E402
+from hf_zero.core.console import quiet_loggers as _quiet_loggers  # noqa: E402
 from hf_zero.core.errors import UserError  # noqa: E402
+
+_quiet_loggers(_os.environ.get(_VERBOSE_ENV) != "1")

@@ -16,9 +16,9 @@ import time
 
 from hf_zero.core.files import human_bytes
 
-__all__ = ["VERBOSE_ENV", "QUIET_ENV", "QUIET_WARNINGS", "rank", "quiet_environment", "setup_console", "verbose",
-           "say", "progress_prints", "console_callback", "step_line", "eval_line", "eta_text", "duration",
-           "MEAN_LOSS", "EXACT_MATCH"]
+__all__ = ["VERBOSE_ENV", "QUIET_ENV", "QUIET_WARNINGS", "QUIET_LOGGERS", "rank", "quiet_environment", "quiet_loggers",
+           "setup_console", "verbose", "say", "progress_prints", "console_callback", "step_line", "eval_line",
+           "eta_text", "duration", "MEAN_LOSS", "EXACT_MATCH"]
 
 VERBOSE_ENV = "HF_ZERO_VERBOSE"
 
@@ -37,6 +37,9 @@ def verbose() -> bool:
 # and PEFT's two notes after every LoRA save (it looks the base model up on the hub to learn whether its vocabulary
 # changed; offline, or with a model built from a config, it cannot, and says so).
 QUIET_WARNINGS = ((FutureWarning, ""), (UserWarning, r"peft\."))
+# Libraries with no switch but their logger: bitsandbytes, on a CPU with AVX512-BF16, warns as it loads (peft loads it)
+# that it cannot fetch an optional fused kernel from the hub (kernels-community) and goes on with its own.
+QUIET_LOGGERS = ("bitsandbytes",)
 # The libraries' own switches, as environment variables: read when each library loads, in this process and in every
 # process started from it (the ranks).
 QUIET_ENV = {
@@ -56,6 +59,7 @@ def quiet_environment(env=os.environ) -> None:
     own switches only, so their errors still show: the environment variables above (set before torch, DeepSpeed
     or the hub libraries load), the same switches called on a library this process has loaded already, and the
     warnings filters above."""
+    quiet_loggers(env.get(VERBOSE_ENV) != "1")
     if env.get(VERBOSE_ENV) == "1":
         return
     import warnings
@@ -71,6 +75,16 @@ def quiet_environment(env=os.environ) -> None:
         if not torch.cuda.is_available():
             # Named up front, DeepSpeed skips its probe and the "Setting accelerator to CPU" warning per process.
             env["DS_ACCELERATOR"] = "cpu"
+
+
+def quiet_loggers(quiet: bool) -> None:
+    """QUIET_LOGGERS at ERROR (their errors still show), or back to the default for `--verbose`. Also called as
+    hf_zero is first imported (hf_zero/__init__.py): these libraries log as they load, and a recipe imports them
+    before its entry sets up the console."""
+    import logging
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR if quiet else logging.NOTSET)
 
 
 def _quiet_loaded_libraries() -> None:

@@ -102,6 +102,7 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
         # The Trainer turns on gradient checkpointing itself from the recipe.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         embeddings_in_16bit(model, quantized.bnb_4bit_compute_dtype)
+        plain_4bit_where_cpu_repack_fails(model)
     if model_args.use_peft:
         model = apply_lora(model, model_args, task_type="CAUSAL_LM")
         if grown:
@@ -119,6 +120,24 @@ def embeddings_in_16bit(model, dtype) -> None:
         weight = getattr(layer, "weight", None)
         if weight is not None and not weight.requires_grad and weight.is_floating_point():
             weight.data = weight.data.to(dtype)
+
+
+def plain_4bit_where_cpu_repack_fails(model) -> int:
+    """bitsandbytes, on a CPU with AVX512-BF16 (Intel Sapphire Rapids and later), repacks a 4-bit linear for its
+    fused kernel at the first forward in eval mode without gradients (evaluation, generation). The repack only takes
+    out_features a multiple of 32 and in_features a multiple of the quantization block (64); any other shape (a
+    small test model's) fails inside it with a reshape error. Those linears keep bitsandbytes' plain 4-bit path, as on
+    every other CPU. Returns how many."""
+    kept = 0
+    for module in model.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is None or not getattr(module, "support_avx512bf16_for_cpu", False):
+            continue
+        out_features, in_features = state.shape[0], state.shape[-1]
+        if out_features % 32 or in_features % state.blocksize:
+            module.support_avx512bf16_for_cpu = False
+            kept += 1
+    return kept
 
 
 def trainable_in_fp32(model) -> list[str]:

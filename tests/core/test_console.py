@@ -1,5 +1,7 @@
 """The console's lines and the summary's numbers, from log entries as the Trainer writes them (no run needed)."""
 
+import logging
+
 import pytest
 
 from hf_zero.core.console import (
@@ -106,13 +108,12 @@ def test_console_callback_one_line_per_evaluation_with_its_exact_match(capsys):
 
 
 def test_quiet_environment_uses_the_libraries_switches():
-    import logging
     import warnings
 
     from transformers.utils import logging as transformers_logging
 
     env = {"DS_ACCELERATOR": "cpu"}
-    quiet_environment({**env, VERBOSE_ENV: "1"})  # --verbose: nothing changes
+    quiet_environment({**env, VERBOSE_ENV: "1"})  # --verbose: nothing changes (but the loggers, back to default)
     level = transformers_logging.get_verbosity()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -125,6 +126,27 @@ def test_quiet_environment_uses_the_libraries_switches():
     transformers_logging.set_verbosity(level)
     # PEFT's notes and the deprecations are silenced; any other warning still shows
     assert [(w.category, str(w.message)) for w in seen] == [(UserWarning, "noise?"), (DeprecationWarning, "noise?")]
+
+
+def test_a_library_that_logs_as_it_loads_is_quiet_from_hf_zeros_first_import():
+    """bitsandbytes (loaded with peft by a recipe's first import, before its entry sets up the console) warns as it
+    loads on a CPU with AVX512-BF16: its logger is at ERROR from `import hf_zero` on (read in a fresh interpreter,
+    this one has set it already), and back to the default with --verbose."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != VERBOSE_ENV}
+    probe = ("import logging, sys, hf_zero; "
+             "print(logging.getLogger('bitsandbytes').level, 'bitsandbytes' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.stdout.split() == [str(logging.ERROR), "False"], proc.stderr[-2000:]
+    try:
+        quiet_environment({"DS_ACCELERATOR": "cpu", VERBOSE_ENV: "1"})
+        assert logging.getLogger("bitsandbytes").getEffectiveLevel() == logging.WARNING
+    finally:
+        quiet_environment({"DS_ACCELERATOR": "cpu"})
+    assert logging.getLogger("bitsandbytes").getEffectiveLevel() == logging.ERROR
 
 
 def test_loss_plot_and_the_lines_after_the_result(tmp_path):

@@ -101,6 +101,30 @@ def test_built_model_holds_the_bytes_of_the_estimates_4bit_row(name):
         ids = torch.randint(0, 500, (2, 16))
         model(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    model.eval()  # and it evaluates (on a CPU with AVX512-BF16: bitsandbytes' repack where its kernel takes the shape)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+
+
+def test_4bit_linears_the_cpu_repack_cannot_take_keep_the_plain_path():
+    """bitsandbytes' AVX512-BF16 repack takes out_features % 32 == 0 and in_features % blocksize == 0 only; the
+    others are switched to its plain path, on any CPU (the flag is what bitsandbytes read from the CPU)."""
+    from types import SimpleNamespace
+
+    from hf_zero.train.model import plain_4bit_where_cpu_repack_fails
+
+    def linear(out_features, in_features, repack=True):
+        module = torch.nn.Module()
+        module.weight = SimpleNamespace(quant_state=SimpleNamespace(shape=torch.Size([out_features, in_features]),
+                                                                    blocksize=64))
+        module.support_avx512bf16_for_cpu = repack
+        return module
+
+    model = torch.nn.ModuleList([linear(32, 64), linear(4096, 4096), linear(32, 32), linear(48, 64), linear(16, 32),
+                                 linear(32, 32, repack=False), torch.nn.Linear(3, 5)])
+    assert plain_4bit_where_cpu_repack_fails(model) == 3
+    assert [getattr(m, "support_avx512bf16_for_cpu", None) for m in model] == [True, True, False, False, False,
+                                                                                 False, None]
 
 
 @pytest.fixture(scope="module")
