@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from transformers import TrainingArguments
+from hf_zero.core.lean_import import import_training_args
 
-from hf_zero.core.errors import UserError
-from hf_zero.core.validate import positive
+import_training_args()  # every process that parses a recipe; peft only where a LoRA model is built
+
+from transformers import TrainingArguments  # noqa: E402
+
+from hf_zero.core.errors import UserError  # noqa: E402
+from hf_zero.core.validate import positive  # noqa: E402
 
 __all__ = ["ModelArguments", "CurriculumArguments", "Stage"]
 

@@ -1,26 +1,29 @@
-"""transformers' TrainingArguments for a process that only parses a recipe (`hf-zero train`'s launcher: the checks
-and the run plan), without the peft it drags in.
+"""transformers' TrainingArguments and Trainer without the peft they drag in, for every process that trains no
+adapters: `hf-zero train`'s launcher (the checks and the run plan: no model at all) and a full fine-tune's ranks.
 
-`transformers.training_args` imports `transformers.trainer_utils`, which imports peft whenever peft is installed, and
-peft imports every one of its tuners, transformers' modeling code, bitsandbytes, scipy and torch's compiler stack:
-about 4 s of CPU for two `isinstance` checks the launcher never makes (it builds no model). The ranks import all of
-it anyway; in the launcher it was pure duplicate work before every launch. Here transformers is told peft is absent
-while those two modules load; the two names trainer_utils would have taken from peft stand in until peft itself is
-imported by whoever builds a model in this process (then they are peft's own classes, checked as such).
+`transformers.training_args` imports `transformers.trainer_utils`, and `transformers.trainer` imports peft itself,
+whenever peft is installed; peft imports every one of its tuners, bitsandbytes (with its CPU backend), scipy and
+torch's compiler stack. That is about 4 s of CPU in the launcher (which builds no model) and about 1 s more in each
+rank of a full fine-tune (whose transformers code is loaded anyway) for `isinstance` checks whose answer is no.
+Here transformers is told peft is absent while those modules load; the names they would have taken from peft stand
+in until peft itself is imported by whoever builds a LoRA model in this process (then they are peft's own classes,
+checked as such). A LoRA run imports peft when it builds its model, as before.
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-__all__ = ["HIDDEN", "import_training_args"]
+__all__ = ["HIDDEN", "import_training_args", "import_trainer"]
 
-HIDDEN = ("peft",)  # what transformers is told is absent while TrainingArguments loads (bitsandbytes comes with peft)
-_PEFT_NAMES = ("PeftModel", "PeftMixedModel")  # what transformers.trainer_utils imports from peft
+HIDDEN = ("peft",)  # what transformers is told is absent while its modules load (bitsandbytes comes with peft)
+# What each module imports from peft at its top when peft is installed.
+_PEFT_NAMES = {"transformers.trainer_utils": ("PeftModel", "PeftMixedModel"), "transformers.trainer": ("PeftModel",)}
 
 
 class _PeftClass(type):
-    """Stands in for a peft class in transformers.trainer_utils: no object is an instance of a peft class before
+    """Stands in for a peft class in transformers' modules: no object is an instance of a peft class before
     peft is imported; after, the check is peft's own."""
 
     def __instancecheck__(cls, obj) -> bool:
@@ -29,9 +32,22 @@ class _PeftClass(type):
 
 
 def import_training_args() -> None:
-    """Import transformers.training_args (and with it TrainingArguments and HfArgumentParser's needs) without peft,
-    unless it is already imported (then there is nothing to save)."""
-    if "transformers.trainer_utils" in sys.modules or "peft" in sys.modules:
+    """transformers.training_args (TrainingArguments and HfArgumentParser's needs) without peft."""
+    _import_without_peft(("transformers.trainer_utils", "transformers.training_args"))
+
+
+def import_trainer() -> type:
+    """transformers' Trainer, imported without peft, for a rank: a LoRA run imports peft as it builds its model."""
+    _import_without_peft(("transformers.trainer_utils", "transformers.training_args", "transformers.trainer"))
+    from transformers.trainer import Trainer
+
+    return Trainer
+
+
+def _import_without_peft(modules: tuple[str, ...]) -> None:
+    """Import `modules` with peft hidden, unless peft is imported already (then there is nothing to save) or they
+    all are."""
+    if "peft" in sys.modules or all(m in sys.modules for m in modules):
         return
     from transformers.utils import import_utils
 
@@ -42,11 +58,13 @@ def import_training_args() -> None:
 
     setattr(import_utils, "_is_package_available", hide)  # noqa: B010  (restored below; listed in core/internals.py)
     try:
-        import transformers.trainer_utils as trainer_utils
-        import transformers.training_args  # noqa: F401
+        for name in modules:
+            importlib.import_module(name)
     finally:
         setattr(import_utils, "_is_package_available", real)  # noqa: B010
         import_utils.is_peft_available.cache_clear()  # it remembered "absent": whoever asks later gets the truth
-    for name in _PEFT_NAMES:
-        if not hasattr(trainer_utils, name):
-            setattr(trainer_utils, name, _PeftClass(name, (), {}))
+    for module, names in _PEFT_NAMES.items():
+        loaded = sys.modules.get(module)
+        for name in names if loaded is not None else ():
+            if not hasattr(loaded, name):
+                setattr(loaded, name, _PeftClass(name, (), {}))

@@ -102,7 +102,7 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
         # The Trainer turns on gradient checkpointing itself from the recipe.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         embeddings_in_16bit(model, quantized.bnb_4bit_compute_dtype)
-        plain_4bit_where_cpu_repack_fails(model)
+        keep_4bit_layout_on_cpu(model)
     if model_args.use_peft:
         model = apply_lora(model, model_args, task_type="CAUSAL_LM")
         if grown:
@@ -122,19 +122,17 @@ def embeddings_in_16bit(model, dtype) -> None:
             weight.data = weight.data.to(dtype)
 
 
-def plain_4bit_where_cpu_repack_fails(model) -> int:
-    """bitsandbytes, on a CPU with AVX512-BF16 (Intel Sapphire Rapids and later), repacks a 4-bit linear for its
-    fused kernel at the first forward in eval mode without gradients (evaluation, generation). The repack only takes
-    out_features a multiple of 32 and in_features a multiple of the quantization block (64); any other shape (a
-    small test model's) fails inside it with a reshape error. Those linears keep bitsandbytes' plain 4-bit path, as on
-    every other CPU. Returns how many."""
+def keep_4bit_layout_on_cpu(model) -> int:
+    """bitsandbytes, on a CPU with AVX512-BF16 (Intel Sapphire Rapids and later), repacks a 4-bit linear's weight in
+    place for its fused kernel at the first forward in eval mode without gradients (a run's evaluation), and undoes
+    that at every state_dict (a checkpoint). Both break in training: the repack takes only out_features a multiple
+    of 32 and in_features a multiple of the quantization block (a reshape error on a small model), and the undo
+    only the uint8 storage of a 4-bit base held whole (an assertion at the first checkpoint under ZeRO-3 or FSDP2,
+    whose 4-bit weights are stored in 16-bit elements). A model hf_zero trains keeps bitsandbytes' storage layout:
+    its evaluation takes the plain 4-bit path, as on every other CPU. Returns how many linears it set."""
     kept = 0
     for module in model.modules():
-        state = getattr(getattr(module, "weight", None), "quant_state", None)
-        if state is None or not getattr(module, "support_avx512bf16_for_cpu", False):
-            continue
-        out_features, in_features = state.shape[0], state.shape[-1]
-        if out_features % 32 or in_features % state.blocksize:
+        if getattr(module, "support_avx512bf16_for_cpu", False):
             module.support_avx512bf16_for_cpu = False
             kept += 1
     return kept

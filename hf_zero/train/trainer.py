@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 
-from transformers import Trainer, TrainerCallback
+from transformers import TrainerCallback
 
 from hf_zero.checkpoint.staging import StagedCheckpointMixin
 from hf_zero.checkpoint.write import CheckpointCallback
 from hf_zero.core import startup
 from hf_zero.core.console import MEAN_LOSS, console_callback, say
 from hf_zero.core.distributed import waiting_for
+from hf_zero.core.lean_import import import_trainer
 from hf_zero.data.curriculum import CurriculumSchedule
 from hf_zero.launch.interrupt import stop_on_signal
 from hf_zero.plan.run_plan import RunPlan
@@ -22,6 +23,8 @@ from hf_zero.train.fsdp import announce_layers, enable_fsdp_on_cpu
 from hf_zero.train.fused_ce import FusedCrossEntropyMixin
 from hf_zero.train.sequence_parallel import SequenceParallelMixin
 from hf_zero.train.throughput import throughput_callback
+
+Trainer = import_trainer()  # a full fine-tune never imports peft (a LoRA run does, as it builds its model)
 
 __all__ = ["CurriculumTrainer", "stage_table", "step_losses", "eval_rounds", "eval_means"]
 

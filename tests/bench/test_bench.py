@@ -170,7 +170,11 @@ def test_plain_trainer_script_trains_the_same_without_hf_zero(bench):
     # on the first strategy when zero2 is not among them (zero2's pair, with DeepSpeed's config: the slow tier's)
     assert plain["status"] == "ok" and plain["strategy"] == "ddp" and plain["repeats"] == 1
     assert plain["max_abs_loss_diff_vs_hf_zero"] <= 1e-6  # same weights, data order, distributed set-up
-    assert plain["comparable"] is True and plain["first_step_loss_hf_zero"] == plain["first_step_loss_plain"]
+    # The first step's loss, before any update: the same weights and rows. hf_zero's fused loss (train/fused_ce.py)
+    # sums the logits in chunks, so where the CPU's matmul kernels block the two differently (AVX512) the last float
+    # digit may differ (9.5e-7 measured); other weights or rows would move it by orders of magnitude more.
+    assert plain["comparable"] is True
+    assert abs(plain["first_step_loss_hf_zero"] - plain["first_step_loss_plain"]) <= 1e-6
     # One pair has no spread: the bench must not claim the overhead target either way.
     assert plain["verdict"] == "inconclusive" and report["checks"]["step_time_ratio_within_target"] is None
     assert plain["step_time_ratio"] > 0 and plain["startup_ratio"] > 0

@@ -29,7 +29,7 @@ from hf_zero.estimate.pick import plan
 from hf_zero.estimate.recipe import RecipeMemory, lora_fields
 from hf_zero.plan.profiles import gpu_count, load_profile
 from hf_zero.plan.quantization import quantization_config, verify_quantization
-from hf_zero.train.model import build_causal_lm, describe_weights
+from hf_zero.train.model import build_causal_lm, describe_weights, keep_4bit_layout_on_cpu
 
 GIB = 2**30
 LLAMA_8B = REPO / "benchmarks" / "models" / "llama-3.1-8b"
@@ -101,30 +101,28 @@ def test_built_model_holds_the_bytes_of_the_estimates_4bit_row(name):
         ids = torch.randint(0, 500, (2, 16))
         model(input_ids=ids, labels=ids).loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
-    model.eval()  # and it evaluates (on a CPU with AVX512-BF16: bitsandbytes' repack where its kernel takes the shape)
+    model.eval()  # and it evaluates, then saves, as a run does (on any CPU: bitsandbytes' AVX512-BF16 repack is off)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         assert torch.isfinite(model(input_ids=ids).logits).all()
+    assert not any(getattr(m, "support_avx512bf16_for_cpu", False) for m in model.modules())
+    saved = model.state_dict()  # a checkpoint's: bitsandbytes' layout, packed weights as they were built
+    assert all(saved[name].dtype == p.dtype for name, p in model.named_parameters() if hasattr(p, "quant_state"))
 
 
-def test_4bit_linears_the_cpu_repack_cannot_take_keep_the_plain_path():
-    """bitsandbytes' AVX512-BF16 repack takes out_features % 32 == 0 and in_features % blocksize == 0 only; the
-    others are switched to its plain path, on any CPU (the flag is what bitsandbytes read from the CPU)."""
+def test_a_4bit_model_that_trains_keeps_its_layout_on_any_cpu():
+    """bitsandbytes' AVX512-BF16 repack (in place, at an evaluation) is off for every 4-bit linear of a model hf_zero
+    trains, whatever the CPU (the flag is what bitsandbytes read from it, set here on a stand-in)."""
     from types import SimpleNamespace
 
-    from hf_zero.train.model import plain_4bit_where_cpu_repack_fails
-
-    def linear(out_features, in_features, repack=True):
+    def linear(repack):
         module = torch.nn.Module()
-        module.weight = SimpleNamespace(quant_state=SimpleNamespace(shape=torch.Size([out_features, in_features]),
-                                                                    blocksize=64))
+        module.weight = SimpleNamespace(quant_state=SimpleNamespace(shape=torch.Size([32, 64]), blocksize=64))
         module.support_avx512bf16_for_cpu = repack
         return module
 
-    model = torch.nn.ModuleList([linear(32, 64), linear(4096, 4096), linear(32, 32), linear(48, 64), linear(16, 32),
-                                 linear(32, 32, repack=False), torch.nn.Linear(3, 5)])
-    assert plain_4bit_where_cpu_repack_fails(model) == 3
-    assert [getattr(m, "support_avx512bf16_for_cpu", None) for m in model] == [True, True, False, False, False,
-                                                                                 False, None]
+    model = torch.nn.ModuleList([linear(True), linear(1), linear(False), torch.nn.Linear(3, 5)])
+    assert keep_4bit_layout_on_cpu(model) == 2
+    assert [getattr(m, "support_avx512bf16_for_cpu", None) for m in model] == [False, False, False, None]
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +231,7 @@ def test_qlora_export_merges_into_a_plain_16bit_model(qlora_runs, tmp_path):
     assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama"), dtype=torch.bfloat16,
                                                 quantization_config=quantization_config(QLORA, _profile("ddp")))
+    keep_4bit_layout_on_cpu(base)  # bitsandbytes' AVX512-BF16 repack cannot take this small model's shapes
     trained = PeftModel.from_pretrained(base, str(checkpoint))
     ids = torch.tensor([[3, 17, 42, 99, 7, 250]])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
