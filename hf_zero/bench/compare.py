@@ -14,13 +14,16 @@ __all__ = ["TARGETS", "BASELINE_LOSS_ATOL", "FIRST_LOSS_ATOL", "max_abs_diff", "
 # The issue's targets: checked and reported; only fp32 loss parity fails the command (the others are measurements).
 TARGETS = {"loss_parity_atol": 1e-4, "zero3_over_ddp_model_state_max": 0.55, "step_time_ratio_max": 1.03,
            "startup_ratio_max": 1.10, "packed_non_padding_min": 0.95, "overhead_spread_max": 0.02}
-# hf_zero and the plain script run one training through the same kernels: in fp32 (CPU, or GPU without TF32) their
-# losses agree to float rounding. In bf16/fp16 on a GPU some backward kernels accumulate with atomics (attention,
+# hf_zero and the plain script run one training: in fp32 (CPU, or GPU without TF32) their losses agree to float
+# rounding. Not bit for bit: hf_zero's fused loss (train/fused_ce.py) sums the logits in chunks, the plain script's
+# whole, and how that rounds depends on the CPU's matmul kernels. Over a 60-step ZeRO-3 run near loss 6 (one fp32
+# step there is 4.8e-7) that was 9.5e-7 on an AMD EPYC and 1.43e-6 on an Intel Xeon with AVX512 (2026-11-26): a few
+# steps of rounding, hence 1e-5. In bf16/fp16 on a GPU some backward kernels accumulate with atomics (attention,
 # embedding gradients), so later steps may drift by a little; the first step's loss (same weights, same rows, no
 # update yet) must still agree. A different model dtype, attention, row or learning rate moves both by far more
 # (measured on an H100 before the fix: 10.7545 vs 10.7862 at step 1, 0.73-0.79 at worst).
-BASELINE_LOSS_ATOL = {"fp32": 1e-6, "bf16": 1e-2, "fp16": 1e-2}
-FIRST_LOSS_ATOL = {"fp32": 1e-6, "bf16": 1e-3, "fp16": 1e-3}
+BASELINE_LOSS_ATOL = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 1e-2}
+FIRST_LOSS_ATOL = {"fp32": 1e-5, "bf16": 1e-3, "fp16": 1e-3}
 NON_DEEPSPEED = ("ddp", "single_gpu")  # fp32 weights + autocast: the reference for loss agreement when present
 
 

@@ -45,6 +45,10 @@ def test_overhead_verdict_needs_the_same_training_and_a_spread_within_the_target
     drift = pairs(1.0, 1.01, plain_losses=[5.0, 4.004, 3.0])
     assert overhead("zero2", drift, "bf16")["verdict"] == "yes"
     assert overhead("zero2", drift, "fp32")["verdict"] == "not comparable"
+    # fp32: a few steps of float rounding (the fused loss sums in chunks) is the same training; 1e-4 is not.
+    rounding = pairs(1.0, 1.01, plain_losses=[5.0 + 4.8e-7, 4.0 - 1.43e-6, 3.0])
+    assert overhead("zero2", rounding, "fp32")["verdict"] == "yes"
+    assert overhead("zero2", pairs(1.0, 1.01, plain_losses=[5.0, 4.0001, 3.0]), "fp32")["verdict"] == "not comparable"
 
 
 def test_overhead_pairs_needed_warmup_pairs_and_start_up_phases():
