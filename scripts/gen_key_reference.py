@@ -15,6 +15,8 @@ import inspect
 import sys
 from pathlib import Path
 
+import hf_zero  # noqa: F401  (first: hf_zero quiets what the libraries log as they load, bitsandbytes' notice)
+
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "reference" / "recipe-keys.md"
 
