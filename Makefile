@@ -17,7 +17,8 @@ CONFIG ?=
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install train test test-fast test-extended test-all test-gpu bench bench-gpu quality style docs clean
+.PHONY: install train test test-fast test-extended test-all test-gpu gpu-rehearsal bench bench-gpu quality style docs \
+	clean
 
 install: $(STAMP)
 
@@ -79,6 +80,16 @@ bench-gpu: install
 GPU_TESTS = tests/train/test_gpu.py tests/train/test_qlora.py
 test-gpu: install
 	$(BIN)/python -m pytest -m gpu $(GPU_TESTS) $(PYTEST_ARGS)
+
+# The GPU session's kit (scripts/gpu_session.sh) rehearsed here, where a moved file, a missing wheel or a wrong flag
+# costs nothing (scripts/gpu_rehearsal.sh): the carried wheels (.whl, fetched on first use) checked against the GPU
+# machine's Python and packages, installed into a fresh venv that sees the machine's packages alone, every `-m gpu`
+# test collected there, every phase run with its CPU stand-in (tests collected, benches and the speed matrix planned
+# on the real 1.1B config, nothing trained). GPU_WHEELS=standin (CI): no download of the wheels (this venv's copies
+# stand in; the kit check is then the slow tier's, tests/commands/test_gpu_scripts.py).
+GPU_WHEELS ?= download
+gpu-rehearsal: install
+	GPU_WHEELS=$(GPU_WHEELS) PYTHON=$(BIN)/python bash scripts/gpu_rehearsal.sh
 
 # Everything, including the long runs kept out of CI (marked slow: the full bench, the SmolLM2 runs, SIGKILL chains
 # over seeds).

@@ -7,12 +7,19 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 
-from hf_zero.core.console import VERBOSE_ENV, quiet_environment
+from hf_zero.core.console import VERBOSE_ENV, quiet_environment, verbose
 from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.launch.worker import write_failure
 
-__all__ = ["main", "COMMANDS"]
+__all__ = ["main", "COMMANDS", "escaped_error"]
+
+EXIT_BUG = 1  # an exception hf-zero did not expect: its own bug, not the input's
+
+# What `hf-zero --help` opens with: for a person running it (the module docstring is for the code's readers).
+DESCRIPTION = ("Fine-tune a causal LM or a classifier with Accelerate, DeepSpeed ZeRO, FSDP2 and PEFT: plan the "
+               "memory, check the recipe, train, answer prompts with the result, export it.")
 
 # name -> (module with add_arguments(parser) and run(args) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -27,7 +34,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "write a Hugging Face folder from any checkpoint (ZeRO shards consolidated)"),
     "convert": ("hf_zero.commands.convert",
                 "rewrite a checkpoint for another profile (ZeRO stage, FSDP2) so a run resumes from it there"),
-    "bench": ("hf_zero.commands.bench", "DDP vs ZeRO-1/2/3/offload side by side: time, memory, loss parity"),
+    "bench": ("hf_zero.commands.bench",
+              "DDP vs ZeRO-1/2/3/offload and FSDP2 side by side: time, memory, loss parity"),
     "slurm": ("hf_zero.commands.slurm", "write an sbatch script that runs a recipe on N nodes"),
     "preview": ("hf_zero.commands.preview",
                 "show a recipe's samples as the model will see them: format, trained tokens, lengths"),
@@ -68,7 +76,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hf-zero", description=__doc__, allow_abbrev=False)
+    parser = _Parser(prog="hf-zero", description=DESCRIPTION, allow_abbrev=False,
+                     epilog="`hf-zero COMMAND --help` lists a command's flags.")
     parser.add_argument("-V", "--version", action="store_true", help="print hf-zero's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, (_, help_text) in COMMANDS.items():
@@ -94,6 +103,7 @@ def command_parser(name: str):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
+    name = "hf-zero"
     try:
         if not argv or argv[0] in ("-h", "--help"):
             parser.print_help()
@@ -101,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         if argv[0] in ("-V", "--version"):
             print(f"hf-zero {_version()}")
             return 0
+        if argv[0] not in COMMANDS:
+            raise UserError("hf-zero", f"unknown command {argv[0]!r}", f"use one of: {', '.join(COMMANDS)}")
         name = argv[0]
-        if name not in COMMANDS:
-            raise UserError("hf-zero", f"unknown command {name!r}", f"use one of: {', '.join(COMMANDS)}")
         sub, module = command_parser(name)
         args, extra = sub.parse_known_args(argv[1:])
         if extra and not getattr(module, "ACCEPTS_EXTRA", False):
@@ -119,12 +129,35 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"hf-zero: error: {err.line()}", file=sys.stderr)
         return EXIT_USAGE
-    except OSError as err:  # a full disk under `hf-zero export` and the like: one line too
-        failed = write_failure(err)
-        if failed is None:
-            raise
+    except KeyboardInterrupt:
+        print(f"hf-zero: {_command(name)} interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001  (every command ends in one line, whatever escaped it)
+        failed, code = escaped_error(name, err)
+        if verbose() or "--verbose" in argv:
+            traceback.print_exc()
         print(f"hf-zero: error: {failed.line()}", file=sys.stderr)
-        return EXIT_USAGE
+        return code
+
+
+def _command(name: str) -> str:
+    return "hf-zero" if name == "hf-zero" else f"hf-zero {name}"
+
+
+def escaped_error(name: str, err: Exception) -> tuple[UserError, int]:
+    """The one line and exit code for an exception a command did not turn into a UserError itself: a failed write
+    (a full disk under `hf-zero export`) or a file the system refuses is the user's to fix (exit 2); anything else
+    is a bug in hf-zero (exit 1), named with its type and first line, its traceback shown by --verbose."""
+    failed = write_failure(err)
+    if failed is not None:
+        return failed, EXIT_USAGE
+    why = str(err).splitlines()[0][:200] if str(err).strip() else ""
+    if isinstance(err, OSError) and err.filename is not None:
+        what = os.fsdecode(err.filename) if isinstance(err.filename, bytes) else str(err.filename)
+        return UserError(_command(name), f"cannot use {what}: {err.strerror or why}",
+                         "check that path (its kind, permissions and free space)"), EXIT_USAGE
+    return UserError(_command(name), f"{type(err).__name__}: {why}" if why else type(err).__name__,
+                     "an unexpected error (a bug in hf-zero): --verbose shows its traceback"), EXIT_BUG
 
 
 def _version() -> str:

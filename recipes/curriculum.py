@@ -25,7 +25,9 @@ def main(argv=None):
     from hf_zero.data.model_names import get_tokenizer, resolve_model_path
     from hf_zero.data.stages import build_collator, load_stage_data
     from hf_zero.train import recipe_steps as steps
+    from hf_zero.train.generate import PROMPT_FORM_KEY, prompt_form
     from hf_zero.train.model import build_causal_lm, count_parameters, describe_weights, is_zero3_partitioned
+    from hf_zero.train.preference import preference_stages, preference_summary
     from hf_zero.train.run import setup_run, write_summary
     from hf_zero.train.samples import SampleCallback, exact_match_summary
     from hf_zero.train.trainer import CurriculumTrainer, eval_means, stage_table
@@ -41,9 +43,11 @@ def main(argv=None):
                                   args.seed, packing=args.packing, formats=FormatOptions.from_args(args))
                   for s in ctx.stages]
     eval_sets = {s.name: d.eval_samples for s, d in zip(ctx.stages, stage_data) if d.eval_samples}
+    pref = preference_stages(ctx.stages, stage_data)  # the dpo stages and their rows (hf_zero.train.preference)
     schedule, order = steps.lay_out(ctx, [d.pool_size for d in stage_data],
                                     [[len(src) for src in d.sources] for d in stage_data], has_eval=bool(eval_sets),
-                                    eval_on_start=bool(eval_sets))  # the "before" eval loss, with the real engine
+                                    eval_on_start=bool(eval_sets),  # the "before" eval loss, with the real engine
+                                    **({"remove_unused_columns": False} if pref else {}))  # dpo batches: their rows
     args = ctx.training_args  # final: with the schedule's steps
 
     # Model: under ZeRO-3 built with zero.Init; LoRA through peft.
@@ -55,8 +59,9 @@ def main(argv=None):
     trainer = CurriculumTrainer(
         model=model, args=args, train_dataset=CurriculumDataset([d.sources for d in stage_data], order),
         eval_dataset=eval_sets or None, processing_class=tokenizer, schedule=schedule, plan=ctx.plan,
-        settings=ctx.settings, data_collator=build_collator(tokenizer, packing=args.packing, model=model),
-        fused_cross_entropy=args.fused_cross_entropy,
+        settings=ctx.settings, data_collator=build_collator(tokenizer, packing=args.packing, model=model,
+                                                               preference=bool(pref)),
+        fused_cross_entropy=args.fused_cross_entropy, preference=pref,
     )
     steps.attach_probes(trainer, ctx, args.measure_memory)
     prompts = {i: d.eval_prompts[: args.sample_prompts] for i, d in enumerate(stage_data) if d.eval_prompts}
@@ -78,12 +83,16 @@ def main(argv=None):
         "model_path": resolve_model_path(model_args.model_name_or_path),
         "zero3_partitioned_at_build": partitioned,
         **(exact := exact_match_summary(history)),
+        **preference_summary(history, schedule, pref, trainer.reference_status),
+        PROMPT_FORM_KEY: (form := prompt_form(stage_data)),  # how `hf-zero generate` prompts the model
     }, history)
-    done = (f"[hf_zero] done: {steps.loss_words(before, after, len(eval_sets))}"
-            + steps.exact_match_words(exact.get("exact_match_before"), exact.get("exact_match_after"))
+    held_out = sum(len(samples) for samples in eval_sets.values())
+    done = (f"[hf_zero] done: {steps.loss_words(before, after, len(eval_sets), held_out)}"
+            + steps.exact_match_words(exact.get("exact_match_before"), exact.get("exact_match_after"),
+                                      exact.get("exact_match_prompts"))
             + (f"model in {final_dir}" if final_dir else "no model written (save_final_model: false)")
             + f", summary in {summary}")
-    say("\n".join([done, *steps.next_steps(ctx.output_dir, final_dir, model_args.use_peft)]))
+    say("\n".join([done, *steps.next_steps(ctx.output_dir, final_dir, model_args.use_peft, form=form)]))
 
 if __name__ == "__main__":
     sys.exit(main())

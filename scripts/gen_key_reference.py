@@ -25,9 +25,10 @@ def documented_types() -> tuple:
     """The argument classes a recipe YAML sets, in page order. The one place that imports them: where they move,
     change these lines."""
     from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
+    from hf_zero.core.multimodal_args import MultimodalArguments
     from hf_zero.data.classification import ClassificationArguments
 
-    return ModelArguments, CurriculumArguments, Stage, ClassificationArguments
+    return ModelArguments, CurriculumArguments, Stage, ClassificationArguments, MultimodalArguments
 
 
 def _trainer_defaults() -> tuple[dict, dict]:
@@ -44,15 +45,15 @@ SECTIONS = {  # class name -> the heading of its table
     "CurriculumArguments": "Data, batch and run (the curriculum recipe)",
     "Stage": "Stages (each entry of `stages:`)",
     "ClassificationArguments": "The classification recipe (`recipe: classify`)",
+    "MultimodalArguments": "The multimodal recipe (`recipe: multimodal`), beside the curriculum's keys",
 }
 
 
 def own_fields(cls) -> list:
     """A class's fields less those it inherits from TrainingArguments (documented by transformers, and a key like any
-    other); a stage's `learning_rate` is its own."""
-    from transformers import TrainingArguments
-
-    inherited = {f.name for f in dataclasses.fields(TrainingArguments)} if issubclass(cls, TrainingArguments) else ()
+    other) or from another recipe's class (documented there); a stage's `learning_rate` is its own."""
+    base = next((b for b in cls.__mro__[1:] if dataclasses.is_dataclass(b)), None)
+    inherited = {f.name for f in dataclasses.fields(base)} if base is not None else ()
     return [f for f in dataclasses.fields(cls) if f.name not in inherited and f.init]
 
 

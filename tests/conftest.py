@@ -78,6 +78,8 @@ DEFAULT_LAUNCHES = (
     "tests/checkpoint/test_checkpoints.py::test_disk_full_stops_cleanly_and_earlier_checkpoints_resume",
     "tests/checkpoint/test_cross_engine.py::test_zero3_on_2_ranks_resumes_under_fsdp2_on_1",
     "tests/checkpoint/test_cross_engine.py::test_fsdp2_on_1_rank_resumes_under_zero3_on_2",
+    "tests/train/test_held_out.py::test_eval_numbers_are_the_same_on_1_and_2_ranks[zero2]",
+    "tests/checkpoint/test_lora_contents.py::test_lora_checkpoint_holds_no_frozen_base_tensor[zero2-tied]",
 )
 # A test reading one of these runs where the run was made (under xdist: on the launches' worker). Not readme_runs: a
 # README command that launches, or reads what one wrote, is `multiproc` itself (tests/commands/test_readme.py); the

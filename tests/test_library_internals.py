@@ -42,6 +42,9 @@ def _private_names_used() -> dict[str, set[str]]:
             for name in names:
                 if name.startswith("_") and not name.startswith("__"):
                     used.setdefault(name, set()).add(rel)
+    # A listed library name hf_zero also defines (a model class answering `_no_split_modules` as transformers' do)
+    # is still a reach into the library's contract: it is not hf_zero's own.
+    own -= {i.name for i in INTERNALS}
     return {k.removeprefix("super()."): v for k, v in used.items() if k.startswith("super().") or k not in own}
 
 
@@ -141,6 +144,24 @@ def _guards():
         return all(callable(getattr(groups, n, None)) for n in (
             "_get_sequence_parallel_world_size", "_get_sequence_parallel_rank", "_get_sequence_parallel_group"))
 
+    def dpo_loss_method():
+        """train/preference.py calls DPOTrainer._compute_loss on a _DPOView: it must still read only what the view
+        holds, with the same parameters."""
+        import re
+        from types import SimpleNamespace
+
+        from trl import DPOTrainer
+
+        from hf_zero.train.preference import _DPOView
+
+        method = DPOTrainer._compute_loss
+        read = set(re.findall(r"self\.(\w+)", inspect.getsource(method)))
+        view = _DPOView(SimpleNamespace(accelerator=None, args=None), SimpleNamespace(beta=0.1, loss_type="sigmoid"),
+                        None)
+        return list(inspect.signature(method).parameters) == ["self", "model", "inputs", "return_outputs"] \
+            and read <= set(vars(view))
+
+    yield "_compute_loss", dpo_loss_method
     yield "_get_sequence_parallel_world_size", ulysses_groups
     yield "_get_sequence_parallel_rank", ulysses_groups
     yield "_get_sequence_parallel_group", ulysses_groups

@@ -83,7 +83,7 @@ HF_ZERO_LINES = (
     r"(ok|FAIL|skip) [\w-]+: ",  # check
     r"stage '",  # preview
     # estimate: its model line, the table's header and rows (a strategy name, then sizes), the legend, the advice
-    r"model \S+: [\d,]+ params", r"strategy  ", r"(ddp|zero\d|fsdp2)\w*( 4-bit)? +(\d|0 B)", r"peak/GPU = ",
+    r"model \S+: [\d,]+ params", r"strategy  ", r"(ddp|zero\d|fsdp2)\w*( 4-bit)? +(\d|0 B)", r"peak/(GPU|rank) = ",
     r"recommended: ", r"batch: \d+ micro x ",  # estimate: the batch line and precision, as check and train show them
     r"\|",  # bench's table
 )

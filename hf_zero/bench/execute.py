@@ -72,7 +72,7 @@ def _free_port() -> int:
 
 def _env(threads_per_rank: int, **extra) -> dict:
     """This environment without the switches bench sets per run (a user's export must not leak into the baseline)."""
-    switches = ("HF_ZERO_BENCH", "HF_ZERO_MEASURE_MEMORY", "HF_ZERO_PROFILE")
+    switches = ("HF_ZERO_BENCH", "HF_ZERO_MEASURE_MEMORY", "HF_ZERO_PROFILE", "HF_ZERO_BENCH_DEEPSPEED")
     env = {k: v for k, v in os.environ.items() if k not in switches}
     # Same threads per rank under both launchers (torchrun and accelerate each have their own default).
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank))
@@ -83,8 +83,10 @@ def _threads(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
-def _run_hf_zero(profile: str, plan, args, run_dir: Path, measure: bool, flip_packing: bool = False) -> dict:
-    """One hf_zero run of the bench's recipe; `flip_packing`: with packing switched the other way from the recipe."""
+def _run_hf_zero(profile: str, plan, args, run_dir: Path, measure: bool, flip_packing: bool = False,
+                 switches: dict | None = None) -> dict:
+    """One hf_zero run of the bench's recipe; `flip_packing`: with packing switched the other way from the recipe;
+    `switches`: bench switches for this run alone (the GPU matrix's DeepSpeed settings)."""
     from hf_zero.train.bench_probe import BENCH_ENV
 
     packing = plan.packing != flip_packing
@@ -92,7 +94,7 @@ def _run_hf_zero(profile: str, plan, args, run_dir: Path, measure: bool, flip_pa
                    "--fresh_start", "true", *args.extra, "--packing", str(packing).lower()]
     cmd, env = build_launch_command(profile, str(DEFAULT_RECIPE), script_args, nproc=args.nproc,
                                     precision=args.precision, main_port=_free_port())
-    extra = {BENCH_ENV: "1", **({"HF_ZERO_MEASURE_MEMORY": "1"} if measure else {})}
+    extra = {BENCH_ENV: "1", **({"HF_ZERO_MEASURE_MEMORY": "1"} if measure else {}), **(switches or {})}
     tokens = plan.packed_text_tokens_per_step if packing else plan.unpacked_text_tokens_per_step
     return measure_launch(cmd, _env(_threads(args.nproc), **env, **extra), run_dir, args, tokens, plan.global_batch)
 

@@ -13,7 +13,9 @@ import copy
 import json
 from pathlib import Path
 
-from hf_zero.bench.execute import execute
+from hf_zero.bench.dryrun import config_only_folder, dry_run
+from hf_zero.bench.execute import REFERENCE_SCRIPT, execute
+from hf_zero.bench.plan import build_plan, write_plain_spec
 from hf_zero.bench.report import machine_line
 from hf_zero.bench.views import mib
 from hf_zero.core.errors import UserError
@@ -29,13 +31,21 @@ DATA = "builtin:shakespeare/passages"
 
 
 def add_preset_arguments(parser) -> None:
-    parser.add_argument("--preset", choices=("gpu",), help="gpu: the one-GPU speed table (bare PyTorch loop, "
-                        "single_gpu, zero2, zero3, zero3_offload; bf16; packed rows) instead of --config/--strategies")
+    parser.add_argument("--preset", choices=("gpu", "gpu-matrix"), help="gpu: the one-GPU speed table (bare "
+                        "PyTorch loop, single_gpu, zero2, zero3, zero3_offload; bf16; packed rows) instead of "
+                        "--config/--strategies; gpu-matrix: the speed settings (micro-batch, Liger, torch_compile, "
+                        "fused loss, varlen attention, ZeRO-3's gather settings) variant by variant, within --budget")
     parser.add_argument("--model-config", help="--preset gpu: folder with the model's config.json (random weights "
                         "are built from it; default benchmarks/models/llama-1b, TinyLlama-1.1B's shape)")
     parser.add_argument("--seq-lens", default="1024,2048", help="--preset gpu: packed row lengths, one table block "
                         "each (default 1024,2048)")
     parser.add_argument("--micro-batch", type=int, default=8, help="--preset gpu: rows per step (default 8)")
+    parser.add_argument("--budget", type=int, help="--preset gpu-matrix: seconds for the whole command; variants "
+                        "that would start after it are recorded as not run (default: no limit)")
+    parser.add_argument("--variants", help="--preset gpu-matrix: comma-separated variant names (default: all, in "
+                        "the order of hf_zero/bench/matrix.py's VARIANTS)")
+    parser.add_argument("--dry-run", action="store_true", help="--preset gpu/gpu-matrix: plan every run (recipe, "
+                        "data, flags, DeepSpeed settings, launch line) without weights or launches")
 
 
 def _check(args) -> tuple[Path, list[int]]:
@@ -128,10 +138,32 @@ def _markdown(summary: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _dry_run_preset(args, config_dir: Path, lengths: list[int]) -> int:
+    """Every run of the preset planned, none launched (hf_zero.bench.dryrun): one line per run, exit 1 if any
+    would fail before training."""
+    model, out, steps, code = config_only_folder(config_dir), Path(args.out), args.steps or 10, 0
+    extra = [a for a in getattr(args, "extra", []) if a != "--"]
+    for seq_len in lengths:
+        recipe = _recipe(out / "recipes" / f"seq{seq_len}.yaml", model, seq_len, args.micro_batch, steps)
+        plan = build_plan(str(recipe), None, steps, 1, extra, out / f"seq{seq_len}", min_steps=args.warmup + 2)
+        spec = write_plain_spec(plan, "single_gpu", "bf16", out / f"seq{seq_len}" / "reference")
+        print(f"[hf_zero bench] dry run, {seq_len} tokens: torch_loop: {REFERENCE_SCRIPT} --spec {spec}"
+              + ("" if REFERENCE_SCRIPT.is_file() else " (MISSING)"))
+        code = max(code, 0 if REFERENCE_SCRIPT.is_file() else 1)
+        for name in PRESET_STRATEGIES:
+            done = dry_run(plan, name, ["--disable_tqdm", "true", *extra])
+            print(f"[hf_zero bench] dry run, {seq_len} tokens: {name}: "
+                  + (done["command"] if done["status"] == "planned" else f"FAILED: {done['cause']}"))
+            code = max(code, 0 if done["status"] == "planned" else 1)
+    return code
+
+
 def run_preset(args) -> int:
     import csv
 
     config_dir, lengths = _check(args)
+    if args.dry_run:
+        return _dry_run_preset(args, config_dir, lengths)
     model = model_folder(config_dir)
     out, code, blocks = Path(args.out), 0, []
     steps = args.steps or 10

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, fields, is_dataclass
+from types import SimpleNamespace
 
 from hf_zero.core.errors import UserError, flag_hint
 
 __all__ = ["NOT_COMPARED", "FIXED", "run_settings", "differences", "allowed_changes", "check_resume_settings",
-           "check_finished_settings"]
+           "check_finished_settings", "check_resume_fits", "check_resume_reaches"]
 
 # Not compared, deliberately: none of these changes what the optimizer sees at a given step.
 NOT_COMPARED = frozenset({
@@ -131,6 +132,7 @@ def check_resume_settings(name: str, recorded: dict | None, current: dict, allow
     if recorded is None:  # a checkpoint written before settings were recorded: nothing to compare with
         return []
     diff = differences(recorded, current)
+    _refuse_no_op_learning_rate(diff, current)
     fixed = [k for k in diff if k in FIXED]
     if fixed:
         raise UserError("resume", f"{name} cannot continue with other " + "; ".join(
@@ -142,6 +144,62 @@ def check_resume_settings(name: str, recorded: dict | None, current: dict, allow
                         f"pass {flag_hint('--allow_changes ' + ','.join(refused))} to apply them from this "
                         f"checkpoint's step, {flag_hint('--fresh_start true')} to start over, or another --output_dir")
     return sorted(diff)
+
+
+def _refuse_no_op_learning_rate(diff: dict, current: dict) -> None:
+    """A new --learning_rate where every stage sets its own changes nothing: said, not "applied"."""
+    stages = current.get("stages") or []
+    if "learning_rate" in diff and stages and all(s.get("learning_rate") is not None for s in stages):
+        own = ", ".join(f"{s.get('name')}: {_show(s.get('learning_rate'))}" for s in stages)
+        raise UserError("learning_rate", f"{diff['learning_rate']} changes nothing: every stage sets its own "
+                        f"learning_rate ({own})", "change the stages' learning_rate in the recipe (and pass "
+                        f"{flag_hint('--allow_changes stages')}), or leave --learning_rate as it was")
+
+
+def check_resume_reaches(name: str, meta: dict, settings: dict | None, max_steps) -> None:
+    """check_resume_fits before anything is laid out or moved (a resume, `hf-zero check`): --max_steps, and the
+    stages when each gives its `steps` (an `epochs:` stage's length is known once its data is read: lay_out checks
+    it then)."""
+    stages = (settings or {}).get("stages") or []
+    spans, start = [], 0
+    for i, stage in enumerate(stages):
+        steps = stage.get("steps") if isinstance(stage, dict) else None
+        if not isinstance(steps, int) or isinstance(steps, bool):
+            spans = None
+            break
+        spans.append(SimpleNamespace(index=i, name=stage.get("name"), steps=steps, end_step=start + steps))
+        start += steps
+    cap = max_steps if isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps > 0 else None
+    if spans:
+        check_resume_fits(name, meta.get("global_step"), meta.get("stage"), spans, cap)
+    elif cap is not None:
+        check_resume_fits(name, meta.get("global_step"), None, [SimpleNamespace(end_step=1 << 62)], cap)
+
+
+def check_resume_fits(name: str, step, stage: dict | None, spans, max_steps: int | None) -> None:
+    """Refuse a resume that would train nothing or skip part of a stage: the stages (or --max_steps) now end at
+    or before the checkpoint's step, or the stage the checkpoint is in now ends before the steps it has done.
+    `spans`: the schedule's stages (index, name, steps, end_step), `stage`: the checkpoint's stage record."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        return
+    total = spans[-1].end_step if spans else 0
+    if max_steps and 0 < max_steps <= step:
+        raise UserError("max_steps", f"{name} is at step {step} and --max_steps {max_steps} ends the run there; "
+                        "nothing would train", f"pass a --max_steps above {step} (the stages give {total}), or "
+                        "leave it out")
+    if stage and isinstance(stage.get("index"), int) and stage["index"] < len(spans):
+        now = spans[stage["index"]]
+        done = stage.get("steps_done")
+        if isinstance(done, int) and now.steps < done:
+            raise UserError(f"stages[{now.name}].steps", f"{name} is {done} steps into stage '{now.name}', which now "
+                            f"has {now.steps} step{'' if now.steps == 1 else 's'}: resuming would skip or repeat "
+                            "part of the curriculum",
+                            f"keep at least {done} steps in that stage, or start over with "
+                            f"{flag_hint('--fresh_start true')}")
+    if step >= total:
+        raise UserError("stages", f"{name} is at step {step} but the stages now end at step {total}; nothing would "
+                        "train", f"give the stages more steps (with {flag_hint('--allow_changes stages')}), or start "
+                        f"over with {flag_hint('--fresh_start true')}")
 
 
 def check_finished_settings(where, recorded: dict | None, current: dict) -> None:

@@ -19,10 +19,13 @@ from pathlib import Path
 
 from hf_zero.checkpoint.final import make_shareable
 from hf_zero.checkpoint.fsdp import is_fsdp_checkpoint, lazy_dcp_state
+from hf_zero.checkpoint.paths import read_tag
 from hf_zero.checkpoint.safe_load import check_checkpoint, safe_checkpoint_loading
 from hf_zero.checkpoint.store import MANIFEST_NAME, find_resume_checkpoint, list_checkpoints, validate_checkpoint
 from hf_zero.core.console import progress_prints
+from hf_zero.core.disk import disk_error
 from hf_zero.core.errors import UserError
+from hf_zero.core.safetensors_header import verify_safetensors
 from hf_zero.data.model_names import hub_model_id, resolve_model_path
 from hf_zero.plan.profiles import Profile, with_precision
 from hf_zero.plan.quantization import quantization_config
@@ -31,6 +34,7 @@ __all__ = ["export_checkpoint", "DTYPES"]
 
 DTYPES = ("fp32", "bf16")
 _SHARD_BYTES = 5 << 30
+_PARTIAL_MARK = ".hf_zero_export_partial"  # in OUT.partial while an export writes it
 _PROCESSOR_FILES = ("tokenizer*", "special_tokens_map.json", "vocab*", "merges.txt", "*.model", "added_tokens.json",
                     "chat_template*", "preprocessor_config.json", "processor_config.json", "generation_config.json")
 
@@ -76,7 +80,19 @@ def _torch_dtype(name: str):
 
 
 def _is_deepspeed(folder: Path) -> bool:
-    return (folder / "latest").is_file() and (folder / (folder / "latest").read_text().strip()).is_dir()
+    tag = read_tag(folder, "latest")  # a folder name inside the checkpoint, or a one-line refusal
+    return tag is not None and (folder / tag).is_dir()
+
+
+def _fresh_partial(tmp: Path) -> None:
+    """OUT.partial, made empty and marked as this command's: one an interrupted export left (it holds the mark) is
+    removed; anything else there is someone's, and never deleted."""
+    if tmp.is_symlink() or (tmp.exists() and not (tmp / _PARTIAL_MARK).is_file()):
+        raise UserError("--out", f"{tmp} exists and was not left by hf-zero export; it is where the export is "
+                        "written until complete", f"move or remove {tmp}, or choose another --out")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / _PARTIAL_MARK).write_text("an unfinished `hf-zero export`: removed by the next one to the same --out\n")
 
 
 def _lazy_zero_state(folder: Path, trainable_only: bool) -> dict:
@@ -202,6 +218,7 @@ def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | 
     name = base_path = base_model or config.get("base_model_name_or_path")
     try:
         base_path = resolve_model_path(name)  # hf_zero's offline models, by hub id or short name
+        verify_safetensors(Path(base_path), "--base-model")
         quantized = _quantization(folder)
         if quantized is None:
             base = _auto_class(config.get("task_type")).from_pretrained(base_path, dtype=torch.float32)
@@ -247,20 +264,29 @@ def export_checkpoint(checkpoint: str, out: str, dtype: str = "fp32", merge_lora
     if target.exists() and (not target.is_dir() or any(target.iterdir())) and not overwrite:
         raise UserError("--out", f"{out} already exists and is not empty", "choose a new folder or pass --overwrite")
     folder = _resolve_checkpoint(checkpoint)
+    verify_safetensors(folder, "CHECKPOINT")  # a crafted header: one line, before --out is touched
     is_lora = (folder / "adapter_config.json").is_file()
     if merge_lora and not is_lora:
         raise UserError("--merge-lora", f"{folder.name} is a full-model checkpoint, not a LoRA one",
                         "drop --merge-lora")
     tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with safe_checkpoint_loading():  # zero_to_fp32 loads the shards with weights_only=False
-        if is_lora:
-            count = _export_lora(folder, tmp, torch_dtype, merge_lora, base_model)
-        else:
-            count = _export_full(folder, tmp, torch_dtype)
-    _copy_processor_files(folder, tmp)
-    make_shareable(tmp)
+    _fresh_partial(tmp)
+    try:
+        with safe_checkpoint_loading():  # zero_to_fp32 loads the shards with weights_only=False
+            if is_lora:
+                count = _export_lora(folder, tmp, torch_dtype, merge_lora, base_model)
+            else:
+                count = _export_full(folder, tmp, torch_dtype)
+        _copy_processor_files(folder, tmp)
+        (tmp / _PARTIAL_MARK).unlink()
+        make_shareable(tmp)
+    except BaseException as err:
+        # a full or read-only disk, in safetensors' and torch's words too: the one `disk:` line
+        failed = disk_error(err, tmp, where=str(target))
+        shutil.rmtree(tmp, ignore_errors=True)  # this command's own, made above: a failed export leaves nothing
+        if failed is not None:
+            raise failed from None
+        raise
     if target.exists():
         shutil.rmtree(target) if target.is_dir() else target.unlink()
     os.rename(tmp, target)

@@ -5,9 +5,11 @@ checkpoint/convert.py), or stop with one line that says what to do.
 
 Same command again -> resume from the latest complete checkpoint, or, when the run already finished (summary.json
 is written last), say so and touch nothing; `--fresh_start true` -> start from step 0 (everything the previous run
-wrote moves to previous-run/); `--resume_from_checkpoint DIR` -> that checkpoint (on a finished run, what it wrote
-moves to previous-run/ first: it is never overwritten). Before any of this, what this run trains is compared with
-what the checkpoint (or the finished run) trained: checkpoint/compare.py.
+wrote moves to a new archive: previous-run/, then previous-run-2/, ...; none is ever deleted);
+`--resume_from_checkpoint DIR` -> that checkpoint (on a finished run, what it wrote moves to a new archive first: it
+is never overwritten, and the checkpoint is followed there). A move a killed run left half done is finished first.
+Before any of this, what this run trains is compared with what the checkpoint (or the finished run) trained:
+checkpoint/compare.py.
 """
 
 from __future__ import annotations
@@ -17,14 +19,19 @@ import json
 import shutil
 from pathlib import Path
 
-from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, differences
+from hf_zero.checkpoint.archive import archive_checkpoints, next_archive, recover_archive
+from hf_zero.checkpoint.compare import (
+    check_finished_settings,
+    check_resume_reaches,
+    check_resume_settings,
+    differences,
+)
 from hf_zero.checkpoint.convert import convert_in_place, convert_to_universal, converted_for, needs_conversion
 from hf_zero.checkpoint.fsdp import is_fsdp_checkpoint
 from hf_zero.checkpoint.safe_load import check_checkpoint
 from hf_zero.checkpoint.store import (
     _TRASH_DIR,
     STAGING_DIR,
-    archive_checkpoints,
     find_resume_checkpoint,
     read_metadata,
     validate_checkpoint,
@@ -106,7 +113,7 @@ def profile_switch(checkpoint: Path, meta: dict, profile, world: int, convert: s
     stage_change = profile.uses_deepspeed and int(meta.get("zero_stage", 0)) != int(profile.zero_stage or 0)
     if not meta or not (convert or stage_change):
         return None
-    done = converted_for(checkpoint, convert or "deepspeed")
+    done = converted_for(checkpoint, convert or "deepspeed", checksums=False)  # the resume checks them all
     return (f"{checkpoint.name}: {meta.get('profile')} on {_ranks(meta.get('world_size'))} -> {profile.name} on "
             f"{_ranks(world)}; " + ("converted before (kept inside the checkpoint)" if done else
                                     "converting once (kept inside the checkpoint)"))
@@ -142,6 +149,10 @@ def _format_of(engine: str) -> str:
 def _choose(ctx, fresh_start: bool) -> dict:
     """Rank 0's decision: {"resume": path or None, "universal": bool}, or {"complete": what to say}."""
     out = Path(ctx.training_args.output_dir)
+    # A move to an archive that a killed run left half done is finished before anything here is read.
+    recovered = recover_archive(out)
+    if recovered is not None:
+        resume_note(f"finished moving what the previous run wrote to {recovered} (the move was interrupted)")
     if fresh_start:
         archive = archive_checkpoints(out)
         if archive is not None:
@@ -154,13 +165,17 @@ def _choose(ctx, fresh_start: bool) -> dict:
             check_finished_settings(out, _read_json(out / "summary.json").get("settings"), settings)
         return {"complete": complete_message(out)}
     for leftover in (out / STAGING_DIR, out / _TRASH_DIR):
-        if leftover.is_dir():
+        if leftover.is_symlink():  # hf_zero writes checkpoints through these names: never into a folder elsewhere
+            leftover.unlink()
+        elif leftover.is_dir():
             if any(leftover.iterdir()):
                 resume_note(f"removing {leftover.name}/ left by an interrupted save")
             shutil.rmtree(leftover, ignore_errors=True)
     asked = ctx.training_args.resume_from_checkpoint
     if asked:
         checkpoint = Path(asked)
+        if recovered is not None:  # asked by the command the interrupted move belonged to: it is there now
+            checkpoint = _follow(checkpoint, out, recovered)
         if not checkpoint.is_dir():
             raise UserError("resume_from_checkpoint", f"{asked} is not a folder", "give a checkpoint-N folder")
         problem = validate_checkpoint(checkpoint) if (checkpoint / "hf_zero_manifest.json").is_file() else None
@@ -170,6 +185,12 @@ def _choose(ctx, fresh_start: bool) -> dict:
     else:
         found = find_resume_checkpoint(out)
         if found is None:
+            # An earlier life that saved no checkpoint (Ctrl-C, a crash): its TensorBoard events, answers and logs
+            # are of a run that does not go on; moved aside as --fresh_start moves them, so that this run's are
+            # its own (not two TensorBoard runs and two "start" rows in samples.jsonl). Issue 41, item 10.
+            archive = archive_checkpoints(out, checkpoints=False)
+            if archive is not None:
+                resume_note(f"no checkpoint to resume from: the earlier run's logs moved to {archive}")
             return {"resume": None, "universal": False}
         checkpoint = Path(found)
     # A manifest proves the files are the ones written, not who wrote them: every pickle is loaded under the safe
@@ -181,11 +202,13 @@ def _choose(ctx, fresh_start: bool) -> dict:
     if settings is not None:
         changed = check_resume_settings(checkpoint.name, meta.get("settings"), settings,
                                         getattr(ctx.training_args, "allow_changes", None))
+        # (before the finished run moves aside: a refused resume changes nothing)
+        check_resume_reaches(checkpoint.name, meta, settings, getattr(ctx.training_args, "max_steps", None))
     if finished:
         # A finished run is never overwritten: its results move aside first, as for --fresh_start.
         archive = archive_checkpoints(out)
-        if archive is not None and checkpoint.parent.resolve() == out.resolve():
-            checkpoint = archive / checkpoint.name
+        if archive is not None:  # the checkpoint moved with the run it belongs to (an older archive stays put)
+            checkpoint = _follow(checkpoint, out, archive)
         resume_note(f"{out} held a finished run: what it wrote moved to {archive}; continuing from its "
                     f"{checkpoint.name}")
     stage = meta.get("stage") or {}
@@ -208,6 +231,21 @@ def _choose(ctx, fresh_start: bool) -> dict:
     return {"resume": str(checkpoint), "universal": universal, **({"convert": convert} if convert else {})}
 
 
+def _follow(checkpoint: Path, out: Path, archive: Path) -> Path:
+    """Where `checkpoint` is once what it was part of (a checkpoint-N, final/ ...) moved from `out` to `archive`."""
+    if checkpoint.exists():
+        return checkpoint
+    try:
+        rel = checkpoint.absolute().relative_to(out.absolute())
+    except ValueError:
+        try:
+            rel = checkpoint.resolve().relative_to(out.resolve())
+        except ValueError:
+            return checkpoint
+    moved = archive / rel
+    return moved if moved.exists() else checkpoint
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -223,7 +261,7 @@ def complete_message(out: Path) -> str:
     model = summary.get("final_dir") or out / "final"
     return (f"{out} holds a finished run ({result}model in {model}, summary in {out / 'summary.json'}); nothing was "
             f"changed. To train again: {flag_hint('--fresh_start true')} (this run moves to "
-            f"{out / 'previous-run'}) or another --output_dir")
+            f"{next_archive(out)}) or another --output_dir")
 
 
 def prepare_resume(ctx, fresh_start: bool = False) -> str | None:

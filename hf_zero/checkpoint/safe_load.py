@@ -9,6 +9,11 @@ with the same allowlist), which builds tensors, containers and the few types bel
   also reaches subprocesses; `torch.load` itself is wrapped only to name the refused file.
 - `check_checkpoint(folder)`: every pickle of a checkpoint loaded under that loader before any engine reads it (zip
   files memory-mapped, so no tensor data is read), refusing the first file that holds anything else in one line.
+  Files are found where they really are (checkpoint/paths.py: links followed, a link leaving the checkpoint
+  refused), the `latest` / `latest_universal` files must name a folder inside it, and a distributed checkpoint's
+  `.metadata` must name only files inside its folder, each long enough for the items read from it.
+- torch's distributed checkpoint reads `.metadata` with plain `pickle.load` (FileSystemReader.read_metadata), which
+  no weights-only switch reaches: under the guard, every such read is preceded by the same check of that file.
 - `python -m hf_zero.checkpoint.safe_load MODULE ARGS`: runs a module (DeepSpeed's ds_to_universal) under the guard.
 
 The allowlist is what DeepSpeed, the Trainer, accelerate and torch's distributed checkpoint write into checkpoints
@@ -29,6 +34,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from hf_zero.checkpoint.paths import checkpoint_files, inside, read_tag
 from hf_zero.core.errors import EXIT_USAGE, UserError
 
 __all__ = ["FORCE_ENV", "ALLOWED", "allowed_globals", "safe_checkpoint_loading", "check_checkpoint", "safe_load",
@@ -50,6 +56,7 @@ ALLOWED = (
     # training_args.bin: the recipes' TrainingArguments and what they hold
     "hf_zero.core.config.CurriculumArguments",
     "hf_zero.data.classification.ClassificationArguments",
+    "hf_zero.core.multimodal_args.MultimodalArguments",
     "transformers.training_args.OptimizerNames",
     "transformers.trainer_utils.SchedulerType",
     "transformers.trainer_utils.SaveStrategy",
@@ -79,9 +86,11 @@ ALLOWED = (
     "pathlib.PosixPath",
 )
 _ORIGINAL_LOAD: list = []  # torch.load as torch defines it, kept while the guard wraps it
+_ORIGINAL_READ_METADATA: list = []  # torch's FileSystemReader.read_metadata, kept while the guard wraps it
 _FIX = ("hf_zero loads only tensors and the training state DeepSpeed, the Trainer and torch write; use a checkpoint "
         "from a run you trust, or re-save its weights as safetensors")
 _STATE = {"depth": 0, "registered": False}
+_DCP_METADATA = re.compile(r"^(__\d+)?\.metadata$")  # torch's distributed checkpoint: global, or one rank's
 
 
 def _resolve(name: str):
@@ -167,46 +176,71 @@ def safe_load(path, raw_pickle: bool = False):
 
 
 def _is_pickle(path: Path) -> str | None:
-    """"zip" (torch.save), "raw" (a plain pickle), or None (safetensors, JSON, text: nothing to unpickle)."""
+    """"zip" (torch.save), "raw" (a plain pickle), or None (safetensors, JSON, text: nothing to unpickle). A
+    distributed checkpoint's metadata is "raw" whatever its first byte (a protocol 0 pickle has no header, and torch
+    unpickles it with plain pickle; what torch.load reads, it reads weights-only under the guard)."""
     with open(path, "rb") as f:
         head = f.read(2)
+    if _DCP_METADATA.match(path.name):
+        return "raw"
     if head == b"PK" and zipfile.is_zipfile(path):
         return "zip"
     return "raw" if head[:1] == b"\x80" else None
 
 
-def _check_dcp_bytes(folder: Path, metadata) -> None:
-    """The non-tensor items of a distributed checkpoint (torch.save'd bytes inside the .distcp files, which torch
-    loads with weights_only=False): each through the weights-only loader. Tensor items torch loads weights-only."""
+def _check_dcp(folder: Path, metadata) -> None:
+    """A distributed checkpoint's items: each in a file inside `folder` that is long enough for it (a truncated
+    .distcp is refused here, not in a traceback from torch); the non-tensor items (torch.save'd bytes, which torch
+    loads with weights_only=False) each through the weights-only loader. Tensor items torch loads weights-only."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     byte_keys = {k for k, v in metadata.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
+    sizes: dict[str, int] = {}
     for index, info in metadata.storage_data.items():
+        path = inside(folder, info.relative_path)
+        if info.relative_path not in sizes:
+            sizes[info.relative_path] = path.stat().st_size if path.is_file() else -1
+        if sizes[info.relative_path] < 0:
+            raise UserError("checkpoint", f"{path} is missing (its .metadata names it)", "pick an earlier checkpoint")
+        if info.offset + info.length > sizes[info.relative_path]:
+            raise UserError("checkpoint", f"{path} is truncated ({sizes[info.relative_path]} bytes; its .metadata "
+                            f"reads up to byte {info.offset + info.length})", "pick an earlier checkpoint")
         if index.fqn not in byte_keys:
             continue
-        with open(folder / info.relative_path, "rb") as f:
+        with open(path, "rb") as f:
             f.seek(info.offset)
             blob = io.BytesIO(f.read(info.length))
         try:
             _ORIGINAL_LOAD[0](blob, weights_only=True)
         except pickle.UnpicklingError as err:
-            raise refusal(folder / info.relative_path, _unsafe_type(str(err))) from None
+            raise refusal(path, _unsafe_type(str(err))) from None
+
+
+def _check_metadata(path: Path) -> None:
+    """A distributed checkpoint's .metadata and what it names, before torch unpickles it."""
+    loaded = safe_load(path, raw_pickle=True)
+    if not hasattr(loaded, "storage_data") or not hasattr(loaded, "state_dict_metadata"):
+        raise UserError("checkpoint", f"{path} holds no distributed checkpoint metadata", "pick an earlier checkpoint")
+    _check_dcp(path.parent, loaded)
 
 
 def check_checkpoint(folder) -> int:
     """Load every pickle under `folder` with the safe loader; the first one holding anything else is refused
     (UserError). Returns how many files were checked."""
     _register()
+    for name in ("latest", "latest_universal"):  # DeepSpeed and hf_zero build paths from them
+        read_tag(folder, name)
     checked = 0
-    for path in sorted(Path(folder).rglob("*")):
-        if not path.is_file() or path.suffix in (".safetensors", ".json", ".py", ".txt", ".distcp"):
+    for path in checkpoint_files(folder):
+        if path.suffix in (".safetensors", ".json", ".py", ".txt", ".distcp"):
             continue
         kind = _is_pickle(path)
         if kind is None:
             continue
-        loaded = safe_load(path, raw_pickle=kind == "raw")
-        if path.name == ".metadata" and hasattr(loaded, "storage_data"):
-            _check_dcp_bytes(path.parent, loaded)
+        if _DCP_METADATA.match(path.name):
+            _check_metadata(path)
+        else:
+            safe_load(path, raw_pickle=kind == "raw")
         checked += 1
     return checked
 
@@ -217,6 +251,23 @@ def _guarded_load(f, map_location=None, pickle_module=None, *, weights_only=None
         return _ORIGINAL_LOAD[0](f, map_location, weights_only=True, **kwargs)
     except pickle.UnpicklingError as err:
         raise refusal(_file_name(f), _unsafe_type(str(err))) from None
+
+
+def _guarded_read_metadata(self, *args, **kwargs):
+    path = Path(self._get_metadata_path(kwargs.get("rank")))
+    if path.is_file():  # else torch's own FileNotFoundError: it falls back from a rank's metadata to the global one
+        _check_metadata(path)
+    return _ORIGINAL_READ_METADATA[0](self, *args, **kwargs)
+
+
+def _wrap_dcp_reader(on: bool) -> None:
+    from torch.distributed.checkpoint import filesystem
+
+    if on:
+        _ORIGINAL_READ_METADATA.append(filesystem.FileSystemReader.read_metadata)
+        filesystem.FileSystemReader.read_metadata = _guarded_read_metadata
+    else:
+        filesystem.FileSystemReader.read_metadata = _ORIGINAL_READ_METADATA.pop()
 
 
 @contextlib.contextmanager
@@ -236,12 +287,14 @@ def safe_checkpoint_loading():
     before = os.environ.get(FORCE_ENV)
     os.environ[FORCE_ENV] = "1"
     torch.load = torch.serialization.load = _guarded_load
+    _wrap_dcp_reader(True)
     _STATE["depth"] = 1
     try:
         yield
     finally:
         _STATE["depth"] = 0
         torch.load = torch.serialization.load = _ORIGINAL_LOAD[0]
+        _wrap_dcp_reader(False)
         if before is None:
             os.environ.pop(FORCE_ENV, None)
         else:

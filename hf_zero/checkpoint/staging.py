@@ -15,8 +15,10 @@ import shutil
 import time
 from pathlib import Path
 
+from hf_zero.checkpoint.frozen import frozen_weights_left_out
 from hf_zero.checkpoint.store import STAGING_DIR
 from hf_zero.checkpoint.write import complete_checkpoint, is_disk_full, stop_on_full_disk
+from hf_zero.core.errors import RunInterrupted
 
 __all__ = ["StagedCheckpointMixin"]
 
@@ -35,13 +37,17 @@ class StagedCheckpointMixin:
         started = time.time()
         try:
             self.args.output_dir = str(staged.parent)
+            # A LoRA checkpoint under DeepSpeed: no frozen weight, tied ones included (checkpoint/frozen.py).
+            engine = self.model_wrapped if getattr(self, "is_deepspeed_enabled", False) else None
             try:
-                super()._save_checkpoint(model, trial)  # the Trainer's own saving does all the writing
+                with frozen_weights_left_out(engine):
+                    super()._save_checkpoint(model, trial)  # the Trainer's own saving does all the writing
             finally:
                 self.args.output_dir = chosen
             complete_checkpoint(self, staged, run_dir, started)
-        except Exception as err:
-            if is_disk_full(err, run_dir):
-                stop_on_full_disk(run_dir, staged)
+        except BaseException as err:  # FSDP2's CheckpointException (every rank's error) is a BaseException
+            if not isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit, RunInterrupted)) \
+                    and is_disk_full(err, staged):
+                stop_on_full_disk(run_dir, staged, err)
             raise
         self.accelerator.wait_for_everyone()

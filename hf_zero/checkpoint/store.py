@@ -21,13 +21,15 @@ import time
 import zlib
 from pathlib import Path
 
+from hf_zero.checkpoint.paths import inside
+from hf_zero.core.errors import UserError
 from hf_zero.core.files import write_json_atomic as _write_json_atomic
 
 __all__ = [
     "METADATA_NAME", "MANIFEST_NAME", "LATEST_NAME", "STAGING_DIR", "checkpoint_step", "list_checkpoints",
     "file_sizes", "crc32_of", "write_json_atomic", "write_manifest", "read_metadata", "validate_checkpoint",
     "find_resume_checkpoint", "checkpoints_to_keep", "rotate_checkpoints", "publish_checkpoint",
-    "archive_checkpoints", "ARCHIVE_DIR", "size_breakdown",
+    "size_breakdown",
 ]
 
 METADATA_NAME = "hf_zero_checkpoint.json"
@@ -104,7 +106,10 @@ def validate_checkpoint(folder, checksums: bool = True) -> str | None:
     except (ValueError, KeyError, TypeError):
         return f"unreadable {MANIFEST_NAME}"
     for rel, entry in files.items():
-        path = folder / rel
+        try:  # a path read from a file: never one outside the checkpoint
+            path = inside(folder, rel)
+        except UserError:
+            return f"{MANIFEST_NAME} names {rel!r}, outside the checkpoint"
         if not path.is_file():
             return f"{rel} is missing"
         size = path.stat().st_size
@@ -207,28 +212,6 @@ def publish_checkpoint(staged, output_dir) -> Path:
     (output_dir / (LATEST_NAME + ".tmp")).write_text(final.name + "\n")
     os.replace(output_dir / (LATEST_NAME + ".tmp"), output_dir / LATEST_NAME)
     return final
-
-
-ARCHIVE_DIR = "previous-run"
-
-
-def archive_checkpoints(output_dir) -> Path | None:
-    """For a fresh start in a folder that holds a run: move what it wrote (checkpoints, staging area, final model,
-    summary, logs, TensorBoard events) to previous-run/, so the new run never mixes with it and nothing of it is
-    overwritten; other files (a launcher's log) stay. One generation is kept: the run before that is deleted, or
-    repeated fresh starts would fill the disk."""
-    output_dir = Path(output_dir)
-    names = (STAGING_DIR, LATEST_NAME, "final", "summary.json", "log_history.json", "runs")
-    old = list_checkpoints(output_dir) + [output_dir / n for n in names if (output_dir / n).exists()]
-    if not old:
-        return None
-    archive = output_dir / ARCHIVE_DIR
-    if archive.exists():
-        _remove_folder(archive)
-    archive.mkdir()
-    for path in old:
-        os.rename(path, archive / path.name)
-    return archive
 
 
 def size_breakdown(sizes: dict[str, int]) -> dict[str, int]:

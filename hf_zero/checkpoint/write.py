@@ -27,7 +27,7 @@ from hf_zero.checkpoint.store import (
     write_manifest,
 )
 from hf_zero.core.console import MEAN_LOSS, say
-from hf_zero.core.errors import UserError
+from hf_zero.core.disk import disk_error
 from hf_zero.core.files import human_bytes
 from hf_zero.core.report import report_user_error
 from hf_zero.data.model_names import BASE_PATH_ATTR
@@ -113,27 +113,21 @@ def build_checkpoint_metadata(trainer) -> dict:
 
 
 def is_disk_full(err: BaseException, path) -> bool:
-    """ENOSPC as Python, safetensors or torch report it (torch.save only says "unexpected pos ..."), or no room
-    left."""
-    seen = err
-    while seen is not None:
-        if getattr(seen, "errno", None) == errno.ENOSPC or "No space left on device" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    try:
-        return shutil.disk_usage(path).free < (16 << 20)
-    except OSError:
-        return False
+    """A checkpoint save that failed for the disk's sake (full, read-only, failing), as any engine reports it
+    (hf_zero.core.disk: torch's zip writer only says "unexpected pos ...", FSDP2's distributed checkpoint wraps
+    every rank's error in a BaseException)."""
+    return disk_error(err, path, writing=True) is not None
 
 
-def stop_on_full_disk(run_dir: Path, staged: Path) -> None:
-    free = shutil.disk_usage(run_dir).free
-    shutil.rmtree(staged, ignore_errors=True)
+def stop_on_full_disk(run_dir: Path, staged: Path, err: BaseException | None = None) -> None:
+    """The one `disk:` line, naming the checkpoint being written and the newest complete one, then a hard exit."""
     latest = (run_dir / LATEST_NAME).read_text().strip() if (run_dir / LATEST_NAME).is_file() else None
-    kept = f"{latest} and the checkpoints before it are complete" if latest else "no earlier checkpoint was written"
-    report_user_error(UserError("output_dir", f"no space left on device while writing {staged.name} "
-                                f"({human_bytes(free)} free in {run_dir}); {kept}",
-                                "free some space or move --output_dir, then re-run the same command to resume"))
+    kept = (f"{latest} and the checkpoints before it are complete; run the same command to resume" if latest
+            else "no earlier checkpoint was written")
+    line = disk_error(err if err is not None else OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), staged,
+                      writing=True, after=f"; {kept}", where=f"{staged.name} into {run_dir}")
+    shutil.rmtree(staged, ignore_errors=True)
+    report_user_error(line)
     # A hard exit: the other ranks may be blocked in a collective of the same save; the launcher stops them
     # when this process is gone, while a normal interpreter exit could wait for them forever.
     os._exit(2)

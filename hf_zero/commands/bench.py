@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from hf_zero.bench.execute import DEFAULT_STRATEGIES, execute
 from hf_zero.bench.gpu import add_preset_arguments, run_preset
+from hf_zero.bench.matrix import run_matrix
 
 __all__ = ["add_arguments", "run", "ACCEPTS_EXTRA"]
 
@@ -45,6 +46,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    if args.preset == "gpu-matrix":
+        return run_matrix(args)
     if args.preset:
         return run_preset(args)
     return execute(args)[1]

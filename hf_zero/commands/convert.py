@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from hf_zero.checkpoint.convert import convert_checkpoint
+from hf_zero.core.errors import UserError
 
 __all__ = ["add_arguments", "run"]
 
@@ -19,6 +22,8 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    if Path(args.out).exists() and not Path(args.out).is_dir():  # before the checkpoint is read: NotADirectoryError
+        raise UserError("--out", f"{args.out} is a file, not a folder", "give a new folder")
     out = convert_checkpoint(args.checkpoint, args.to, args.out, args.nproc)
     print(f"[hf_zero] converted {args.checkpoint} -> {out} ({out.name} for {args.to}); resume with --output_dir "
           f"{out.parent} or --resume_from_checkpoint {out}")

@@ -182,7 +182,9 @@ def run(args) -> int:
               "packing": recipe.packing, "gradient_checkpointing": recipe.gradient_checkpointing,
               "attn_implementation": recipe.attn_implementation or (layer.attn_implementation if layer else None),
               "lora": recipe.lora, "gpu_memory_bytes": gpu_mem, "cpu_memory_bytes": cpu_mem, "recipe": recipe.path,
-              "sp_size": sp, "batch": batch.line()}
+              "sp_size": sp, "batch": batch.line(),
+              # the cpu profile's ranks are processes on the CPU: the table names them so, not GPUs
+              "device": "CPU rank" if prof is not None and (prof.name == "cpu" or prof.raw.get("use_cpu")) else "GPU"}
     if args.json:
         print(json.dumps({"model": summary, "convention": args.convention, "inputs": inputs, "strategies": estimates,
                           "recommendation": rec, "sequence_parallel": seq_par}, indent=2))
@@ -248,15 +250,17 @@ def _print_table(summary, inputs, convention, estimates, rec) -> None:
            if inputs["longest_stage"] else f"{inputs['seq_len']} tokens")
     print(f"model {summary['name']}: {summary['params']:,} params{trainable}, largest layer "
           f"{summary['largest_layer_params']:,}; {inputs['precision']}, {inputs['nodes']} node(s) x "
-          f"{inputs['gpus_per_node']} GPU(s), micro-batch {inputs['micro_batch']} x {seq}, accumulation "
+          f"{inputs['gpus_per_node']} {inputs['device']}(s), micro-batch {inputs['micro_batch']} x {seq}, "
+          "accumulation "
           f"{inputs['gradient_accumulation']}, {inputs['attn_implementation']} attention"
           f"{', gradient checkpointing' if inputs['gradient_checkpointing'] else ''}"
           f"{f', each sequence split over {sp} ranks (Ulysses)' if (sp := inputs['sp_size']) > 1 else ''}"
           f"; convention {convention}",
           file=out)
     print(f"batch: {inputs['batch']} | precision: {inputs['precision']}", file=out)  # as check and train show them
+    peak = "peak/GPU" if inputs["device"] == "GPU" else "peak/rank"
     head = ("strategy", "params", "grads", "optimizer", "states@step", "states@fwd", "activations", "buffers",
-            "peak/GPU", "at", "CPU/node", "NVMe", "fits")
+            peak, "at", "CPU/node", "NVMe", "fits")
     rows = []
     for e in estimates:
         g = e["gpu_bytes_per_rank"]
@@ -272,10 +276,12 @@ def _print_table(summary, inputs, convention, estimates, rec) -> None:
     for r in [head, *rows]:
         print("  ".join(str(c).ljust(w) if i in (0, 9) else str(c).rjust(w)
                         for i, (c, w) in enumerate(zip(r, widths))), file=out)
-    print("peak/GPU = the larger of states@step (+ buffers) and states@fwd + activations (+ buffers): what "
-          "torch.cuda.max_memory_allocated reports; activations include the loss's fp32 logits work and autocast's "
-          "16-bit weight copies (see hf_zero/estimate/activations.py)"
-          + ("; fits: peak/GPU within 90% of --gpu-memory" if inputs["gpu_memory_bytes"] else ""), file=out)
+    measured = ("what torch.cuda.max_memory_allocated reports" if peak == "peak/GPU"
+                else "the tensors each rank's process holds on the CPU, beside the Python and library memory")
+    print(f"{peak} = the larger of states@step (+ buffers) and states@fwd + activations (+ buffers): {measured}; "
+          "activations include the loss's fp32 logits work and autocast's 16-bit weight copies (see "
+          "hf_zero/estimate/activations.py)"
+          + (f"; fits: {peak} within 90% of --gpu-memory" if inputs["gpu_memory_bytes"] else ""), file=out)
     if rec is None:
         return
     if not rec["profile"]:

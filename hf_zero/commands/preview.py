@@ -2,6 +2,7 @@
 
     hf-zero preview --config recipes/configs/smollm2_chat.yaml -n 1
     hf-zero preview --config my.yaml --stage chat --max_seq_length 256
+    hf-zero preview --model tiny-llama --data my.jsonl          (the one-stage recipe `hf-zero train --data` runs)
 
 Per stage and source: the format detected, what carries the loss, token lengths (min / median / p95 / max), how many
 samples were truncated or dropped (cut before their answer), the share of tokens that carry loss; then samples
@@ -14,6 +15,8 @@ from hf_zero.core.errors import UserError
 from hf_zero.data.chat import FormatOptions
 from hf_zero.data.model_names import get_tokenizer
 from hf_zero.data.packing import pack_documents, padding_stats
+from hf_zero.data.preference import sample_views
+from hf_zero.plan.one_stage import config_from_flags
 from hf_zero.plan.parse import parse_recipe_args, recipe_fields
 from hf_zero.plan.shipped import DEFAULT_CONFIG
 
@@ -24,7 +27,11 @@ OPEN, CLOSE = "[[", "]]"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="recipe YAML")
+    parser.add_argument("--config", help=f"recipe YAML (default: {DEFAULT_CONFIG}, unless --data is given)")
+    parser.add_argument("--model", help="model name, hub id or folder: sets model_name_or_path (with --data: the "
+                        "model of a one-stage recipe)")
+    parser.add_argument("--data", nargs="+", metavar="FILE", help="preview these files as one stage, without a YAML "
+                        "(as hf-zero train --model M --data FILE trains them)")
     parser.add_argument("--stage", help="only this stage (default: all)")
     parser.add_argument("-n", "--samples", type=int, default=3, help="samples shown per source (default 3)")
 
@@ -64,8 +71,10 @@ def run(args) -> int:
     from hf_zero.data.stages import load_stage_data
     if args.samples < 0:
         raise UserError("-n", f"must be 0 or more, got {args.samples}")
+    # the same recipe `hf-zero train` would run for these flags (--data: the one-stage YAML it builds)
+    args.config, extra, _ = config_from_flags(args.config, args.model, args.data, args.extra)
     model_args, stages, training, _ = parse_recipe_args(
-        (ModelArguments, CurriculumArguments), ["--config", args.config, *args.extra])
+        (ModelArguments, CurriculumArguments), ["--config", args.config, *extra])
     data_args = recipe_fields(CurriculumArguments, training)
     if args.stage:
         names = [s.name for s in stages]
@@ -80,14 +89,15 @@ def run(args) -> int:
                                formats=FormatOptions.from_args(data_args))
         print(f"stage {stage.name!r}: {len(stage.data)} source(s), max_seq_length {length}, "
               f"{data.pool_size:,} training samples, {len(data.eval_samples):,} held out")
-        if data_args.packing:
+        if data_args.packing and stage.objective != "dpo":  # a dpo stage is not packed
             rows = pack_documents([s for src in data.sources for s in src], length, tokenizer.pad_token_id)
             print(f"  packing: {len(rows):,} rows of {length} tokens, "
                   f"{100 * padding_stats(rows, 1)['non_padding_fraction']:.1f}% text")
         for j, (report, samples) in enumerate(zip(data.reports, data.sources)):
             print(f"  data[{j}] {report.spec}: " + "\n    ".join(source_lines(report)))
             for i, sample in enumerate(samples[: args.samples]):
-                print(f"  sample {i + 1} ({len(sample['input_ids'])} tokens; loss on the tokens between "
-                      f"{OPEN} and {CLOSE}):")
-                print("    " + marked_text(tokenizer, sample).rstrip().replace("\n", "\n    "))
+                for name, view in sample_views(sample):  # a preference row: its chosen and rejected sequences
+                    print(f"  sample {i + 1}{name} ({len(view['input_ids'])} tokens; loss on the tokens between "
+                          f"{OPEN} and {CLOSE}):")
+                    print("    " + marked_text(tokenizer, view).rstrip().replace("\n", "\n    "))
     return 0

@@ -149,7 +149,9 @@ def _run(args) -> int:
         return 0
     if not args.dry_run:  # the first line, before torch loads: a start-up is never silent (hf_zero.core.startup)
         under = f" under profile {Path(args.profile).stem}" if args.profile else ""
-        startup.phase(f"checking {args.config}{under}: recipe, data, model, launch", say=True)
+        # what the command was given: no config with --data (its YAML is built below), the default without either
+        given = args.config or (f"--data {' '.join(args.data)}" if args.data else str(DEFAULT_CONFIG))
+        startup.phase(f"checking {given}{under}: recipe, data, model, launch", say=True)
         startup.start_heartbeat()
     import_training_args()  # the checks and the plan parse the recipe; they build no model: no peft here
     if args.verbose:

@@ -149,6 +149,40 @@ class CurriculumArguments(TrainingArguments):
         super().__post_init__()
 
 
+OBJECTIVES = ("sft", "dpo")
+LOSS_TYPES = ("sigmoid", "ipo", "simpo")  # of TRL's: DPOTrainer's sigmoid and ipo, CPOTrainer's simpo
+_DPO_DEFAULTS = {"beta": 0.1, "loss_type": "sigmoid", "simpo_gamma": 0.5}
+
+
+def check_objective_keys(stage: "Stage", where: str) -> None:
+    """`objective` and the preference keys: refused on an sft stage (they would do nothing), defaulted on a dpo one."""
+    if stage.objective not in (None, *OBJECTIVES):
+        raise UserError(f"{where}.objective", f"unknown objective {stage.objective!r}", "use sft or dpo")
+    if stage.objective != "dpo":
+        for key in _DPO_DEFAULTS:
+            if getattr(stage, key) is not None:
+                raise UserError(f"{where}.{key}", "is a preference key, and the stage's objective is "
+                                f"{stage.objective or 'sft'}", "set `objective: dpo` on the stage, or remove the key")
+        return
+    if stage.eval_data:
+        raise UserError(f"{where}.eval_data", "a dpo stage has no held-out evaluation yet",
+                        "remove eval_data from the stage (docs/preference.md)")
+    for key in ("beta", "simpo_gamma"):
+        value = getattr(stage, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise UserError(f"{where}.{key}", f"{value!r} is not a number", f"e.g. {key}: {_DPO_DEFAULTS[key]}")
+    if stage.loss_type is not None and stage.loss_type not in LOSS_TYPES:
+        raise UserError(f"{where}.loss_type", f"unknown loss type {stage.loss_type!r}", f"use one of "
+                        f"{', '.join(LOSS_TYPES)}")
+    if stage.simpo_gamma is not None and stage.loss_type != "simpo":
+        raise UserError(f"{where}.simpo_gamma", "only applies with loss_type: simpo", "remove it, or loss_type: simpo")
+    for key, value in _DPO_DEFAULTS.items():
+        if getattr(stage, key) is None and (key != "simpo_gamma" or stage.loss_type == "simpo"):
+            setattr(stage, key, value)
+    if not positive(stage.beta):
+        raise UserError(f"{where}.beta", f"must be a positive number, got {stage.beta!r}", "e.g. beta: 0.1")
+
+
 @dataclass
 class Stage:
     """One curriculum stage. Exactly one of `epochs` / `steps` sets its length."""
@@ -182,6 +216,38 @@ class Stage:
         default=None, metadata={"help": "Held-out data of the stage (its first eval_samples rows), e.g. a validation "
                                         "file, instead of a slice of `data`."}
     )
+    objective: str | None = field(
+        default=None,  # unset, not "sft": a checkpoint recorded before the key existed resumes (checkpoint/compare.py)
+        metadata={"help": "sft (default): next-token loss on the stage's data; dpo: preference tuning on "
+                          "prompt/chosen/rejected rows (TRL's preference formats) against the model as it stands at "
+                          "the stage's start, its log-probabilities computed once and cached in "
+                          "output_dir/reference_logps (docs/preference.md)."}
+    )
+    beta: float | None = field(
+        default=None,
+        metadata={"help": "dpo stages: how far the policy may move from the reference (TRL's beta; for ipo its tau, "
+                          "for simpo the reward scale); default 0.1."}
+    )
+    loss_type: str | None = field(
+        default=None,
+        metadata={"help": "dpo stages: sigmoid (DPO), ipo, or simpo (reference-free, length-normalized), computed by "
+                          "TRL's own implementation; default sigmoid."}
+    )
+    simpo_gamma: float | None = field(
+        default=None, metadata={"help": "dpo stages with loss_type simpo: the target reward margin; default 0.5."}
+    )
+    train: list[str] | None = field(
+        default=None,
+        metadata={"help": "Multimodal recipe: the parts that train in this stage (an encoder or projector per "
+                          "modality, e.g. encoder.image, projector.points; `encoder` / `projector` for all of them; "
+                          "lora, or llm without LoRA); default: every part. Frozen parts do not change by one bit "
+                          "(docs/multimodal.md)."}
+    )
+    learning_rates: dict | None = field(
+        default=None,
+        metadata={"help": "Multimodal recipe: peak learning rate per part in this stage, keyed as in `train` (e.g. "
+                          "{projector: 1.0e-3, lora: 2.0e-4}); other parts take the stage's learning_rate."}
+    )
 
     def __post_init__(self):
         if isinstance(self.data, str):
@@ -202,6 +268,7 @@ class Stage:
             if value is not None and (not isinstance(value, list)
                                       or any(isinstance(w, bool) or not isinstance(w, (int, float)) for w in value)):
                 raise UserError(f"{where}.{key}", f"{value!r} is not a list of numbers", "e.g. weights: [3, 1]")
+        check_objective_keys(self, where)
         if (self.epochs is None) == (self.steps is None):
             raise UserError(f"{where}.steps", "give exactly one of `steps` or `epochs`", "e.g. steps: 10")
         if self.steps is not None and self.steps <= 0 or self.epochs is not None and self.epochs <= 0:

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 
+from hf_zero.core import startup
 from hf_zero.core.files import human_bytes
 
 __all__ = ["VERBOSE_ENV", "QUIET_ENV", "QUIET_WARNINGS", "QUIET_LOGGERS", "rank", "quiet_environment", "quiet_loggers",
@@ -35,8 +36,9 @@ def verbose() -> bool:
 # Library warnings nobody running hf_zero can act on, by category and the module that raises them (a regex matched at
 # the start of the module's name): the stack's deprecations, meant for its maintainers (a run would print hundreds),
 # and PEFT's two notes after every LoRA save (it looks the base model up on the hub to learn whether its vocabulary
-# changed; offline, or with a model built from a config, it cannot, and says so).
-QUIET_WARNINGS = ((FutureWarning, ""), (UserWarning, r"peft\."))
+# changed; offline, or with a model built from a config, it cannot, and says so); and accelerate's note, per rank,
+# that it set the CPU threads itself where OMP_NUM_THREADS was unset (its default stays; only the note goes).
+QUIET_WARNINGS = ((FutureWarning, ""), (UserWarning, r"peft\."), (UserWarning, r"accelerate\.state"))
 # Libraries with no switch but their logger: bitsandbytes, on a CPU with AVX512-BF16, warns as it loads (peft loads it)
 # that it cannot fetch an optional fused kernel from the hub (kernels-community) and goes on with its own.
 QUIET_LOGGERS = ("bitsandbytes",)
@@ -147,14 +149,17 @@ def say(*parts) -> None:
 
 
 def step_line(logs: dict, step: int, max_steps: int, stage: str | None, timing: tuple | None = None) -> str:
-    """One logging step. `timing`: (seconds since this process started training, steps it has done), for a log
-    file (no progress bar to show them): the line then ends with the time spent and the time left."""
+    """One logging step. `timing`: (seconds since this process started training, steps it has done[, seconds since
+    its first step began]), for a log file (no progress bar to show them): the line then ends with the time spent
+    and the time left."""
     parts = [f"step {step}/{max_steps}"]
     if stage:
         parts.append(f"stage {stage}")
     parts.append(f"loss {logs['loss']:.4f}")
     if "learning_rate" in logs:
         parts.append(f"lr {logs['learning_rate']:.2e}")
+    if logs.get("rewards/accuracies") is not None:  # a dpo stage's step (hf_zero.train.preference)
+        parts.append(f"reward acc {logs['rewards/accuracies']:.2f} margin {logs['rewards/margins']:.3f}")
     if logs.get("tokens_per_second") is not None:
         parts.append(f"{logs['tokens_per_second']:,.0f} tok/s")
     if logs.get("peak_memory_bytes") is not None:
@@ -162,7 +167,7 @@ def step_line(logs: dict, step: int, max_steps: int, stage: str | None, timing: 
     if logs.get("mfu") is not None:
         parts.append(f"MFU {logs['mfu']:.2f}")
     if timing is not None:
-        parts.append(eta_text(*timing, max_steps - step))
+        parts.append(eta_text(*timing[:2], max_steps - step, *timing[2:]))
     return " | ".join(parts)
 
 
@@ -176,10 +181,12 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def eta_text(elapsed: float, steps_done: int, steps_left: int) -> str:
-    """Time spent and time left, at the mean step time so far (a resumed run counts from its own first step;
-    evaluations and checkpoints are in that mean, as they will be in the steps left)."""
-    left = elapsed / steps_done * steps_left if steps_done > 0 else None
+def eta_text(elapsed: float, steps_done: int, steps_left: int, stepping: float | None = None) -> str:
+    """Time spent and time left, at the mean step time so far: over `stepping`, the seconds since this process's
+    first step began (a resumed run counts from its own first step), else over `elapsed`. What ran before the first
+    step (the evaluation and the answers before training) is in neither the mean nor the steps left; the stage-end
+    evaluations and checkpoints are in the mean, as they will be in the steps left."""
+    left = (elapsed if stepping is None else stepping) / steps_done * steps_left if steps_done > 0 else None
     return f"elapsed {duration(elapsed)} | left {duration(left) if left is not None else '?'}"
 
 
@@ -190,7 +197,8 @@ EXACT_MATCH = "eval_exact_match"  # the held-out prompts answered, before that s
 
 def eval_line(metrics: dict, when: str, exact_match: tuple | None = None) -> str:
     """One evaluation (all held-out sets at one step) as one line; with several per-stage losses, their mean.
-    `exact_match`: (now, before training) of the answered held-out prompts (train/samples.py), either None."""
+    `exact_match`: (now, before training[, prompts]) of the answered held-out prompts (train/samples.py), either
+    None; `prompts`: how many were answered now."""
     shown, losses = [], []
     for key, value in metrics.items():
         if (not key.startswith("eval_") or key.endswith(_NOT_SHOWN) or key in (MEAN_LOSS, EXACT_MATCH)
@@ -204,9 +212,10 @@ def eval_line(metrics: dict, when: str, exact_match: tuple | None = None) -> str
     mean = metrics.get(MEAN_LOSS, sum(losses) / len(losses) if len(losses) > 1 else None)
     if mean is not None and len(losses) > 1:
         shown.append(f"mean {mean:.4f}")
-    now, before = exact_match or (None, None)
+    now, before, prompts = (*(exact_match or (None, None)), None)[:3]
     if now is not None:
-        shown.append(f"exact match {now:.2f}" + (f" (before training {before:.2f})" if before is not None else ""))
+        shown.append(f"exact match {now:.2f}" + (f" of {prompts:,} prompts" if prompts else "")
+                     + (f" (before training {before:.2f})" if before is not None else ""))
     return f"eval {when}: " + " | ".join(shown)
 
 
@@ -218,19 +227,41 @@ def console_callback(schedule=None, eval_sets: int = 1):
     class ConsoleCallback(TrainerCallback):
         def __init__(self):
             self.bar, self.done, self.pending, self.pending_step, self.received = None, 0, {}, None, 0
-            self.started, self.first_step, self.exact = None, 0, {}
+            # started: train() began; stepping: the first step began (what ran before it is no step's time)
+            self.started, self.stepping, self.first_step, self.exact = None, None, 0, {}
+            self.batches, self.batches_since, self.sets_done = 0, None, 0  # an evaluation before the first step
 
         def on_train_begin(self, args, state, control, **kwargs):
-            if state.is_world_process_zero and sys.stdout.isatty() and not args.disable_tqdm:
-                from tqdm.auto import tqdm
-
-                self.bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True,
-                                file=sys.stdout, leave=False, disable=False)  # TQDM_DISABLE is for the others
             self.done = self.first_step = state.global_step
             self.started = time.monotonic()
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if self.stepping is None:
+                self.stepping = time.monotonic()
+                if state.is_world_process_zero and sys.stdout.isatty() and not args.disable_tqdm:
+                    # from the first step on: its rate (and so its time left) counts no evaluation before it
+                    from tqdm.auto import tqdm
+
+                    self.bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True,
+                                    file=sys.stdout, leave=False, disable=False)  # TQDM_DISABLE is for the others
             self._flush(state)
+
+        def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
+            """Before the first step (start-up, which the heartbeat tells): how far the evaluation before training
+            has come and how long it has left, on the heartbeat's lines."""
+            if startup.current() is None or eval_dataloader is None:
+                return
+            now = time.monotonic()
+            if self.batches_since is None:
+                self.batches_since = now
+            self.batches += 1
+            sets = max(1, eval_sets - 1) if eval_sets > 1 else 1  # the held-out sets (then their mean's log)
+            total = len(eval_dataloader)
+            # the clock starts at the first batch's end: the batches after it give the time a batch takes
+            left = ((now - self.batches_since) / (self.batches - 1) * (total - self.batches)
+                    if self.batches > 1 else None)
+            startup.progress(f"held-out set {min(self.sets_done + 1, sets)}/{sets}, batch {self.batches}/{total}"
+                             + (f", about {duration(left)} left for this set" if left is not None else ""))
 
         def on_step_end(self, args, state, control, **kwargs):
             if self.bar is not None:
@@ -241,9 +272,16 @@ def console_callback(schedule=None, eval_sets: int = 1):
             if not state.is_world_process_zero or not logs:
                 return
             if EXACT_MATCH in logs:  # before the evaluation of the same step: shown on its line
-                self.exact[state.global_step] = logs[EXACT_MATCH]
+                stages = self.exact.setdefault(state.global_step, {})
+                for key, value in logs.items():  # each stage answered: samples_<stage>_exact_match / _prompts
+                    for suffix, what in (("_exact_match", "match"), ("_prompts", "prompts")):
+                        if key.startswith("samples_") and key.endswith(suffix):
+                            stages.setdefault(key[len("samples_"):-len(suffix)], {})[what] = value
+                if not stages:  # logged without per-stage keys: one set
+                    stages[""] = {"match": logs[EXACT_MATCH]}
                 return
             if any(k.startswith("eval_") for k in logs):
+                self.batches, self.batches_since, self.sets_done = 0, None, self.sets_done + 1  # a set is done
                 if self.pending_step not in (None, state.global_step):
                     self._flush(state)
                 self.pending.update(logs)
@@ -256,7 +294,9 @@ def console_callback(schedule=None, eval_sets: int = 1):
             if "loss" in logs:
                 timing = None
                 if self.bar is None and self.started is not None:  # a log file: no bar shows the time
-                    timing = (time.monotonic() - self.started, state.global_step - self.first_step)
+                    now = time.monotonic()
+                    timing = (now - self.started, state.global_step - self.first_step,
+                              now - (self.stepping or self.started))
                 say(step_line(logs, state.global_step, state.max_steps, self._stage(logs.get("stage")), timing))
 
         def on_train_end(self, args, state, control, **kwargs):
@@ -264,6 +304,18 @@ def console_callback(schedule=None, eval_sets: int = 1):
             if self.bar is not None:
                 self.bar.close()
                 self.bar = None
+
+        def _exact_match(self, step):
+            """(now, before training, prompts): the mean over the stages answered at `step`, and over the same
+            stages before training (None unless each was answered then)."""
+            now = {n: v for n, v in self.exact.get(step, {}).items() if "match" in v}
+            if not now:
+                return None
+            mean = lambda d, names: sum(d[n]["match"] for n in names) / len(names)  # noqa: E731
+            start = self.exact.get(0, {}) if step else {}
+            before = mean(start, list(now)) if now and all(n in start for n in now) else None
+            prompts = sum(v.get("prompts", 0) for v in now.values()) or None
+            return mean(now, list(now)), before, prompts
 
         def _stage(self, index):
             if schedule is None or index is None:
@@ -279,8 +331,7 @@ def console_callback(schedule=None, eval_sets: int = 1):
                 span = schedule.stage_at(step - 1)
                 if step == span.end_step:
                     when += f" (end of stage '{span.name}')"
-            exact = (self.exact.get(step), self.exact.get(0) if step else None)
-            say(eval_line(self.pending, when, exact))
+            say(eval_line(self.pending, when, self._exact_match(step)))
             self.pending, self.pending_step, self.received = {}, None, 0
 
     return ConsoleCallback()

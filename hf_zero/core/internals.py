@@ -36,9 +36,9 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("_model_mapping", "transformers auto classes (AutoModelForCausalLM, ...)",
              ("estimate/model_count.py", "train/classifier.py"),
              "which model class a config maps to, without building the model (from_config would allocate it)"),
-    Internal("_no_split_modules", "transformers.PreTrainedModel", ("plan/fsdp.py",),
+    Internal("_no_split_modules", "transformers.PreTrainedModel", ("plan/fsdp.py", "train/composed.py"),
              "the layer classes accelerate wraps for FSDP2 when the profile names none: read the same attribute "
-             "accelerate reads"),
+             "accelerate reads (a composed multimodal model answers it with its LLM's)"),
     Internal("_name_or_path", "transformers.PretrainedConfig", ("checkpoint/write.py",),
              "where the base model resolved on this machine, recorded in the checkpoint's metadata"),
     Internal("_get_name", "torch.nn.Module", ("train/fused_ce.py",),
@@ -67,6 +67,10 @@ INTERNALS: tuple[Internal, ...] = (
              "(with _get_sequence_parallel_world_size) this rank's place in its Ulysses group"),
     Internal("_get_sequence_parallel_group", "deepspeed.utils.groups", ("train/sequence_parallel.py",),
              "(with _get_sequence_parallel_world_size) the process group the adapter gathers batches over"),
+    Internal("_compute_loss", "trl.DPOTrainer (trl 1.16)", ("train/preference.py",),
+             "TRL 1.16 writes the DPO losses (sigmoid, ipo) and their reward metrics inside this method, with no "
+             "function of its own: a dpo stage calls it on a view of the attributes it reads, so the loss is TRL's, "
+             "not a copy"),
 )
 
 ACCELERATE_STATE_REWRITE = Internal(

@@ -15,6 +15,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,27 @@ class RunLock:
     def held(self) -> bool:
         return self._fd is not None
 
+    def _open(self) -> int:
+        """The lock file, never through a symbolic link: anyone who can write to a shared runs folder could point
+        one at a file of the user's, which the lock record would overwrite. Anything but a plain file is refused."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise UserError("output_dir", f"{self.path} is a symbolic link (to {os.readlink(self.path)}); "
+                                "hf_zero never writes its lock record through one",
+                                f"remove the link: rm {self.path}") from None
+            if err.errno == errno.EISDIR:
+                raise UserError("output_dir", f"{self.path} is a folder, where hf_zero keeps its lock file",
+                                "move or remove that folder") from None
+            raise UserError("output_dir", f"cannot open {self.path}: {err.strerror}",
+                            "pass another --output_dir") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise UserError("output_dir", f"{self.path} is not a plain file, where hf_zero keeps its lock file",
+                            "move or remove it")
+        return fd
+
     def acquire(self) -> str | None:
         """Take the lock, or raise UserError naming the process that holds it. Returns a line to print when the
         file names an earlier holder that died without removing it (SIGKILL, a crash of the machine)."""
@@ -73,7 +95,7 @@ class RunLock:
             raise UserError("output_dir", f"cannot create {self.output_dir}: {err.strerror}",
                             "pass another --output_dir") from None
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
@@ -86,7 +108,7 @@ class RunLock:
                       "this folder is not prevented", file=sys.stderr, flush=True)
                 return None
             try:  # the holder may have ended (and removed the file) between our open and flock: lock the new one
-                if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
+                if os.lstat(self.path).st_ino == os.fstat(fd).st_ino:
                     break
             except FileNotFoundError:
                 pass
@@ -106,7 +128,7 @@ class RunLock:
         if self._fd is None:
             return
         try:
-            if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+            if os.lstat(self.path).st_ino == os.fstat(self._fd).st_ino:
                 os.unlink(self.path)
             if self._created_dir:
                 self.path.parent.rmdir()  # only when the run left nothing in the folder it created

@@ -25,7 +25,7 @@ from pathlib import Path
 
 __all__ = ["T0_ENV", "PHASES_ENV", "HEARTBEAT_S", "ALIVE_NAME", "start_clock", "t0", "phase", "current", "phases",
            "hand_on", "durations", "breakdown", "finish", "end_command", "start_heartbeat", "hand_over_at",
-           "take_over", "stop_heartbeat"]
+           "take_over", "stop_heartbeat", "progress", "now_doing"]
 
 T0_ENV = "HF_ZERO_T0"
 PHASES_ENV = "HF_ZERO_STARTUP_PHASES"
@@ -35,6 +35,7 @@ SAID_NAME = "heartbeat-said"  # beside it: when the launcher last printed, so th
 
 _own: list[tuple[str, float]] = []  # (what this process started doing, wall time)
 _said = [0.0]  # wall time of the heartbeat's last line
+_progress: list = [None]  # how far the current phase is, said after it by the heartbeat (progress())
 # end: when start-up ended (the first step began); folder: the launch's status folder, where the heartbeat is handed on
 _state: dict = {"end": None, "folder": None}
 _stop = threading.Event()
@@ -74,8 +75,23 @@ def phase(doing: str, say: bool = False) -> None:
     if _state["end"] is not None:  # training runs: what it waits for is no start-up phase
         return
     _own.append((doing, now))
+    _progress[0] = None
     if say:
         _line(doing, now)
+
+
+def progress(text: str | None) -> None:
+    """How far the current phase has come ("held-out set 1/2, batch 3/13, about 20 s left"): the heartbeat's lines
+    say it after the phase, so a long phase's lines differ and tell how long it takes. No phase of its own:
+    summary.json's startup_s keeps the phase whole."""
+    if _state["end"] is None:
+        _progress[0] = text
+
+
+def now_doing() -> str:
+    """What the heartbeat says: the current phase, and how far it has come when that is known."""
+    doing = _own[-1][0] if _own else "starting"
+    return f"{doing}: {_progress[0]}" if _progress[0] else doing
 
 
 def current() -> str | None:
@@ -164,7 +180,7 @@ def start_heartbeat(every: float = HEARTBEAT_S) -> None:
                 return
             now = time.time()
             if now - _said[0] >= every:
-                _line(_own[-1][0] if _own else "starting", now)
+                _line(now_doing(), now)
 
     thread = threading.Thread(target=beat, name="hf_zero-heartbeat", daemon=True)
     _thread[:] = [thread]

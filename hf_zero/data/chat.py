@@ -17,6 +17,9 @@ is trained when its characters overlap a trained span. Labels are the token ids 
 shifts them, so the first reply token is predicted from the prompt.
 
 A sample longer than the stage's length is cut at its end; if no trained token is left it is dropped and counted.
+Before tokenization, every text of a row is cut to CHARS_PER_TOKEN characters per token of the stage's length: no
+tokenizer's tokens average that many characters, so the cut lies past the tokens the sample keeps and changes none
+of them, while a single huge row (20 MB of JSON once took tokenization past 6 GB) costs no more than a long one.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from dataclasses import dataclass, field, fields
 from hf_zero.core.errors import UserError
 from hf_zero.data.chat_template import has_generation_markers
 
-__all__ = ["FORMATS", "FormatOptions", "SourceReport", "Encoded", "detect_format", "encode_rows", "ROLES"]
+__all__ = ["FORMATS", "FormatOptions", "SourceReport", "Encoded", "detect_format", "encode_rows", "ROLES",
+           "CHARS_PER_TOKEN", "bounded"]
 
 FORMATS = ("auto", "text", "prompt_completion", "conversational")
 ROLES = ("system", "user", "assistant", "tool", "developer")
 IGNORE = -100
+CHARS_PER_TOKEN = 64  # a row's texts are cut to this many characters per token of max_seq_length
 _SHAREGPT = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant",
              "tool": "tool"}
 
@@ -116,6 +121,18 @@ def trains_what(fmt: str, opts: FormatOptions) -> str:
                and opts.assistant_only_loss
                or fmt.endswith("prompt_completion") and opts.completion_only_loss)
     return "answers only" if answers else "all tokens"
+
+
+def bounded(value, max_len: int):
+    """`value` (a text, or a list of messages) with every text cut to CHARS_PER_TOKEN * max_len characters; other
+    values as they are (the row checks refuse them)."""
+    limit = CHARS_PER_TOKEN * max_len
+    if isinstance(value, str):
+        return value[:limit]
+    if isinstance(value, list):
+        return [{k: bounded(v, max_len) if isinstance(v, str) else v for k, v in m.items()} if isinstance(m, dict)
+                else m for m in value]
+    return value
 
 
 class _Row:
@@ -230,12 +247,14 @@ def encode_rows(ds, tokenizer, fmt: str, opts: FormatOptions, max_len: int, wher
         column = ds["conversations" if sharegpt else opts.messages_field]
 
         def encode(i: int) -> Encoded:
-            return _encode_conversation(tokenizer, _messages(column[i], row, opts.messages_field, sharegpt), opts, row)
+            messages = _messages(bounded(column[i], max_len), row, opts.messages_field, sharegpt)
+            return _encode_conversation(tokenizer, messages, opts, row)
     else:
         prompts, completions = ds[opts.prompt_field], ds[opts.completion_field]
 
         def encode(i: int) -> Encoded:
-            return _encode_prompt_completion(tokenizer, prompts[i], completions[i], opts, row, fmt)
+            return _encode_prompt_completion(tokenizer, bounded(prompts[i], max_len), bounded(completions[i], max_len),
+                                             opts, row, fmt)
     samples = []
     for i in range(len(ds)):
         row.n = i + 1

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from hf_zero.core.errors import UserError
+from hf_zero.data.chat import bounded
 from hf_zero.data.images import ImageSource
 from hf_zero.data.stages import load_source
 
@@ -258,7 +259,8 @@ def load_classification_data(stages, args: ClassificationArguments, processing, 
         items = raw[where][0]
         if kind == "image":
             return ImageSource(items, ids[where], processing, augment=train and args.augment, seed=seed)
-        enc = processing(items, truncation=True, max_length=max_len)
+        # a huge text is cut before the tokenizer, which would tokenize all of it before truncating (data/chat.py)
+        enc = processing([bounded(t, max_len) for t in items], truncation=True, max_length=max_len)
         return [{**{k: v[i] for k, v in enc.items()}, "labels": ids[where][i]} for i in range(len(items))]
 
     sources = [[encode(f"stages[{s.name}].data[{j}]", True, s.max_seq_length or args.max_seq_length)

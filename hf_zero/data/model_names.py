@@ -160,11 +160,29 @@ def get_model_config(name_or_path: str, vocab_size: int | None = None):
             return AutoConfig.from_pretrained(SHAPES_DIR / SHAPES[name_or_path])
         if offline:  # a hub id, looked up in the hub cache only: at once, without huggingface_hub's retries
             raise UserError("model_name_or_path", f"{name_or_path} is not in the Hugging Face cache "
-                            f"({hub_cache_dir()}) and the hub is offline",
-                            f"download it once where the hub is reachable (hf download {name_or_path}), or use a "
-                            f"local folder or one of {', '.join(OFFLINE_MODELS)}") from None
+                            f"({hub_cache_dir()}) and the hub is offline", _unknown_model_fix(name_or_path)) from None
         raise UserError("model_name_or_path", f"cannot load {name_or_path!r} ({str(err).splitlines()[0]})",
                         f"use a local folder, a hub id, or one of {', '.join(OFFLINE_MODELS)}") from None
+    except Exception as err:  # noqa: BLE001  (transformers validates a config.json with many exception types)
+        first = str(err).splitlines()[0].rstrip(":;") if str(err).strip() else ""
+        raise UserError("model_name_or_path", f"{name_or_path}: transformers cannot read its config.json "
+                        f"({type(err).__name__}{': ' + first[:160] if first else ''})",
+                        "fix config.json (model_type and the sizes its class needs), or use another model") from None
+
+
+def _unknown_model_fix(name: str) -> str:
+    """What to do about a model name found nowhere offline: the known name it is closest to (a typo, another case),
+    and, for a hub id, that its config.json alone is enough for `hf-zero estimate` (training needs the weights)."""
+    import difflib
+
+    known = [*OFFLINE_MODELS, *HUB_IDS.values(), *SHAPES]
+    close = difflib.get_close_matches(name.casefold(), [k.casefold() for k in known], n=1, cutoff=0.6)
+    hint = f"did you mean {known[[k.casefold() for k in known].index(close[0])]}? Or " if close else ""
+    if "/" not in name:  # not owner/name: no hub id to download
+        return f"{hint}use a local model folder, a hub id (owner/name), or one of {', '.join(OFFLINE_MODELS)}"
+    return (f"{hint}where the hub is reachable, `hf download {name} config.json` is enough for hf-zero estimate "
+            f"(training needs the weights: `hf download {name}`); or use a local folder or one of "
+            f"{', '.join(OFFLINE_MODELS)}")
 
 
 def read_config_json(name_or_path: str) -> dict | None:

@@ -3,7 +3,9 @@ tokenized per stage with the stage's own sequence length, a held-out slice per s
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,9 +14,17 @@ from hf_zero.core.config import Stage
 from hf_zero.core.console import verbose
 from hf_zero.core.errors import UserError
 from hf_zero.data.assets import resolve_data_path
-from hf_zero.data.chat import FormatOptions, SourceReport, detect_format, encode_rows
+from hf_zero.data.chat import CHARS_PER_TOKEN, FormatOptions, SourceReport, detect_format, encode_rows
 from hf_zero.data.chat_template import prepare_chat_template
 from hf_zero.data.packing import PackedCollator, pack_documents
+from hf_zero.data.preference import (
+    PreferenceCollator,
+    check_objective,
+    encode_preference_rows,
+    is_preference,
+    number_rows,
+)
+from hf_zero.data.row_checks import RowKinds, verify_csv
 
 __all__ = ["StageData", "load_source", "verify_data_file", "held_out_sizes", "check_held_out", "check_stage_files",
            "load_stage_data", "build_collator"]
@@ -30,7 +40,7 @@ def _json_rows(text: str) -> bool:
     try:
         json.loads(text)
         return False
-    except ValueError:
+    except (ValueError, RecursionError):
         return head == "{"  # a JSON-lines file also starts with {; an array that does not parse is one document
 
 
@@ -58,6 +68,7 @@ def verify_data_file(path: Path, spec: str, where: str) -> None:
     if not text.strip():
         raise UserError(where, f"{spec} has only blank lines", "give it rows, or remove it from the stage")
     if path.suffix == ".jsonl" or path.suffix == ".json" and _json_rows(text):
+        kinds = RowKinds(spec, where)
         for row, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -66,15 +77,27 @@ def verify_data_file(path: Path, spec: str, where: str) -> None:
             except ValueError as err:
                 raise UserError(where, f"{spec} row {row}: not valid JSON ({getattr(err, 'msg', err)} at column "
                                 f"{getattr(err, 'colno', '?')})", "fix or remove the row") from None
+            except RecursionError:  # the parser recurses per level: a row nested thousands deep
+                raise UserError(where, f"{spec} row {row}: nested too deeply to read",
+                                "fix or remove the row") from None
             if not isinstance(value, dict):
                 raise UserError(where, f"{spec} row {row}: a JSON {type(value).__name__}, not an object",
                                 'give each row as {"column": value, ...}')
+            kinds.add(row, value)
     elif path.suffix == ".json":
         try:
-            json.loads(text)
+            value = json.loads(text)
         except ValueError as err:
             raise UserError(where, f"{spec} line {err.lineno}: not valid JSON ({err.msg} at column {err.colno})",
                             "fix the file") from None
+        except RecursionError:
+            raise UserError(where, f"{spec}: nested too deeply to read", "fix the file") from None
+        kinds = RowKinds(spec, where, "item")
+        for row, item in enumerate(value if isinstance(value, list) else [], 1):
+            if isinstance(item, dict):
+                kinds.add(row, item)
+    elif path.suffix == ".csv":
+        verify_csv(text, spec, where)
     _VERIFIED.add(key)
 
 
@@ -104,7 +127,8 @@ def load_source(spec: str, where: str):
         if key in _LOADED:  # each rank counts a file's rows before writing anything, then tokenizes the same rows
             return _LOADED[key]
         try:
-            ds = datasets.load_dataset(_FORMATS[local.suffix], data_files=str(local), split="train")
+            with _datasets_errors_silenced():
+                ds = datasets.load_dataset(_FORMATS[local.suffix], data_files=str(local), split="train")
         except Exception as err:  # datasets raises many types for unreadable files
             raise UserError(where, f"cannot read {path} ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
                             "check the file's format") from None
@@ -117,6 +141,20 @@ def load_source(spec: str, where: str):
     except Exception as err:
         raise UserError(where, f"{spec!r} is neither a local data file nor a reachable hub dataset "
                         f"({type(err).__name__})", "use a .jsonl/.json/.csv/.parquet/.txt path") from None
+
+
+@contextlib.contextmanager
+def _datasets_errors_silenced():
+    """datasets logs a reader's failure ("Failed to read schema from ...") before raising it: the raise becomes the
+    one line, so its log line is a stray second one (shown with --verbose)."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    if not verbose():
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @dataclass
@@ -135,10 +173,11 @@ def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str, spec: st
     if text_field not in ds.column_names:
         raise UserError(where, f"has no column {text_field!r} (columns: {', '.join(ds.column_names)})",
                         "set text_field in the recipe")
+    _check_text_column(ds, text_field, where, spec)
     report = SourceReport(spec, "text", "all tokens")
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out = []
-    for ids in _token_ids(ds[text_field], tokenizer, report):
+    for ids in _token_ids(ds[text_field], tokenizer, report, CHARS_PER_TOKEN * max_len):
         report.truncated += len(ids) > max_len - len(eos)
         ids = ids[: max_len - len(eos)] + eos
         if len(ids) > 1:
@@ -149,13 +188,25 @@ def _tokenize(ds, tokenizer, max_len: int, text_field: str, where: str, spec: st
     return out, report
 
 
-def _token_ids(column, tokenizer, report, batch: int = 1024):
+def _check_text_column(ds, text_field: str, where: str, spec: str) -> None:
+    """A text column of numbers or lists (an int parquet column, `"text": 3` in every row) is refused with its first
+    row: its str() is not what anyone meant to train on. The column's type says it for every row at once."""
+    feature = ds.features.get(text_field)
+    if getattr(feature, "dtype", None) in ("string", "large_string", "null"):
+        return
+    row, value = next(((i, v) for i, v in enumerate(ds[text_field]) if v is not None), (0, None))
+    kind = getattr(feature, "dtype", None) or type(value).__name__
+    raise UserError(where, f"{spec} row {row + 1}: {text_field} is {kind} ({str(value)[:40]}), not text",
+                    f"give {text_field} as a string in every row")
+
+
+def _token_ids(column, tokenizer, report, limit: int, batch: int = 1024):
     """The non-empty texts' token ids, a batch of rows at a time: one tokenizer call per batch gives the same ids as
     one call per row without its per-call overhead, and a slice of the column is decoded at once (iterating it
-    decodes one row per call)."""
+    decodes one row per call). Each text is cut to `limit` characters first (hf_zero.data.chat.CHARS_PER_TOKEN)."""
     for start in range(0, len(column), batch):
         texts = column[start:start + batch]
-        kept = [str(t) for t in texts if t and str(t).strip()]
+        kept = [str(t)[:limit] for t in texts if t and str(t).strip()]
         report.rows, report.empty = report.rows + len(texts), report.empty + len(texts) - len(kept)
         if kept:
             yield from tokenizer(kept, add_special_tokens=False, return_attention_mask=False)["input_ids"]
@@ -164,6 +215,10 @@ def _token_ids(column, tokenizer, report, batch: int = 1024):
 def _load_tokenized(spec: str, where: str, tokenizer, max_len: int, opts):
     """One source as training samples, whatever its format (hf_zero.data.chat), and its report."""
     ds = load_source(spec, where)
+    if is_preference(ds.column_names):  # prompt/chosen/rejected: hf_zero.data.preference
+        if len(ds) and isinstance(ds[0].get("prompt"), list):
+            prepare_chat_template(tokenizer, opts.chat_template)
+        return encode_preference_rows(ds, tokenizer, max_len, where, spec)
     fmt = detect_format(ds.column_names, ds[0] if len(ds) else None, opts, where, spec)
     if fmt != "text" or opts.chat_template:
         prepare_chat_template(tokenizer, opts.chat_template)
@@ -216,7 +271,7 @@ def check_stage_files(stage: Stage, eval_samples: int, light: bool = False) -> l
     rows = [_source_rows(spec, f"stages[{stage.name}].data[{j}]", light) for j, spec in enumerate(stage.data)]
     for j, spec in enumerate(stage.eval_data or []):
         _source_rows(spec, f"stages[{stage.name}].eval_data[{j}]", light)
-    check_held_out(stage, rows, eval_samples)
+    check_held_out(stage, rows, eval_samples if stage.objective != "dpo" else 0)  # a dpo stage holds none out
     return rows
 
 
@@ -243,6 +298,10 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
         samples, report = _load_tokenized(spec, f"stages[{stage.name}].data[{j}]", tokenizer, max_len, opts)
         sources.append(samples)
         reports.append(report)
+    check_objective(stage, reports)
+    if stage.objective == "dpo":  # no held-out slice and no packing for preference rows yet (docs/preference.md)
+        number_rows(sources)
+        return StageData(sources, [], reports, [])
     _check_mix(stage, reports)
     held_out = []
     if stage.eval_data:
@@ -267,10 +326,11 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
     return StageData(sources, held_out, reports, eval_prompts)
 
 
-def build_collator(tokenizer, packing: bool = False, model=None):
+def build_collator(tokenizer, packing: bool = False, model=None, preference: bool = False):
     """Pads input_ids with the pad token and labels with -100, so padding never counts in the loss; packed rows
     keep their position_ids and get no attention_mask, and for a model using flash attention they are flattened
-    into one row of documents for its varlen path (see hf_zero.data.packing)."""
+    into one row of documents for its varlen path (see hf_zero.data.packing). `preference` (a curriculum with a dpo
+    stage): batches of preference rows go through hf_zero.data.preference.PreferenceCollator."""
     from transformers import DataCollatorForSeq2Seq
 
     collator = DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=-100, padding=True, return_tensors="pt")
@@ -278,5 +338,5 @@ def build_collator(tokenizer, packing: bool = False, model=None):
         from transformers.utils.generic import is_flash_attention_requested
 
         varlen = model is not None and is_flash_attention_requested(config=model.config)
-        return PackedCollator(collator, tokenizer.pad_token_id, varlen=varlen)
-    return collator
+        collator = PackedCollator(collator, tokenizer.pad_token_id, varlen=varlen)
+    return PreferenceCollator(collator, tokenizer.pad_token_id) if preference else collator

@@ -21,7 +21,9 @@ def flops_per_token(count, config, seq_len: int) -> float:
 
 
 # Dense peak FLOP/s per device (vendor data sheets), by precision; tf32 tensor cores for fp32 where they exist.
-_PEAKS = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12}, "A100": {"bf16": 312e12, "fp16": 312e12,
+# The H200 is the H100's chip with more and faster memory: the same dense peak.
+_PEAKS = {"H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
+          "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 494e12}, "A100": {"bf16": 312e12, "fp16": 312e12,
           "fp32": 156e12}, "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12},
           "L40": {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12}}
 

@@ -99,7 +99,9 @@ def where_it_stands(output_dir, command: str) -> str:
     if checkpoint is not None:
         return f"newest complete checkpoint: {checkpoint} (step {checkpoint_step(checkpoint)}); resume with: {command}"
     if output_dir:
-        return f"no complete checkpoint in {output_dir}, so running it again starts from step 0: {command}"
+        # where the loss comes from: no step saved; the flags that make the next run resumable
+        return (f"no complete checkpoint in {output_dir}, so running it again starts from step 0: {command}; to make "
+                "a run resumable, save checkpoints as it goes: --save_strategy steps --save_steps N")
     return f"run it again with: {command}"
 
 

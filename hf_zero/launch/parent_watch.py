@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
+
+from hf_zero.core.child import set_death_signal
 
 __all__ = ["LAUNCHER_PID_ENV", "die_with_launcher"]
 
 LAUNCHER_PID_ENV = "HF_ZERO_LAUNCHER_PID"  # hf_zero's launcher, the ranks' parent (torch elastic runs in it)
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _alive(pid: int) -> bool:
@@ -44,11 +44,8 @@ def die_with_launcher() -> None:
     if not expected and not os.environ.get("TORCHELASTIC_RUN_ID"):
         return
     parent = os.getppid()
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        # Set against the thread that started this process: torch elastic starts ranks from its main thread.
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    # Set against the thread that started this process: torch elastic starts ranks from its main thread.
+    set_death_signal(signal.SIGKILL)
     # The launcher died before prctl (this rank was re-parented already): nothing would signal it any more.
     if os.getppid() != parent or parent == 1 or (expected and int(expected) != parent and not _alive(int(expected))):
         os.kill(os.getpid(), signal.SIGKILL)

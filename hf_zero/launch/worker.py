@@ -13,7 +13,6 @@ How the line crosses the launcher:
 
 from __future__ import annotations
 
-import errno
 import functools
 import os
 import signal
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from hf_zero.core import startup
 from hf_zero.core.console import rank, setup_console
+from hf_zero.core.disk import disk_error, write_errno
 from hf_zero.core.errors import EXIT_USAGE, RunComplete, RunInterrupted, UserError
 from hf_zero.core.report import STATUS_ENV, report_user_error, write_status
 from hf_zero.core.run_lock import release_held
@@ -40,32 +40,18 @@ __all__ = ["recipe_entry", "write_failure", "stop_on_write_failure"]
 _STATE = {"write_failed": False}
 
 
-# A write that failed for the disk's sake (full, over quota, too large, read-only, failing), not the program's.
-_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO}
-
-
 def write_failure(exc: BaseException, filename: str | None = None) -> UserError | None:
     """The one line for a failed write anywhere in a run (summary, log history, samples, final model, TensorBoard),
-    naming the file and the newest complete checkpoint; None when `exc` is not one. `filename`: where the caller
-    knows it was writing (an OSError from write() names no file)."""
-    seen, depth = exc, 0
-    while seen is not None and depth < 32:
-        if isinstance(seen, OSError) and seen.errno in _WRITE_ERRNOS or "No space left on device" in str(seen):
-            break
-        seen, depth = seen.__cause__ or seen.__context__, depth + 1
-    else:
-        return None
-    if seen is None:
-        return None
+    naming the file and the newest complete checkpoint; None when `exc` is not one (hf_zero.core.disk).
+    `filename`: where the caller knows it was writing (an OSError from write() names no file)."""
     output_dir = noted_output_dir()
-    where = getattr(seen, "filename", None) or filename or (f"into {output_dir}" if output_dir else "a file")
-    where = os.fsdecode(where) if isinstance(where, bytes) else str(where)
-    why = getattr(seen, "strerror", None) or str(seen).splitlines()[0][:120]
     if output_dir is None:  # not a training run (e.g. `hf-zero export`)
-        return UserError("disk", f"could not write {where}: {why}", "free space, then run it again")
+        return disk_error(exc, filename)
+    if write_errno(exc, filename or output_dir) is None:
+        return None
     newest = newest_complete_checkpoint(output_dir)
     kept = f"the newest complete checkpoint is {newest}" if newest else "no complete checkpoint was written yet"
-    return UserError("disk", f"could not write {where}: {why}", f"free space; {kept}")
+    return disk_error(exc, filename or output_dir, after=f"; {kept}", where=filename or f"into {output_dir}")
 
 
 def stop_on_write_failure(err: UserError) -> None:
@@ -154,7 +140,8 @@ def recipe_entry(func):
             if interrupt_requested():  # a collective broken by a rank that already stopped: not a second story
                 report_interrupt(interrupt_requested())
                 _exit(128 + interrupt_requested())
-            failed = write_failure(exc) if isinstance(exc, Exception) else None
+            # (torch's distributed checkpoint raises a BaseException holding every rank's error)
+            failed = write_failure(exc) if not isinstance(exc, (SystemExit, KeyboardInterrupt)) else None
             if failed is not None:
                 stop_on_write_failure(failed)
             if not isinstance(exc, SystemExit):

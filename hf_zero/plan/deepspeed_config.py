@@ -4,9 +4,19 @@ when the run plan is resolved)."""
 
 from __future__ import annotations
 
+import json
+import os
+
+from hf_zero.core.errors import UserError
 from hf_zero.plan.profiles import Profile
 
-__all__ = ["build_deepspeed_config", "zero3_speed_settings"]
+__all__ = ["build_deepspeed_config", "zero3_speed_settings", "BENCH_DEEPSPEED_ENV"]
+
+# `hf-zero bench --preset gpu-matrix` measures DeepSpeed settings hf_zero does not choose itself (ZeRO-3's persistence
+# threshold, live parameters, prefetch bucket; DeepCompile): a JSON object merged over the config built here, its
+# "zero_optimization" key by key. A bench switch, not a recipe key: what the matrix finds fastest becomes the default
+# in zero3_speed_settings, measured, instead of a knob every recipe must set.
+BENCH_DEEPSPEED_ENV = "HF_ZERO_BENCH_DEEPSPEED"
 
 
 def zero3_speed_settings(model_config=None, lora_targets=None) -> dict:
@@ -95,7 +105,7 @@ def build_deepspeed_config(profile: Profile, on_cpu: bool, model_config=None, lo
             if device == "cpu" and not on_cpu:
                 section["pin_memory"] = True
             zero[f"offload_{kind}"] = section
-    return {
+    config = {
         "train_batch_size": "auto",
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -106,3 +116,18 @@ def build_deepspeed_config(profile: Profile, on_cpu: bool, model_config=None, lo
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+    return _with_bench_overrides(config, os.environ.get(BENCH_DEEPSPEED_ENV))
+
+
+def _with_bench_overrides(config: dict, raw: str | None) -> dict:
+    if not raw:
+        return config
+    try:
+        extra = json.loads(raw)
+    except ValueError as err:
+        extra = err
+    if not isinstance(extra, dict):
+        raise UserError(BENCH_DEEPSPEED_ENV, f"is not a JSON object ({extra})",
+                        'e.g. {"zero_optimization": {"stage3_param_persistence_threshold": 1e9}}')
+    zero = {**config["zero_optimization"], **(extra.pop("zero_optimization", None) or {})}
+    return {**config, **extra, "zero_optimization": zero}

@@ -18,6 +18,7 @@ from hf_zero.core.files import write_text_atomic
 from hf_zero.data.cache import get_cache_dir
 from hf_zero.data.chat import FormatOptions, detect_format, trains_what
 from hf_zero.data.model_names import get_model_config
+from hf_zero.data.preference import TRAINS, is_preference
 from hf_zero.plan.parse import HF_ZERO_TRAINING_DEFAULTS
 from hf_zero.plan.shipped import DEFAULT_CONFIG
 
@@ -41,6 +42,8 @@ class DataSource(NamedTuple):
 def _local_path(spec: str, flag: str) -> str:
     """A local file's path made absolute (the YAML may live anywhere), checked to be one hf_zero reads; a hub
     dataset id as it is."""
+    if not spec.strip():  # Path("") is the current folder: "<project folder> is a folder" named the wrong thing
+        raise UserError(flag, "an empty file name", f"name your data file: {flag} FILE")
     local = Path(spec).expanduser()
     if not (local.exists() or local.suffix or spec.startswith((".", "/", "~"))):
         return spec
@@ -58,6 +61,8 @@ def inspect_data(spec: str, flag: str = "--data") -> DataSource:
 
     spec = _local_path(spec, flag)
     ds = load_source(spec, flag)
+    if is_preference(ds.column_names):  # prompt/chosen/rejected: a dpo stage (hf_zero.data.preference)
+        return DataSource(spec, "preference", len(ds), TRAINS)
     opts = FormatOptions()
     fmt = detect_format(ds.column_names, ds[0] if len(ds) else None, opts, flag, spec)
     return DataSource(spec, fmt, len(ds), trains_what(fmt, opts))
@@ -87,9 +92,17 @@ def _value(v) -> str:
     return "true" if v is True else "false" if v is False else str(v)
 
 
-def one_stage_yaml(model: str, stages: list[list[DataSource]], note: list[str] = ()) -> str:
+def _shown(text: str) -> str:
+    """A file name inside a YAML comment: quoted when it holds a line break or another unprintable character (YAML
+    also breaks lines at U+0085, U+2028, U+2029), which would end the comment and make the rest of the name a key."""
+    return json.dumps(text) if any(not c.isprintable() for c in text) else text
+
+
+def one_stage_yaml(model: str, stages: list[list[DataSource]], note: list[str] = (),
+                   output_dir: str | None = None) -> str:
     """The recipe YAML, commented: one stage per list of sources (one stage when given one list). `note`: comment
-    lines about this machine (the profile it would use), which parsing ignores."""
+    lines about this machine (the profile it would use), which parsing ignores. `output_dir`: the run's folder,
+    `{first}` standing for the first stage's name (default runs/{first}, where `hf-zero train --data` runs)."""
     from hf_zero.core.config import CurriculumArguments, ModelArguments
 
     # Beyond the dataclasses' defaults: LoRA (an adapter of a few MB, the usual first fine-tune), a pass over the data.
@@ -112,16 +125,28 @@ def one_stage_yaml(model: str, stages: list[list[DataSource]], note: list[str] =
     for sources in stages:
         lines.append(f"  - name: {_stage_name(sources[0].spec, taken)}")
         for s in sources:
-            lines.append(f"    # {s.spec}: {s.rows} rows, {s.format} (loss on {s.trains})")
+            lines.append(f"    # {_shown(s.spec)}: {s.rows} rows, {s.format} (loss on {s.trains})")
         specs = [s.spec for s in sources]
         lines.append(f"    data: {_value(specs[0]) if len(specs) == 1 else '[' + ', '.join(map(_value, specs)) + ']'}")
         lines.append("    epochs: 1          # passes over the data (or steps: N)")
+        if all(s.trains == TRAINS for s in sources):  # preference rows: DPO against the model at the stage's start
+            lines += ["    objective: dpo     # docs/preference.md", "    beta: 0.1",
+                      "    loss_type: sigmoid  # or ipo, or simpo (reference-free)"]
+    if len(stages) == 1:  # how the curriculum grows: stages train in order, each with its own data and length
+        lines += ["  # A second stage trains after this one (a curriculum), e.g. on harder data at a lower peak LR:",
+                  "  # - name: harder",
+                  "  #   data: harder.jsonl     # relative to this YAML's folder",
+                  "  #   epochs: 1",
+                  "  #   learning_rate: 5.0e-4   # this stage's peak (default: learning_rate below)"]
     first = _stage_name(stages[0][0].spec, set())
+    run_dir = (output_dir or "runs/{first}").format(first=first)
+    if output_dir and run_dir == f"runs/{first}":  # asked for a folder of its own: not the `--data` run's
+        run_dir += "_yaml"
     lines += ["", "# Trainer: every TrainingArguments field is a key (and a flag of hf-zero train)",
               f"per_device_train_batch_size: {HF_ZERO_TRAINING_DEFAULTS['per_device_train_batch_size']}",
               "learning_rate: 1.0e-3",
               "seed: 42",
-              f"output_dir: {_value(f'runs/{first}')}", ""]
+              f"output_dir: {_value(run_dir)}", ""]
     text = "\n".join(lines)
     _check_parses(text)
     return text
@@ -138,8 +163,10 @@ def _check_parses(text: str) -> None:
 
 
 def data_recipe_flags(model: str | None, data: list[str] | None, stages: list[str] | None = None,
-                      note: list[str] = ()) -> str:
-    """The YAML for `--model` and `--data` (one stage mixing the files), or `--stages` (one stage per file)."""
+                      note: list[str] = (), yaml_dir: str | None = None, output_dir: str | None = None) -> str:
+    """The YAML for `--model` and `--data` (one stage mixing the files), or `--stages` (one stage per file).
+    `yaml_dir`: the folder the YAML is saved in (`hf-zero init`): data given by a relative path is written relative
+    to it, so the YAML moves with its data; without it (the cache's YAML of `train --data`) every path is absolute."""
     if not data and not stages:
         raise UserError("--data", "missing", "name your data file: --data FILE (or --config YAML)")
     if not model:
@@ -152,9 +179,16 @@ def data_recipe_flags(model: str | None, data: list[str] | None, stages: list[st
     check_model(model)
     if Path(model).expanduser().exists():  # a local folder: absolute, as the data (the YAML may live anywhere)
         model = os.path.abspath(Path(model).expanduser())
-    groups = ([[inspect_data(d) for d in data]] if data else []) + [[inspect_data(s, "--stages")]
-                                                                    for s in stages or []]
-    return one_stage_yaml(model, groups, note)
+
+    def read(spec: str, flag: str) -> DataSource:
+        source = inspect_data(spec, flag)
+        if yaml_dir is None or source.spec == spec or Path(spec).expanduser().is_absolute():
+            return source  # a hub id, or a path given absolute: as given
+        relative = os.path.relpath(source.spec, os.path.abspath(yaml_dir))
+        return DataSource(relative, source.format, source.rows, source.trains)
+
+    groups = ([[read(d, "--data") for d in data]] if data else []) + [[read(s, "--stages")] for s in stages or []]
+    return one_stage_yaml(model, groups, note, output_dir)
 
 
 def write_data_recipe(text: str) -> Path:

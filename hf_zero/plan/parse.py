@@ -8,6 +8,7 @@ objects with the same strictness. Light to import (no transformers until a recip
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -19,6 +20,7 @@ from hf_zero.core.distributed import dist_timeout
 from hf_zero.core.errors import UserError
 from hf_zero.core.once import once, read_text
 from hf_zero.core.validate import at_line, check_values, check_yaml_types, resolve_recipe_paths, yaml_lines
+from hf_zero.core.yaml_safe import load_yaml
 
 if TYPE_CHECKING:  # core/config.py imports transformers: only when a stage is built
     from hf_zero.core.config import Stage
@@ -45,9 +47,20 @@ HF_ZERO_TRAINING_DEFAULTS = {
 }
 
 
+# Names people carry over from other trainers: too short for difflib to match to the key they mean.
+_ALIASES = {"lr": "learning_rate", "batch_size": "per_device_train_batch_size", "bs": "per_device_train_batch_size",
+            "epochs": "num_train_epochs", "steps": "max_steps", "grad_accum": "gradient_accumulation_steps",
+            "model": "model_name_or_path", "output": "output_dir", "out": "output_dir"}
+
+
 def _unknown_key_error(key: str, known: list[str], where: str) -> UserError:
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f"did you mean `{close[0]}`?" if close else "remove it or check the spelling"
+    key = key.split("=", 1)[0] if key.startswith("-") else key  # `--lr=1e-4`: the flag, not its value
+    dashes = "--" if key.startswith("--") else ""
+    bare = key.removeprefix("--")
+    names = [k.removeprefix("--") for k in known]
+    close = [_ALIASES[bare]] if _ALIASES.get(bare) in names else difflib.get_close_matches(bare, names, n=1)
+    close = close or sorted(k for k in names if len(bare) >= 2 and k.startswith(bare))[:1]  # an abbreviation
+    hint = f"did you mean `{dashes}{close[0]}`?" if close else "remove it or check the spelling"
     return UserError(key, f"unknown key in {where}", hint)
 
 
@@ -61,7 +74,7 @@ def _read_yaml_config(path: str) -> dict:
         raise UserError("--config", f"{path} does not exist",
                         "pass a recipe YAML, e.g. recipes/configs/tiny_curriculum.yaml")
     try:
-        data = yaml.safe_load(read_text(p)) or {}
+        data = load_yaml(read_text(p), f"--config {path}") or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -80,7 +93,7 @@ def build_stage(item: dict, i: int, where: str | None, lines: dict | None = None
         if item.get(key) in (None, "", []):  # else Stage() says "__init__() missing 1 required positional argument"
             raise UserError(f"stages[{i}].{key}", f"missing {at_line(where, lines, f'stages[{i}]')}", fix)
     try:
-        return Stage(**item)
+        return Stage(**_yaml_spellings(item))
     except TypeError as err:  # a value of the wrong kind, e.g. `steps: ten`
         raise UserError(f"stages[{item.get('name', i)}]", f"a value has the wrong type ({str(err).splitlines()[0]}) "
                         f"{at_line(where, lines, f'stages[{i}]')}", "see docs/reference/recipe-keys.md") from None
@@ -88,6 +101,28 @@ def build_stage(item: dict, i: int, where: str | None, lines: dict | None = None
         key = err.field.rsplit(".", 1)[-1]
         raise UserError(err.field, f"{err.problem} {at_line(where, lines, f'stages[{i}].{key}', f'stages[{i}]')}",
                         err.fix) from None
+
+
+_YAML11_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _yaml_spellings(item: dict) -> dict:
+    """A stage's values as the top-level keys read them (through argparse): `learning_rate: 1e-4`, a string to
+    PyYAML (YAML 1.1 wants a dot), is the number; `train: lora`, one item, is the list of it."""
+    import typing
+
+    from hf_zero.core.config import Stage
+
+    hints = typing.get_type_hints(Stage)
+    out = dict(item)
+    for key, value in item.items():
+        kinds = typing.get_args(hints.get(key)) or (hints.get(key),)
+        if float in kinds and isinstance(value, str) and _YAML11_FLOAT.fullmatch(value.strip()):
+            out[key] = float(value)
+        elif value is not None and not isinstance(value, (list, dict)) and any(
+                typing.get_origin(k) is list for k in kinds):
+            out[key] = [value]
+    return out
 
 
 def parse_stages(raw, where: str, lines: dict | None = None) -> list[Stage]:
@@ -144,13 +179,19 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yam
                             f"{problem} (on the command line)", "run with --help for the list of flags")
 
     *model_types, training_type = dataclass_types
-    parser = _Parser(dataclass_types)
+    # no abbreviations: `--lr` would be "ambiguous" and `--learning_rat` silently --learning_rate; an unknown flag
+    # gets its "did you mean" instead
+    parser = _Parser(dataclass_types, allow_abbrev=False)
     _accept_str_or_bool(parser, dataclass_types)
     known = {a.dest for a in parser._actions}
     for key in yaml_values:
         if key not in known:
             raise _unknown_key_error(key, sorted(known), config_path)
     check_yaml_types(parser, yaml_values, config_path, lines)
+    for action in parser._actions:  # `lora_target_modules: q_proj` is the list `--lora_target_modules q_proj` gives
+        value = yaml_values.get(action.dest)
+        if action.nargs in ("+", "*") and value is not None and not isinstance(value, (list, dict)):
+            yaml_values[action.dest] = [value]
     defaults = {k: v for k, v in HF_ZERO_TRAINING_DEFAULTS.items() if k in known}
     defaults["output_dir"] = f"runs/{Path(config_path).stem}" if config_path else "runs/default"
     # minutes, not torch's 30: a stuck rank fails the run soon (hf_zero/core/distributed.py)
@@ -185,9 +226,13 @@ def recipe_fields(recipe_type, training_kwargs: dict):
     return SimpleNamespace(**{k: v for k, v in training_kwargs.items() if k in own})
 
 
-def _str_or_bool(value: str):
-    low = value.lower()
-    return {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(low, value)
+def _str_or_bool(value):
+    """A `str | bool` key's value, from a flag (always a string) or a YAML (where `false` is already a bool)."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, str):  # a YAML number: neither a word nor a bool (`1` would be a silent `true`)
+        raise ValueError(f"{value!r} is not true, false or a word")
+    return {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(value.lower(), value)
 
 
 def _accept_str_or_bool(parser, dataclass_types) -> None:

@@ -19,6 +19,7 @@ import yaml
 from hf_zero.core.errors import UserError
 from hf_zero.core.once import once, read_text
 from hf_zero.core.validate import at_line, yaml_lines
+from hf_zero.core.yaml_safe import load_yaml
 from hf_zero.plan.sequence_parallel import sp_size_of, verify_profile_sp
 from hf_zero.plan.shipped import shipped_dir
 from hf_zero.plan.world import world_from_env
@@ -148,7 +149,7 @@ def load_profile(name_or_path: str) -> Profile:
 
 def _read_profile(path: Path) -> Profile:
     try:
-        raw = yaml.safe_load(read_text(path)) or {}
+        raw = load_yaml(read_text(path), f"profile {path.name}") or {}
     except yaml.YAMLError as err:
         raise UserError(f"profile {path.name}", f"is not valid YAML ({str(err).splitlines()[0]})") from None
     _validate_with_accelerate(path)

@@ -8,7 +8,12 @@ from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
 
-from hf_zero.checkpoint.compare import check_finished_settings, check_resume_settings, run_settings
+from hf_zero.checkpoint.compare import (
+    check_finished_settings,
+    check_resume_reaches,
+    check_resume_settings,
+    run_settings,
+)
 from hf_zero.checkpoint.resume import check_profile_switch
 from hf_zero.checkpoint.store import list_checkpoints, read_metadata, validate_checkpoint
 from hf_zero.core.errors import UserError, flag_hint
@@ -105,7 +110,7 @@ def _lora_targets(model_args) -> None:
 def _data(st):
     from hf_zero.core.config import Stage
     from hf_zero.data.stages import check_stage_files, load_stage_data
-    if not st.curriculum:
+    if not st.curriculum or st.check_data is not None:  # a recipe's own checker wins (the multimodal recipe's)
         return _recipe_data(st)
     stages = st.raw.get("stages")
     if not isinstance(stages, list) or not stages or not all(isinstance(s, dict) for s in stages):
@@ -204,6 +209,7 @@ def _compare_with_output(where, settings: dict, training: dict) -> Path | None:
         checkpoint = next((c for c in reversed(list_checkpoints(out)) if validate_checkpoint(c, checksums=False)
                            is None), None)
     if checkpoint is not None:
-        check_resume_settings(checkpoint.name, read_metadata(checkpoint).get("settings"), settings,
-                              training.get("allow_changes"))
+        meta = read_metadata(checkpoint)
+        check_resume_settings(checkpoint.name, meta.get("settings"), settings, training.get("allow_changes"))
+        check_resume_reaches(checkpoint.name, meta, settings, training.get("max_steps"))
     return checkpoint

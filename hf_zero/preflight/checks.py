@@ -55,6 +55,7 @@ class _State:
 
     def __init__(self, args, light: bool = False):
         self.args, self.profile, self.raw, self.parsed = args, None, None, None
+        self.whole = None  # True once the YAML, its stages and the flags all parsed (not a fallback's values)
         self.light = light
         recipe = load_recipe(getattr(args, "recipe", None))
         self.types = recipe_argument_types(recipe)
@@ -131,6 +132,7 @@ def _recipe(st):
     try:
         st.parsed = _parse(st, {**clean, "stages": [{k: v for k, v in s.items() if k in stage_keys} for s in stages
                                                     if isinstance(s, dict)] or None}, st.args.extra)
+        st.whole = True
     except UserError as err:
         if not err.field.startswith("stages"):  # a stage's own mistake is the data check's to report, once
             problems.append(err.line())
@@ -199,8 +201,10 @@ _TABLE = {"profile": (_profile, ()), "recipe": (_recipe, ()), "batch": (_batch, 
           "devices": (_devices, ("profile",)), "precision": (_precision, ("profile",)),
           "launch": (_launch, ("profile",)), "hostfile": (_hostfile, ("profile",)), "model": (_model, ("parsed",)),
           "data": (_data, ("raw",)), "offload": (_offload, ("profile",)), "fsdp": (_fsdp, ("profile", "parsed")),
-          "output": (_output, ("profile", "parsed"))}
-_WHO = {"profile": "the profile", "parsed": "the recipe", "raw": "the recipe", "count": "the model"}
+          "output": (_output, ("profile", "whole"))}
+# The output folder is compared with the settings as they will run: never with a fallback's (no flags, no stages)
+_WHO = {"profile": "the profile", "parsed": "the recipe", "raw": "the recipe", "count": "the model",
+        "whole": "the recipe"}
 
 
 def run_checks(args, on_result=None, light: bool = False) -> list[CheckResult]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from hf_zero.checkpoint.paths import read_tag
 from hf_zero.checkpoint.resume import resume_note
 from hf_zero.checkpoint.safe_load import safe_load
 from hf_zero.data.curriculum import CurriculumSchedule
@@ -58,7 +59,7 @@ class Zero3UniversalFix(TrainerCallback):
             state = inner.state.get(flat)
             if state is not None and torch.is_tensor(state.get("step")):
                 state["step"] = state["step"].clone()
-        tag = (self.checkpoint / "latest_universal").read_text().strip()
+        tag = read_tag(self.checkpoint, "latest_universal")  # a folder inside the checkpoint (checked on resume)
         saved = safe_load(self.checkpoint / tag / "zero" / "optimizer_state.pt")
         groups = saved["optimizer_state_dict"]["param_groups"]
         if len(groups) != len(inner.param_groups):

@@ -10,13 +10,16 @@ import math
 import os
 from pathlib import Path
 
+from hf_zero.checkpoint.compare import check_resume_fits
 from hf_zero.checkpoint.resume import prepare_resume
 from hf_zero.checkpoint.safe_load import safe_checkpoint_loading
+from hf_zero.checkpoint.store import read_metadata
 from hf_zero.checkpoint.write import best_metric_default
 from hf_zero.core import startup
 from hf_zero.core.config import CurriculumArguments
 from hf_zero.core.console import say
 from hf_zero.core.errors import UserError
+from hf_zero.core.multimodal_args import MultimodalArguments
 from hf_zero.data.curriculum import build_sample_order, build_schedule
 from hf_zero.data.stages import check_stage_files
 from hf_zero.estimate.measure import MemoryMeasureCallback, measure_requested
@@ -38,10 +41,19 @@ def start(ctx: RunContext, fresh_start: bool, example: str) -> str | None:
     set_seed(ctx.training_args.seed)
     if not ctx.stages:
         raise UserError("stages", "the recipe has no stages", f"add a `stages:` list to the YAML, e.g. {example}")
+    if not isinstance(ctx.training_args, MultimodalArguments):  # a stage's parts would be silently ignored
+        for stage in ctx.stages:
+            for key in ("train", "learning_rates"):
+                if getattr(stage, key) is not None:
+                    raise UserError(f"stages[{stage.name}].{key}", "says what trains per part of a composed model, "
+                                    "which only the multimodal recipe has", "remove it, or set `recipe: multimodal`")
     if isinstance(ctx.training_args, CurriculumArguments):  # its data as the preflight read it, before any write
         for stage in ctx.stages:
             check_stage_files(stage, ctx.training_args.eval_samples)
     resume = prepare_resume(ctx, fresh_start=fresh_start)
+    if resume is not None:
+        meta = read_metadata(resume)
+        ctx.resumed = {"name": Path(resume).name, "step": meta.get("global_step"), "stage": meta.get("stage")}
     if ctx.training_args.process_index == 0:  # this run goes ahead: its plan beside its outputs
         ctx.plan.write()
     return resume
@@ -54,7 +66,15 @@ def lay_out(ctx: RunContext, pool_sizes: list[int], source_sizes: list[list[int]
     args = ctx.training_args
     schedule = build_schedule(ctx.stages, pool_sizes, ctx.plan.batch.global_batch, args.learning_rate)
     order = build_sample_order(schedule, source_sizes, [s.weights for s in ctx.stages], args.seed)
-    ctx.training_args = final_training_args(args, max_steps=schedule.total_steps,
+    # --max_steps stops the run early at that step; the stages, their LR schedules and data order stay as laid out
+    # (a later resume with a larger --max_steps continues the same curriculum).
+    cap = args.max_steps if args.max_steps and args.max_steps > 0 else None
+    resumed = getattr(ctx, "resumed", None)
+    if resumed is not None:
+        check_resume_fits(resumed["name"], resumed["step"], resumed["stage"], schedule.spans, cap)
+    if cap is not None and cap < schedule.total_steps:
+        say(f"[hf_zero] --max_steps {cap}: stopping at step {cap} of the stages' {schedule.total_steps}")
+    ctx.training_args = final_training_args(args, max_steps=min(cap or schedule.total_steps, schedule.total_steps),
                                             **best_metric_default(args, has_eval), **values)
     return schedule, order
 
@@ -124,29 +144,55 @@ def summary_fields(model_args, trainable: int, total: int, schedule, result, his
     }
 
 
-def loss_words(before: float | None, after: float | None, stages: int) -> str:
-    """The result in the last line: mean held-out loss before -> after, with perplexities."""
+def loss_words(before: float | None, after: float | None, stages: int, held_out: int | None = None) -> str:
+    """The result in the last line: mean held-out loss before -> after, with perplexities; `held_out`: how many
+    held-out samples the loss is over."""
     if not (before and after):
         return ""
+    if stages > 1:
+        over = f"mean over {stages} stages' held-out sets" + (f" ({held_out:,} samples)" if held_out else "")
+    else:
+        over = f"on {held_out:,} held-out samples" if held_out else "on the held-out set"
     return (f"eval loss {before:.4f} -> {after:.4f} (perplexity {math.exp(before):,.1f} -> {math.exp(after):,.1f}), "
-            f"mean over {stages} stages' held-out sets; ")
+            f"{over}; ")
 
 
-def exact_match_words(before: float | None, after: float | None) -> str:
-    """The answered held-out prompts in the last line: exact match before -> after training."""
+def exact_match_words(before: float | None, after: float | None, prompts: int | None = None) -> str:
+    """The answered held-out prompts in the last line: exact match before -> after training; `prompts`: how many
+    prompts it is over."""
     if after is None:
         return ""
-    return f"exact match {'?' if before is None else f'{before:.2f}'} -> {after:.2f}; "
+    over = f" ({prompts:,} prompts)" if prompts else ""
+    return f"exact match {'?' if before is None else f'{before:.2f}'} -> {after:.2f}{over}; "
 
 
-def next_steps(output_dir: Path, final_dir: Path | None, use_peft: bool, commands: bool = True) -> list[str]:
+def next_steps(output_dir: Path, final_dir: Path | None, use_peft: bool, commands: bool = True,
+               form: dict | None = None) -> list[str]:
     """The lines under the result: where the curves are, and (`commands`: a causal LM's run) the commands that use
-    what the run wrote: answer a prompt with it, export it."""
+    what the run wrote: answer a prompt with it, export it. `form` (train/generate.py's prompt_form): a run on
+    prompt-completion data shows one of its held-out prompts, the form its model answers."""
     logdir = os.environ.get("TENSORBOARD_LOGGING_DIR") or output_dir / "runs"  # where the Trainer's writer puts them
     lines = [f"  curves: {output_dir / LOSS_PLOT}, or tensorboard --logdir {logdir}"]
     if final_dir is not None and commands:
         model = f"--adapter {final_dir}" if use_peft else f"--model {final_dir}"
-        lines.append(f'  try it: hf-zero generate {model} --prompt "..."')
+        example = (form or {}).get("example") if (form or {}).get("format") == "prompt_completion" else None
+        prompt = _shell_quoted(example) if example and len(example) <= _SHOWN_PROMPT else '"..."'
+        lines.append(f"  try it: hf-zero generate {model} --prompt {prompt}")
+        if example and prompt == '"..."':
+            lines.append(f"    (its training prompts look like {example[:_SHOWN_PROMPT]!r}...)")
         merge = " --merge-lora" if use_peft else ""  # a model plain from_pretrained loads, without peft
         lines.append(f"  export: hf-zero export {output_dir}{merge} --out {output_dir}_hf")
     return lines
+
+
+_SHOWN_PROMPT = 120  # characters of a held-out prompt the `try it:` line shows as the command's --prompt
+
+
+def _shell_quoted(text: str) -> str:
+    """`text` as one shell word: single quotes, or bash's $'...' where it holds a newline or a quote."""
+    import shlex
+
+    if "\n" not in text and "'" not in text:
+        return shlex.quote(text)
+    escaped = text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n").replace("\t", "\\t")
+    return f"$'{escaped}'"

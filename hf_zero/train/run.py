@@ -39,6 +39,9 @@ class RunContext:
     started: float = field(default_factory=time.time)
     # What it trains (checkpoint/compare.py): summary.json and, through the Trainer, every checkpoint record it.
     settings: dict = field(default_factory=dict)
+    # The checkpoint this run resumes from (recipe_steps.start): its name, step and stage record, which the laid-out
+    # schedule must still reach past (checkpoint/compare.py check_resume_fits).
+    resumed: dict | None = None
 
     @property
     def output_dir(self) -> Path:

@@ -1,7 +1,10 @@
-"""What training did, in words: before the first step and at each stage end, the model answers a few held-out prompts
-of the stage (greedy, `sample_max_new_tokens` at most). The answers go to `samples.jsonl` and TensorBoard (text), and
-their exact match with the data's reference answers is logged as `samples_<stage>_exact_match` (and how often the
-answer contains the reference at all, `samples_<stage>_contains_reference`).
+"""What training did, in words: before the first step, at each stage end and after the last step, the model answers
+a few held-out prompts (greedy, `sample_max_new_tokens` at most): every stage's that has prompts before the first
+step and after the last (so "before -> after" compares the same prompts, whichever stage has them), the ending
+stage's at the other stage ends. The answers go to `samples.jsonl` (a fresh run starts it anew; a resumed one adds
+to it) and TensorBoard (text), and their exact match with the data's reference answers is logged as
+`samples_<stage>_exact_match` (how often the answer contains the reference at all,
+`samples_<stage>_contains_reference`; how many prompts, `samples_<stage>_prompts`).
 
 The prompts are shared out across ranks and the answers gathered on every rank. When the weights are sharded
 (ZeRO-3, FSDP) every forward pass is collective, so generation runs with `synced_gpus=True`: a rank that has
@@ -12,11 +15,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-from hf_zero.core.console import EXACT_MATCH
+from hf_zero.core import startup
+from hf_zero.core.console import EXACT_MATCH, duration
 from hf_zero.train.generate import contains, exact_match, generate_answers
 
 __all__ = ["SampleCallback", "exact_match_summary"]
@@ -29,73 +34,101 @@ class SampleCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step == 0:  # the "before"; a resumed run had it in its first life
-            self._sample(state, self.schedule.spans[0], "start")
+            if state.is_world_process_zero:  # a fresh run: no earlier life's answers in its file
+                self.path.unlink(missing_ok=True)
+            spans = [s for s in self.schedule.spans if self.prompts.get(s.index)]
+            if spans:
+                count = sum(len(self.prompts[s.index]) for s in spans)
+                startup.phase(f"answering {count} held-out prompt(s) before training (greedy, up to "
+                              f"{self.max_new_tokens} new tokens each)")
+            self._sample(state, [(s, "start") for s in spans])
+            if spans:  # back to what train/bench_probe.py's StartupCallback said comes next
+                startup.phase("evaluating before training" if args.eval_on_start else "loading the first batch")
 
     def on_step_end(self, args, state, control, **kwargs):
-        for span in self.schedule.spans:
-            if state.global_step == span.end_step:
-                self._sample(state, span, "end")
+        last = state.global_step >= state.max_steps  # then every stage's prompts, as before training
+        self._sample(state, [(s, "end" if s.end_step == state.global_step else "after") for s in self.schedule.spans
+                             if self.prompts.get(s.index) and (last or s.end_step == state.global_step)])
 
-    def _sample(self, state, span, when: str) -> None:
+    def _sample(self, state, spans: list) -> None:
+        """Answer the prompts of every (span, when) in one pass; log each stage's exact match."""
         import torch.distributed as dist
         from transformers.integrations import is_deepspeed_zero3_enabled
 
-        prompts = self.prompts.get(span.index) or []
-        if not prompts:
+        asked = [(span, when, p) for span, when in spans for p in self.prompts.get(span.index) or []]
+        if not asked:
             return
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        share = math.ceil(len(prompts) / world)
+        share = math.ceil(len(asked) / world)
         # Every rank generates the same number of prompts (the last ones padded with repeats, answers dropped).
-        mine = [prompts[min(i, len(prompts) - 1)]["prompt"] for i in range(rank * share, (rank + 1) * share)]
+        mine = [asked[min(i, len(asked) - 1)][2]["prompt"] for i in range(rank * share, (rank + 1) * share)]
         synced = world > 1 and (is_deepspeed_zero3_enabled() or self.trainer.is_fsdp_enabled)
+        began = time.monotonic()
+
+        def progress(done: int, batches: int) -> None:  # on the start-up heartbeat's lines (before the first step)
+            left = (time.monotonic() - began) / done * (batches - done)
+            startup.progress(f"batch {done}/{batches} of this rank's, about {duration(left)} left")
+
         answers = generate_answers(self.trainer.model, self.trainer.processing_class, mine, self.max_new_tokens,
-                                   synced_gpus=synced)
+                                   synced_gpus=synced, progress=progress)
         if world > 1:
             gathered = [None] * world
             dist.all_gather_object(gathered, answers)
             answers = [a for part in gathered for a in part]
         rows = []
-        for p, answer in zip(prompts, answers):
+        for (span, when, p), answer in zip(asked, answers):
             row = {"step": state.global_step, "stage": span.name, "when": when, "question": p["question"],
                    "answer": answer, "reference": p["reference"]}
             if p["reference"] is not None:
                 row["exact_match"] = exact_match(answer, p["reference"])
                 row["contains_reference"] = contains(answer, p["reference"])  # right, if not in the asked-for form
             rows.append(row)
-        scored = [r["exact_match"] for r in rows if "exact_match" in r]
-        named = [r["contains_reference"] for r in rows if "exact_match" in r]
         if state.is_world_process_zero:
-            self._write(rows, state.global_step, span.name)
-        if scored:
+            self._write(rows, state.global_step)
+        logs, means = {}, []
+        for span, _ in spans:
+            scored = [r for r in rows if r["stage"] == span.name and "exact_match" in r]
+            if scored:
+                means.append(sum(r["exact_match"] for r in scored) / len(scored))
+                logs.update({f"samples_{span.name}_exact_match": means[-1],
+                             f"samples_{span.name}_contains_reference":
+                                 sum(r["contains_reference"] for r in scored) / len(scored),
+                             f"samples_{span.name}_prompts": len(scored)})
+        if means:
             # Trainer.log clears control.should_log, which would drop this step's own loss log: keep it.
             control, keep = self.trainer.control, self.trainer.control.should_log
-            # eval_exact_match: TensorBoard's eval/exact_match beside eval/mean_loss, and the console's eval line.
-            self.trainer.log({f"samples_{span.name}_exact_match": sum(scored) / len(scored),
-                              f"samples_{span.name}_contains_reference": sum(named) / len(named),
-                              EXACT_MATCH: sum(scored) / len(scored)})
+            # eval_exact_match (the mean over the stages answered): TensorBoard's eval/exact_match beside
+            # eval/mean_loss; the console's eval line reads the stages' own keys.
+            self.trainer.log({**logs, EXACT_MATCH: sum(means) / len(means)})
             control.should_log = self.trainer.control.should_log = keep
 
-    def _write(self, rows: list[dict], step: int, stage: str) -> None:
+    def _write(self, rows: list[dict], step: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         writer = next((getattr(c, "tb_writer", None) for c in self.trainer.callback_handler.callbacks
                        if getattr(c, "tb_writer", None) is not None), None)
         if writer is not None:
-            table = "| question | answer | reference |\n|---|---|---|\n" + "\n".join(
-                "| {} | {} | {} |".format(*(str(r[k]).replace("\n", " ").replace("|", "/")[:300]
-                                            for k in ("question", "answer", "reference"))) for r in rows)
-            writer.add_text(f"samples/{stage}", table, step)
+            for stage in dict.fromkeys(r["stage"] for r in rows):
+                table = "| question | answer | reference |\n|---|---|---|\n" + "\n".join(
+                    "| {} | {} | {} |".format(*(str(r[k]).replace("\n", " ").replace("|", "/")[:300]
+                                                for k in ("question", "answer", "reference")))
+                    for r in rows if r["stage"] == stage)
+                writer.add_text(f"samples/{stage}", table, step)
             writer.flush()
 
 
 def exact_match_summary(log_history: list[dict]) -> dict:
-    """exact_match_before / exact_match_after (mean over the stages sampled at that moment) for summary.json."""
-    logged = [(h["step"], v) for h in log_history for k, v in h.items()
+    """exact_match_before / exact_match_after (mean over the stages sampled at that moment: every stage with
+    prompts, at both) and exact_match_prompts (how many prompts after) for summary.json."""
+    logged = [(h["step"], k[len("samples_"):-len("_exact_match")], v) for h in log_history for k, v in h.items()
               if k.startswith("samples_") and k.endswith("_exact_match") and "step" in h]
     if not logged:
         return {}
     first, last = logged[0][0], logged[-1][0]
-    mean = lambda step: sum(v for s, v in logged if s == step) / sum(1 for s, _ in logged if s == step)  # noqa: E731
-    return {"exact_match_before": mean(first) if first == 0 else None, "exact_match_after": mean(last)}
+    at = {step: {name: v for s, name, v in logged if s == step} for step in (first, last)}
+    counts = {h["step"]: h for h in log_history if "step" in h and any(k.endswith("_prompts") for k in h)}
+    prompts = sum(v for k, v in counts.get(last, {}).items() if k.startswith("samples_") and k.endswith("_prompts"))
+    return {"exact_match_before": sum(at[first].values()) / len(at[first]) if first == 0 else None,
+            "exact_match_after": sum(at[last].values()) / len(at[last]), "exact_match_prompts": prompts or None}

@@ -1,7 +1,8 @@
 """`CurriculumTrainer`: a thin `transformers.Trainer` subclass, both recipes' Trainer. Public hooks only, except
 the one crash-safe saving needs (checkpoint/staging.py says why): the scheduler follows the curriculum, logs carry
-the stage index and eval perplexity, the causal-LM loss skips the full logits (train/fused_ce.py), evaluation adds
-the mean loss over the stages' held-out sets."""
+the stage index and eval perplexity, the causal-LM loss skips the full logits (train/fused_ce.py), the held-out
+loss is the token-weighted mean over the whole set on any rank count (train/held_out.py), evaluation adds the mean
+loss over the stages' held-out sets."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from hf_zero.plan.run_plan import RunPlan
 from hf_zero.train.callbacks import CurriculumCallback, Zero3UniversalFix
 from hf_zero.train.fsdp import announce_layers, enable_fsdp_on_cpu
 from hf_zero.train.fused_ce import FusedCrossEntropyMixin
+from hf_zero.train.held_out import HeldOutLossMixin
+from hf_zero.train.preference import PreferenceMixin
 from hf_zero.train.sequence_parallel import SequenceParallelMixin
 from hf_zero.train.throughput import throughput_callback
 
@@ -29,7 +32,10 @@ Trainer = import_trainer()  # a full fine-tune never imports peft (a LoRA run do
 __all__ = ["CurriculumTrainer", "stage_table", "step_losses", "eval_rounds", "eval_means"]
 
 
-class CurriculumTrainer(SequenceParallelMixin, FusedCrossEntropyMixin, StagedCheckpointMixin, Trainer):
+class CurriculumTrainer(PreferenceMixin, HeldOutLossMixin, SequenceParallelMixin, FusedCrossEntropyMixin,
+                        StagedCheckpointMixin, Trainer):
+    # PreferenceMixin: the batches of dpo stages, TRL's losses against a cached reference (preference.py).
+    # HeldOutLossMixin: the held-out loss as the token-weighted mean over the whole set, on any rank count.
     # SequenceParallelMixin: under Ulysses (sp_size > 1) the batches and the loss (sequence_parallel.py).
     # FusedCrossEntropyMixin: compute_loss without full logits, `fused_cross_entropy=` auto|True|False (fused_ce.py).
     # StagedCheckpointMixin: staged, verified checkpoints with a manifest, rotation keeping the best (staging.py).
@@ -53,6 +59,11 @@ class CurriculumTrainer(SequenceParallelMixin, FusedCrossEntropyMixin, StagedChe
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled:
+            # transformers hands accelerate 1 accumulation step (it accumulates itself); DeepSpeed's config holds
+            # the run's count, which accelerate's prepare() adopts with a "mismatch" warning. The same value now:
+            # nothing changes but the warning (issue 41, item 5).
+            self.accelerator.gradient_accumulation_steps = self.args.gradient_accumulation_steps
         enable_fsdp_on_cpu(self)  # an FSDP profile on a machine without GPUs: FSDP2, not a silent DDP
         if self.is_fsdp_enabled:
             announce_layers(self)

@@ -407,7 +407,8 @@ def test_disk_full_stops_cleanly_and_earlier_checkpoints_resume(small_disk, tmp_
     assert proc.returncode != 0
     # Under plain accelerate launch the line is the root cause in torch elastic's failure report
     # (hf_zero.launch.worker).
-    line = [ln for ln in proc.stderr.splitlines() if "hf-zero: error: output_dir: no space left" in ln]
+    line = [ln for ln in proc.stderr.splitlines() if "hf-zero: error: disk: could not write checkpoint-" in ln
+            and "No space left on device" in ln]
     assert len(line) == 1 and "checkpoint-6 and the checkpoints before it are complete" in line[0], proc.stderr[-2000:]
     assert published(out) == [3, 6]
     assert_every_visible_checkpoint_complete(out)

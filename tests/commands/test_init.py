@@ -50,6 +50,19 @@ def test_init_writes_a_commented_yaml_that_check_passes(capsys, tmp_path, chat_f
         assert results["data"][1] == "1 stage(s), training samples after tokenization: chat 9 (conversational)"
 
 
+@pytest.mark.parametrize("newline", ["\n", "\u2028"], ids=["LF", "LS"])
+def test_a_data_file_name_cannot_inject_a_key(capsys, tmp_path, chat_file, newline):
+    """A name holding a line break and `learning_rate: 50.0` once became the stage's learning rate (in the comment
+    that names the file, the break ended the comment). The generated YAML holds the name as it is, and nothing else."""
+    name = tmp_path / f"c{newline}    learning_rate: 50.0{newline}    #.jsonl"
+    name.write_text(chat_file.read_text())
+    rc, text, _ = _init(capsys, "--model", "tiny-llama", "--data", name)
+    assert rc == 0
+    recipe = yaml.safe_load(text)
+    assert recipe["stages"] == [{"name": "c_learning_rate_50_0", "data": str(name), "epochs": 1}]
+    assert recipe["learning_rate"] == 1e-3 and text.count("50.0") == 2  # in the quoted data path and its comment
+
+
 def test_init_one_stage_per_file_with_stages(capsys, tmp_path, chat_file):
     text_file = tmp_path / "notes.txt"
     text_file.write_text("".join(f"line {i} of my notes\n" for i in range(40)))
@@ -61,6 +74,29 @@ def test_init_one_stage_per_file_with_stages(capsys, tmp_path, chat_file):
     recipe = yaml.safe_load(text)
     assert recipe["model_name_or_path"] == folder  # absolute, as the data: the YAML may be saved anywhere
     assert [(s["name"], s["data"]) for s in recipe["stages"]] == [("notes", str(text_file)), ("chat", str(chat_file))]
+
+
+def test_init_writes_data_paths_that_move_with_the_yaml(capsys, tmp_path, chat_file, monkeypatch):
+    """Issue 41 (7): a data file named relative to the current folder is written relative to the YAML's folder
+    (the current folder on stdout, --out's folder), the run has an output_dir of its own, and the YAML shows how a
+    second stage looks."""
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    chat_file.rename(project / "data" / "chat.jsonl")
+    monkeypatch.chdir(project)
+    rc, text, _ = _init(capsys, "--model", "tiny-llama", "--data", "data/chat.jsonl")
+    recipe = yaml.safe_load(text)
+    assert rc == 0 and recipe["stages"][0]["data"] == "data/chat.jsonl" and recipe["output_dir"] == "runs/chat_yaml"
+    assert "  # - name: harder\n  #   data: harder.jsonl " in text  # a second stage, commented
+    rc, said, _ = _init(capsys, "--model", "tiny-llama", "--data", "data/chat.jsonl", "--out", "configs/qa.yaml")
+    recipe = yaml.safe_load((project / "configs" / "qa.yaml").read_text())
+    assert rc == 0 and said == "[hf_zero] wrote configs/qa.yaml; train it: hf-zero train --config configs/qa.yaml\n"
+    assert recipe["stages"][0]["data"] == "../data/chat.jsonl" and recipe["output_dir"] == "runs/qa"
+    moved = tmp_path / "moved"
+    project.rename(moved)  # the project folder moves: the YAML still finds its data
+    monkeypatch.chdir(tmp_path)
+    rc, results = check(capsys, "--config", str(moved / "configs" / "qa.yaml"), output_dir=tmp_path / "run")
+    assert rc == 0 and not failed(results), results
 
 
 @pytest.mark.parametrize("case", ["missing file", "unknown model", "uncached hub id", "no known column",
@@ -111,7 +147,12 @@ def test_an_uncached_hub_id_offline_fails_at_once(monkeypatch):
     assert time.monotonic() - start < 5
     assert err.value.field == "model_name_or_path"
     assert err.value.problem.startswith("someone/not-cached is not in the Hugging Face cache (")
-    assert err.value.fix.startswith("download it once where the hub is reachable (hf download someone/not-cached)")
+    # issue 41 (8): a config.json is enough for `hf-zero estimate`, not the model's weights
+    assert err.value.fix.startswith("where the hub is reachable, `hf download someone/not-cached config.json` is "
+                                    "enough for hf-zero estimate (training needs the weights")
+    with pytest.raises(UserError) as err:  # a typo of an offline model's name: named
+        get_model_config("SmolLM2-135M")
+    assert err.value.fix.startswith("did you mean smollm2-135m-instruct? Or use a local model folder")
 
 
 def test_the_default_config_is_said(capsys):
@@ -176,7 +217,10 @@ def test_train_on_a_file_in_one_command_and_load_the_adapter_anywhere(capsys, re
 
     data = readme_checkout / "recipes" / "data" / "tiny" / "chat.jsonl"
     rc, text, _ = _init(capsys, "--model", "tiny-llama", "--data", data)
-    assert rc == 0 and yaml.safe_load(text) == yaml.safe_load(open(built))
+    ours, theirs = yaml.safe_load(text), yaml.safe_load(open(built))
+    # the same recipe, in a run folder of its own (runs/chat_yaml): training it trains, not "holds a finished run"
+    assert rc == 0 and {**ours, "output_dir": None} == {**theirs, "output_dir": None}
+    assert (ours["output_dir"], theirs["output_dir"]) == ("runs/chat_yaml", "runs/chat")
     mine = tmp_path / "my.yaml"
     mine.write_text(text)
     assert main(["train", "--config", str(mine), "--output_dir", str(run)]) == 0

@@ -121,7 +121,8 @@ def test_quiet_environment_uses_the_libraries_switches():
         assert {k: env[k] for k in QUIET_ENV} == QUIET_ENV  # for the libraries not loaded yet, and the ranks
         assert transformers_logging.get_verbosity() == logging.ERROR  # transformers is loaded here: switched now
         for category, module in ((UserWarning, "peft.utils.other"), (FutureWarning, "transformers.modeling_utils"),
-                                 (UserWarning, "torch.nn.modules"), (DeprecationWarning, "peft.tuners")):
+                                 (UserWarning, "torch.nn.modules"), (DeprecationWarning, "peft.tuners"),
+                                 (UserWarning, "accelerate.state")):  # issue 41 (5): "OMP_NUM_THREADS ... unset"
             warnings.warn_explicit("noise?", category, "f.py", 1, module=module)
     transformers_logging.set_verbosity(level)
     # PEFT's notes and the deprecations are silenced; any other warning still shows
@@ -160,3 +161,152 @@ def test_loss_plot_and_the_lines_after_the_result(tmp_path):
         f"  export: hf-zero export {out} --merge-lora --out {out}_hf"]
     assert next_steps(out, None, use_peft=False) == next_steps(out, out / "final", False, commands=False)
     assert exact_match_words(0.0, 0.75) == "exact match 0.00 -> 0.75; " and exact_match_words(None, None) == ""
+
+
+def _run_console(monkeypatch, events, schedule=SCHEDULE, eval_sets=3, max_steps=4):
+    """Feed a console callback (time, hook, step, logs) events with the clock at each event's time; its lines."""
+    import io
+    from contextlib import redirect_stdout
+
+    from transformers import TrainerState, TrainingArguments
+
+    clock = [0.0]
+    monkeypatch.setattr("hf_zero.core.console.time.monotonic", lambda: clock[0])
+    args = TrainingArguments(output_dir="unused", disable_tqdm=True, report_to=[])
+    state = TrainerState(max_steps=max_steps, global_step=0)
+    console = console_callback(schedule, eval_sets=eval_sets)
+    out = io.StringIO()
+    with redirect_stdout(out):
+        for at, hook, step, logs in events:
+            clock[0], state.global_step = at, step
+            if hook == "log":
+                console.on_log(args, state, None, logs=logs)
+            else:
+                getattr(console, f"on_{hook}")(args, state, None)
+    return out.getvalue().splitlines()
+
+
+def test_eta_leaves_out_what_ran_before_the_first_step(monkeypatch):
+    """Issue 41 (2): a minute of evaluation and answers before step 1 is no step's time: 6 steps of 10 s each
+    leave 50 s after the first, not 5m50s (the old mean over the 70 s since train() began)."""
+    events = [(0, "train_begin", 0, None), (55, "log", 0, {"eval_chat_loss": 2.0}), (60, "step_begin", 0, None),
+              (70, "step_end", 1, None), (70, "log", 1, {"loss": 2.0, "learning_rate": 1e-3, "stage": 0})]
+    one = CurriculumSchedule((StageSpan(0, "chat", 0, 6, 1e-3, 0, "cosine", 0.1),), global_batch=4)
+    lines = _run_console(monkeypatch, events, one, eval_sets=1, max_steps=6)
+    assert lines[-1].endswith("| elapsed 1m10s | left 50s"), lines
+
+
+def test_exact_match_before_and_after_is_over_every_stage_with_prompts(monkeypatch):
+    """Issue 41 (3, 8): stage 1 plain text (no prompts), stage 2 chat: the "before" is the chat stage's, answered
+    before training; each line says how many prompts the number is over."""
+    before = {"samples_long_exact_match": 0.25, "samples_long_prompts": 4, EXACT_MATCH: 0.25}
+    after = {"samples_long_exact_match": 0.75, "samples_long_prompts": 4, EXACT_MATCH: 0.75}
+    events = [(0, "train_begin", 0, None), (1, "log", 0, before), (1, "log", 0, {"eval_short_loss": 6.0}),
+              (1, "log", 0, {"eval_long_loss": 7.0}), (1, "log", 0, {MEAN_LOSS: 6.5}),
+              (9, "log", 4, after), (9, "log", 4, {"eval_short_loss": 5.0}),
+              (9, "log", 4, {"eval_long_loss": 6.0}), (9, "log", 4, {MEAN_LOSS: 5.5})]
+    first, last = _run_console(monkeypatch, events)
+    assert first.endswith("| mean 6.5000 | exact match 0.25 of 4 prompts")
+    assert last.endswith("| mean 5.5000 | exact match 0.75 of 4 prompts (before training 0.25)")
+    from hf_zero.train.samples import exact_match_summary
+
+    history = [{**before, "step": 0}, {**after, "step": 4}]
+    assert exact_match_summary(history) == {"exact_match_before": 0.25, "exact_match_after": 0.75,
+                                            "exact_match_prompts": 4}
+
+
+def test_sampling_answers_every_stage_with_prompts_before_and_after(tmp_path, monkeypatch):
+    """Issue 41 (3, 10): the first stage has no prompts (plain text), the second has: its prompts are answered
+    before the first step and after the last, on the tiny model; a fresh run's samples.jsonl holds its own rows
+    only (an earlier life's "start" rows are gone)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, TrainerControl, TrainerState, TrainingArguments
+
+    from hf_zero.data.model_names import get_model_config, get_tokenizer
+    from hf_zero.train.samples import SampleCallback
+
+    tokenizer = get_tokenizer("tiny-llama")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(get_model_config("tiny-llama"))
+
+    class Trainer:  # what the callback uses of transformers' Trainer
+        is_fsdp_enabled, model, processing_class, logs = False, None, None, []
+        control = TrainerControl()
+        callback_handler = type("Handler", (), {"callbacks": []})()
+
+        def log(self, logs):
+            self.logs.append(logs)
+
+    trainer = Trainer()
+    trainer.model, trainer.processing_class = model, tokenizer
+    prompts = {1: [{"prompt": "Which play? ", "question": "Which play?", "reference": "Hamlet"}] * 2}
+    (tmp_path / "samples.jsonl").write_text(json.dumps({"step": 0, "when": "start", "stage": "old"}) + "\n")
+    callback = SampleCallback(trainer, SCHEDULE, prompts, tmp_path, max_new_tokens=2)
+    said = []  # (9) the start-up heartbeat's progress while the answers are generated
+    monkeypatch.setattr("hf_zero.core.startup.progress", said.append)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], eval_on_start=True)
+    state = TrainerState(max_steps=4, global_step=0)
+    callback.on_train_begin(args, state, TrainerControl())
+    for step in (1, 2, 3, 4):
+        state.global_step = step
+        callback.on_step_end(args, state, TrainerControl())
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["stage"], r["when"]) for r in rows] == [(0, "long", "start")] * 2 + [(4, "long", "end")] * 2
+    assert said[0].startswith("batch 1/1 of this rank's, about ") and said[0].endswith("s left")
+    assert [sorted(k for k in logs if k.startswith("samples_")) for logs in trainer.logs] == [
+        ["samples_long_contains_reference", "samples_long_exact_match", "samples_long_prompts"]] * 2
+
+
+def test_the_result_line_says_what_its_numbers_are_over():
+    """Issue 41 (8): no "mean over 1 stages'"; the held-out samples and the prompts behind exact match counted."""
+    from hf_zero.train.recipe_steps import loss_words
+
+    assert loss_words(2.0, 1.0, 1, 50).endswith("(perplexity 7.4 -> 2.7), on 50 held-out samples; ")
+    assert loss_words(2.0, 1.0, 3, 150).endswith("mean over 3 stages' held-out sets (150 samples); ")
+    assert exact_match_words(0.1, 0.72, 50) == "exact match 0.10 -> 0.72 (50 prompts); "
+
+
+def test_try_it_shows_a_prompt_completion_runs_prompt_form(tmp_path):
+    """Issue 41 (1): the `try it:` line of a prompt-completion run shows one of its prompts, ready to paste."""
+    out = tmp_path / "run"
+    form = {"format": "prompt_completion", "chat": False, "example": "Question: Who wrote Hamlet?\nAnswer:"}
+    assert next_steps(out, out / "final", True, form=form)[1] == \
+        f"  try it: hf-zero generate --adapter {out}/final --prompt $'Question: Who wrote Hamlet?\\nAnswer:'"
+    chat = {"format": "conversational", "chat": True, "example": "Which play?"}
+    assert next_steps(out, out / "final", True, form=chat)[1].endswith('--prompt "..."')
+
+
+def test_the_evaluation_before_training_says_how_far_it_has_come(monkeypatch):
+    """Issue 41 (9): the heartbeat before step 1 said "evaluating before training" eight times over; it now says
+    which held-out set, which batch, and about how long the set has left."""
+    from hf_zero.core import startup
+
+    startup.start_clock({})  # a command's clock of its own (this process's phases begun afresh)
+    try:
+        startup.phase("evaluating before training")
+        batches = [(i, "prediction_step", 0, None) for i in (2, 4, 6)]
+        console_events = [(0, "train_begin", 0, None), *batches]
+        clock = [0.0]
+        monkeypatch.setattr("hf_zero.core.console.time.monotonic", lambda: clock[0])
+        from transformers import TrainerState, TrainingArguments
+
+        args = TrainingArguments(output_dir="unused", disable_tqdm=True, report_to=[])
+        state = TrainerState(max_steps=4, global_step=0)
+        console = console_callback(SCHEDULE, eval_sets=3)
+        for at, hook, _, _ in console_events:
+            clock[0] = at
+            if hook == "prediction_step":
+                console.on_prediction_step(args, state, None, eval_dataloader=list(range(10)))
+            else:
+                console.on_train_begin(args, state, None)
+        # batches 2 and 3 in 4 s: 7 more take about 14 s
+        assert startup.now_doing() == ("evaluating before training: held-out set 1/2, batch 3/10, about 14s left "
+                                       "for this set")
+        startup.phase("loading the first batch")
+        assert startup.now_doing() == "loading the first batch"
+        assert "evaluating before training" in dict(startup.phases())  # startup_s: the phase, whole
+    finally:
+        startup.finish()
+        startup.start_clock({})

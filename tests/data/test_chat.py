@@ -161,6 +161,50 @@ def test_truncated_before_the_answer_is_dropped_and_counted(tmp_path):
     assert all(len(s["input_ids"]) <= 32 for s in data.sources[0])
 
 
+class _Spy:
+    """The tokenizer, recording the longest text it is given (20 MB in one row took tokenization past 6 GB)."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def __call__(self, text, *args, **kwargs):
+        self.longest = max([self.longest] + [len(t) for t in ([text] if isinstance(text, str) else text)])
+        return self.tok(text, *args, **kwargs)
+
+    def apply_chat_template(self, messages, *args, **kwargs):
+        self.longest = max([self.longest] + [len(m["content"]) for m in messages])
+        return self.tok.apply_chat_template(messages, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+@pytest.mark.parametrize("fmt", ["text", "prompt_completion", "conversational"])
+def test_a_huge_row_is_cut_before_the_tokenizer_and_keeps_the_same_tokens(tmp_path, fmt):
+    from hf_zero.data.chat import CHARS_PER_TOKEN
+
+    max_len, huge = 32, "lorem ipsum dolor sit amet " * 2_000  # 54,000 characters in one row
+    row = {"text": {"text": huge}, "prompt_completion": {"prompt": "Q?", "completion": " " + huge},
+           "conversational": {"messages": [{"role": "user", "content": "Q?"},
+                                           {"role": "assistant", "content": huge}]}}[fmt]
+    tok = _tok()
+    if fmt == "conversational":
+        prepare_chat_template(tok)  # before the spy: the stage finds it done
+    spy = _Spy(tok)
+    data, _ = load(write_jsonl(tmp_path / "big.jsonl", [row, row]), tok=spy, max_len=max_len)
+    assert 0 < spy.longest <= CHARS_PER_TOKEN * max_len + 200  # the cut text and the template around it
+    assert data.reports[0].truncated == 2
+    # the tokens kept are those of the whole row, cut at max_seq_length
+    if fmt == "text":
+        whole = tok(huge, add_special_tokens=False)["input_ids"][:max_len - 1] + [tok.eos_token_id]
+    elif fmt == "prompt_completion":
+        whole = tok("Q? " + huge, add_special_tokens=False)["input_ids"][:max_len]
+    else:
+        whole = tok(tok.apply_chat_template(row["messages"], tokenize=False), add_special_tokens=False)["input_ids"]
+        whole = whole[:max_len]
+    assert data.sources[0][0]["input_ids"] == whole
+
+
 def test_columns_named_differently(tmp_path):
     path = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "Say hi.", "output": " hi"}] * 2)
     data, tok = load(path, prompt_field="instruction", completion_field="output")

@@ -124,11 +124,15 @@ def _profiled_step_peak(config, autocast: bool, lora, checkpointing: bool, micro
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step()  # Adam's state exists from here on, as at every later step
-    # Only allocations and frees are read: without shapes and stacks the same peak (every case here, 2026-11-26) in
-    # three quarters of the time.
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
+    # oneDNN off: on a Xeon with AMX, bf16 matmuls repack their weights into oneDNN's blocked layout (1.7 MB more
+    # for the tied bf16 LoRA case, measured 2026-11-27), a CPU-only workspace that the GPU step the estimate models
+    # does not have; without AMX (the earlier boxes) the peak is the same either way.
+    with torch.backends.mkldnn.flags(enabled=False):
+        step()  # Adam's state exists from here on, as at every later step
+        # Only allocations and frees are read: without shapes and stacks the same peak (every case here,
+        # 2026-11-26) in three quarters of the time.
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
     now = peak = 0
     for _, action, _, size in MemoryProfile(prof.profiler.kineto_results).timeline:
         now += size if action == Action.CREATE else -size if action == Action.DESTROY else 0

@@ -79,6 +79,36 @@ def test_lock_of_a_killed_holder_is_taken_over_with_a_line(tmp_path):
     assert not (out / LOCK_NAME).exists() and (out / "checkpoint-3").is_dir()  # the folder it found stays
 
 
+def test_a_symlinked_or_odd_lock_path_is_refused_and_its_target_untouched(tmp_path, capsys):
+    """Anyone who can write to a shared runs folder could plant `.hf_zero.lock` -> a file of the user's, which the
+    lock record used to overwrite."""
+    out = tmp_path / "run"
+    out.mkdir()
+    victim = tmp_path / "thesis.tex"
+    victim.write_text("years of work")
+    (out / LOCK_NAME).symlink_to(victim)
+    with pytest.raises(UserError) as err:
+        RunLock(out).acquire()
+    assert err.value.line() == (f"output_dir: {out / LOCK_NAME} is a symbolic link (to {victim}); hf_zero never "
+                                f"writes its lock record through one; remove the link: rm {out / LOCK_NAME}")
+    assert victim.read_text() == "years of work"
+    (out / LOCK_NAME).unlink()
+    (out / LOCK_NAME).symlink_to(tmp_path / "absent")  # a dangling link: not created through either
+    with pytest.raises(UserError, match="is a symbolic link"):
+        RunLock(out).acquire()
+    assert not (tmp_path / "absent").exists()
+    (out / LOCK_NAME).unlink()
+    (out / LOCK_NAME).mkdir()
+    with pytest.raises(UserError) as err:
+        RunLock(out).acquire()
+    assert err.value.line() == (f"output_dir: {out / LOCK_NAME} is a folder, where hf_zero keeps its lock file; "
+                                "move or remove that folder")
+    (out / LOCK_NAME).rmdir()
+    os.mkfifo(out / LOCK_NAME)
+    with pytest.raises(UserError, match="is not a plain file"):
+        RunLock(out).acquire()
+
+
 def test_rank_0_takes_the_lock_unless_its_launcher_holds_it(tmp_path, monkeypatch):
     from hf_zero.core import run_lock
 

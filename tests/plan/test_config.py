@@ -129,3 +129,13 @@ def _classify_types():
 
 _OTHER_RECIPES = {name: _classify_types for name in ("minilm_bbc.yaml", "digits_cnn.yaml", "tiny_classify.yaml",
                                                      "tiny_digits.yaml")}
+
+
+def _multimodal_types():
+    from hf_zero.core.config import ModelArguments
+    from hf_zero.core.multimodal_args import MultimodalArguments
+
+    return ModelArguments, MultimodalArguments  # recipes/multimodal.py's ARGUMENT_TYPES
+
+
+_OTHER_RECIPES["tiny_multimodal.yaml"] = _multimodal_types

@@ -86,10 +86,10 @@ def test_console_shows_the_answers_before_and_after(same_reply_runs):
     text = (out / "console.log").read_text()
     assert foreign_lines(text) == []
     evals = [ln for ln in text.splitlines() if ln.startswith("eval ")]
-    assert evals[0].startswith("eval before training: chat ") and evals[0].endswith(" | exact match 0.00")
-    assert evals[-1].endswith(" | exact match 1.00 (before training 0.00)")
+    assert evals[0].startswith("eval before training: chat ") and evals[0].endswith(" | exact match 0.00 of 4 prompts")
+    assert evals[-1].endswith(" | exact match 1.00 of 4 prompts (before training 0.00)")
     (done,) = [ln for ln in text.splitlines() if ln.startswith("[hf_zero] done: ")]
-    assert " mean over 1 stages' held-out sets; exact match 0.00 -> 1.00; model in " in done
+    assert " on 4 held-out samples; exact match 0.00 -> 1.00 (4 prompts); model in " in done  # not "1 stages'"
     assert (out / "loss.png").stat().st_size > 10_000
 
 

@@ -1,0 +1,284 @@
+"""Multimodal chat rows in TRL's form, tokenized with one placeholder token per encoder output position.
+
+A row is a conversation whose message `content` is a string or a list of items: `{"type": "text", "text": ...}`, or
+`{"type": <modality>, <modality>: "file"}` for any modality an encoder declares (`image`: a PNG/JPEG... file,
+any other: a `.npy` array, e.g. `{"type": "points", "points": "shape.npy"}`). Paths are relative to the data file.
+
+The conversation is rendered by the tokenizer's chat template exactly as hf_zero's text chat path does
+(hf_zero.data.chat: assistant-only loss), each modality item standing as its placeholder token (`<image>`); that one
+token then becomes `tokens` copies of itself, the positions the composed model fills with the projected encoder
+output, never trained. Every referenced file is opened as the collator will open it before anything trains, so a bad
+file is one line naming the row and the file, not a crash at some step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hf_zero.core.errors import UserError
+from hf_zero.data.chat import IGNORE, FormatOptions, SourceReport, _encode_conversation, _messages, _Row
+from hf_zero.data.chat_template import prepare_chat_template
+from hf_zero.data.stages import StageData, check_held_out, held_out_sizes, load_source, verify_data_file
+
+__all__ = ["ModalitySpec", "add_placeholders", "load_media", "encode_multimodal_rows", "load_multimodal_stage",
+           "MultimodalCollator", "read_rows", "declared_specs", "check_multimodal_data"]
+
+_ADDED = "_hf_zero_template_tokens"  # hf_zero.data.chat_template's list of tokens the embeddings grow for
+
+
+@dataclass(frozen=True)
+class ModalitySpec:
+    """What the data needs to know of an encoder: its input's shape and how many tokens its output takes."""
+
+    name: str  # the item type in the rows: image, points, ...
+    input_shape: tuple  # one item as the encoder takes it: (C, H, W) for an image, (N, D) for an array
+    tokens: int  # positions the projected output fills in the text
+    width: int = 0  # the encoder's output width (what its projector takes)
+
+    @property
+    def placeholder(self) -> str:
+        return f"<{self.name}>"
+
+    @property
+    def is_image(self) -> bool:
+        return self.name == "image"
+
+
+def add_placeholders(tokenizer, specs: dict) -> dict:
+    """Each modality's placeholder as one special token (never split, never parsed out of user text); listed with
+    the chat template's added markers, so the LLM's embeddings grow for them as for those (train/model.py).
+    Returns {modality: token id}."""
+    prepare_chat_template(tokenizer)  # first: its markers' ids come before the placeholders', in every process
+    names = [s.placeholder for s in specs.values()]
+    new = [n for n in names if n not in tokenizer.get_vocab()]
+    if new:
+        tokenizer.add_tokens(new, special_tokens=True)
+        setattr(tokenizer, _ADDED, list(getattr(tokenizer, _ADDED, [])) + new)
+    return {m: tokenizer.convert_tokens_to_ids(s.placeholder) for m, s in specs.items()}
+
+
+def load_media(spec: ModalitySpec, path: Path):
+    """One item as the encoder takes it (float32 numpy array of spec.input_shape). Raises ValueError/OSError with
+    the reason when the file is not what the modality needs."""
+    import numpy as np
+
+    if spec.is_image:
+        from PIL import Image
+
+        channels, height, width = spec.input_shape
+        with Image.open(path) as img:
+            img = img.convert("L" if channels == 1 else "RGB").resize((width, height), Image.Resampling.BILINEAR)
+            pixels = np.asarray(img, dtype=np.float32) / 255.0
+        return pixels[None] if channels == 1 else pixels.transpose(2, 0, 1).copy()
+    array = np.load(path, allow_pickle=False)
+    if array.ndim != len(spec.input_shape) or tuple(array.shape[1:]) != tuple(spec.input_shape[1:]):
+        takes = ", ".join(map(str, spec.input_shape[1:]))
+        raise ValueError(f"shape {tuple(array.shape)}, the encoder takes (any, {takes})")
+    if not np.issubdtype(array.dtype, np.number) or not np.isfinite(array).all() or len(array) == 0:
+        raise ValueError("not a finite, non-empty numeric array")
+    # A fixed count per item, so items stack: evenly spaced rows, or the rows repeated in order.
+    take = np.linspace(0, len(array) - 1, spec.input_shape[0]).round().astype(int) if len(array) >= \
+        spec.input_shape[0] else np.arange(spec.input_shape[0]) % len(array)
+    return array[take].astype(np.float32)
+
+
+def _items(msg: dict, j: int, row: _Row, specs: dict, folder: Path, media: list) -> str:
+    """A message's content as text, each modality item as its placeholder; its files appended to `media`."""
+    content = msg.get("content")
+    if not isinstance(content, list):
+        if isinstance(content, str) and any(s.placeholder in content for s in specs.values()):
+            row.fail(f"messages[{j}] writes a placeholder as text", 'give the item as {"type": "image", ...}')
+        return content
+    parts = []
+    for k, item in enumerate(content):
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "text":
+            text = item.get("text")
+            if not isinstance(text, str) or any(s.placeholder in text for s in specs.values()):
+                row.fail(f"messages[{j}].content[{k}] needs a string 'text' without a placeholder")
+            parts.append(text)
+        elif kind in specs:
+            if msg.get("role") == "assistant":
+                row.fail(f"messages[{j}].content[{k}]: an assistant reply cannot hold a {kind}",
+                         "put modality items in user or system messages")
+            name = item.get(kind)
+            if not isinstance(name, str) or not name:
+                row.fail(f"messages[{j}].content[{k}] has no file under {kind!r}", f'e.g. {{"type": "{kind}", '
+                         f'"{kind}": "file"}}')
+            path = Path(name) if Path(name).is_absolute() else folder / name
+            try:
+                load_media(specs[kind], path)
+            except Exception as err:  # PIL and numpy raise many kinds for a bad file: each is this file's fault
+                row.fail(f"{kind} file {name}: {str(err).splitlines()[0][:160]}", "fix or remove the file or row")
+            media.append((kind, str(path)))
+            parts.append(specs[kind].placeholder)
+        else:
+            known = ", ".join(["text", *specs]) or "text"
+            row.fail(f"messages[{j}].content[{k}] has type {kind!r} with no encoder",
+                     f"use one of {known}, or declare an encoder for it")
+    return "".join(parts)
+
+
+def read_rows(spec: str, where: str, field: str) -> list:
+    """The conversations of a source. JSON lines are read as written: datasets unifies the rows' types, and a reply
+    "3" beside contents that are lists of items came back as the number 3 (or as None)."""
+    import json
+
+    path = Path(spec)
+    if path.suffix not in (".jsonl", ".json"):
+        ds = load_source(spec, where)
+        if field not in ds.column_names:
+            raise UserError(where, f"{spec} has no column {field!r} (columns: {', '.join(ds.column_names)})",
+                            "give each row a messages list, as TRL's multimodal form")
+        return list(ds[field])
+    if not path.is_file():
+        raise UserError(where, f"data file {spec} does not exist",
+                        "fix the path (a relative path is read from the recipe YAML's folder)")
+    verify_data_file(path, spec, where)  # one line for a bad byte or a bad JSON line, with its row
+    text = path.read_text(encoding="utf-8")
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()] if path.suffix == ".jsonl" or \
+        not text.lstrip().startswith("[") else json.loads(text)
+    for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict) or field not in row:
+            raise UserError(where, f"{spec} row {n}: has no {field!r}", "give each row a messages list, as TRL's "
+                            "multimodal form")
+    return [row[field] for row in rows]
+
+
+def encode_multimodal_rows(conversations: list, tokenizer, specs: dict, placeholder_ids: dict, max_len: int,
+                           where: str, spec: str, folder: Path, opts: FormatOptions | None = None):
+    """Samples {input_ids, labels, media: [(modality, path), ...]} of a source's conversations, and its report."""
+    opts = opts or FormatOptions()
+    row = _Row(where, spec)
+    report = SourceReport(spec, "conversational", "answers only" if opts.assistant_only_loss else "all tokens")
+    runs = {placeholder_ids[m]: specs[m].tokens for m in specs}
+    samples = []
+    for i, raw in enumerate(conversations):
+        row.n, media = i + 1, []
+        report.rows += 1
+        if not isinstance(raw, list):
+            row.fail(f"{opts.messages_field} must be a list of messages")
+        msgs = [{**m, "content": _items(m, j, row, specs, folder, media)} if isinstance(m, dict) else m
+                for j, m in enumerate(raw)]
+        enc = _encode_conversation(tokenizer, _messages(msgs, row, opts.messages_field), opts, row)
+        ids, mask = [], []
+        for t, m in zip(enc.ids, enc.mask):
+            n = runs.get(t, 1)
+            ids += [t] * n
+            mask += [m and n == 1] * n
+        if sum(runs.get(t, 0) > 0 for t in enc.ids) != len(media):
+            row.fail("the chat template dropped a modality item's placeholder", "put the items in user messages")
+        if len(ids) > max_len:
+            report.truncated += 1
+            cut_media = any(t in runs for t in ids[max_len - 1:])  # a run cut short would not match its encoder
+            ids, mask = ids[:max_len], mask[:max_len]
+            if cut_media or not any(mask):
+                report.dropped += 1
+                continue
+        report.lengths.append(len(ids))
+        report.loss_tokens += sum(mask)
+        samples.append({"input_ids": ids, "labels": [t if m else IGNORE for t, m in zip(ids, mask)], "media": media})
+    return samples, report
+
+
+def load_multimodal_stage(stage, tokenizer, specs: dict, placeholder_ids: dict, default_max_len: int,
+                          eval_samples: int, seed: int, opts: FormatOptions | None = None) -> StageData:
+    """A stage's multimodal sources tokenized, a held-out slice drawn as hf_zero.data.stages draws it."""
+    import numpy as np
+
+    max_len = stage.max_seq_length or default_max_len
+    sources, reports = [], []
+    for j, spec in enumerate(stage.data):
+        where = f"stages[{stage.name}].data[{j}]"
+        opts = opts or FormatOptions()
+        samples, report = encode_multimodal_rows(read_rows(spec, where, opts.messages_field), tokenizer, specs,
+                                                 placeholder_ids, max_len, where, spec, Path(spec).resolve().parent,
+                                                 opts)
+        if not samples:
+            raise UserError(where, f"{spec} has no row left within max_seq_length", "raise max_seq_length")
+        sources.append(samples)
+        reports.append(report)
+    held_out = []
+    if eval_samples:
+        check_held_out(stage, [len(s) for s in sources], eval_samples, "sample")
+        rng = np.random.default_rng([seed, 7919])
+        for j, (samples, take) in enumerate(zip(sources, held_out_sizes([len(s) for s in sources], eval_samples))):
+            idx = set(rng.permutation(len(samples))[:take].tolist())
+            held_out += [s for i, s in enumerate(samples) if i in idx]
+            sources[j] = [s for i, s in enumerate(samples) if i not in idx]
+    return StageData(sources, held_out, reports)
+
+
+def declared_specs(encoders) -> dict:
+    """{modality: ModalitySpec} from the recipe's `encoders:` without building them (token counts unknown: 1), for
+    the checks that only open files: `input_shape`, or a transformers config's [num_channels, image_size x 2]."""
+    specs = {}
+    for m, cfg in (encoders or {}).items():
+        cfg = cfg if isinstance(cfg, dict) else {}
+        hf = cfg.get("hf_config") or {}
+        shape = cfg.get("input_shape")
+        if shape is None and "image_size" in hf:
+            size = hf["image_size"] if isinstance(hf["image_size"], list) else [hf["image_size"]] * 2
+            shape = [hf.get("num_channels", 3), *size]
+        if not isinstance(shape, list) or not all(isinstance(n, int) and n > 0 for n in shape):
+            raise UserError(f"encoders.{m}.input_shape", f"{shape!r} is not a list of positive sizes",
+                            "e.g. input_shape: [1, 8, 8] for an image, [256, 3] for a point cloud")
+        specs[m] = ModalitySpec(m, tuple(shape), 1)
+    if not specs:
+        raise UserError("encoders", "the multimodal recipe needs at least one encoder",
+                        "e.g. encoders: {points: {class: hf_zero.train.encoders:PointNet, input_shape: [256, 3]}}")
+    return specs
+
+
+def check_multimodal_data(stages, args) -> str:
+    """`hf-zero check`'s data check for recipes/multimodal.py (its CHECK_DATA): every row's items valid and every
+    image and array opened as the run opens them; one line with the rows and files per stage."""
+    specs, opts = declared_specs(args.encoders), FormatOptions.from_args(args)
+    counts = []
+    for stage in stages:
+        rows = files = 0
+        for j, spec in enumerate(stage.data):
+            where = f"stages[{stage.name}].data[{j}]"
+            row, folder = _Row(where, spec), Path(spec).resolve().parent
+            for i, raw in enumerate(read_rows(spec, where, opts.messages_field)):
+                row.n, media = i + 1, []
+                if not isinstance(raw, list):
+                    row.fail(f"{opts.messages_field} must be a list of messages")
+                for k, msg in enumerate(raw):
+                    if isinstance(msg, dict):
+                        _items(msg, k, row, specs, folder, media)
+                rows, files = rows + 1, files + len(media)
+        counts.append(f"{stage.name} {rows} rows, {files} files")
+    return f"{len(stages)} stage(s), every image and array opened: {'; '.join(counts)}"
+
+
+class MultimodalCollator:
+    """Pads text (pad token, labels -100, attention mask 0) and stacks each modality's items in reading order (row
+    by row, left to right), the order the model fills its placeholder runs in: `<modality>_values` (items x
+    input_shape, zero items when the batch has none) and `<modality>_rows` (the batch row each item fills)."""
+
+    def __init__(self, tokenizer, specs: dict):
+        self.pad, self.specs = tokenizer.pad_token_id, specs
+        if self.pad is None:
+            self.pad = tokenizer.eos_token_id
+
+    def __call__(self, samples: list[dict]) -> dict:
+        import numpy as np
+        import torch
+
+        longest = max(len(s["input_ids"]) for s in samples)
+        ids = torch.full((len(samples), longest), self.pad, dtype=torch.long)
+        labels = torch.full((len(samples), longest), IGNORE, dtype=torch.long)
+        attention = torch.zeros((len(samples), longest), dtype=torch.long)
+        for i, s in enumerate(samples):
+            n = len(s["input_ids"])
+            ids[i, :n], labels[i, :n], attention[i, :n] = (torch.tensor(s["input_ids"]), torch.tensor(s["labels"]), 1)
+        batch = {"input_ids": ids, "attention_mask": attention, "labels": labels}
+        for m, spec in self.specs.items():
+            items = [(i, Path(p)) for i, s in enumerate(samples) for kind, p in s.get("media", ()) if kind == m]
+            values = np.stack([load_media(spec, p) for _, p in items]) if items else \
+                np.zeros((0, *spec.input_shape), dtype=np.float32)
+            batch[f"{m}_values"] = torch.from_numpy(values)
+            batch[f"{m}_rows"] = torch.tensor([i for i, _ in items], dtype=torch.long)
+        return batch

@@ -1,0 +1,273 @@
+"""A composed multimodal model: a causal LM (LoRA through peft on it alone, if asked) fed by one encoder per
+modality through a projector per encoder.
+
+    encoders:
+      image:  {hf_config: {model_type: vit, image_size: 8, patch_size: 4, num_channels: 1, ...}}
+      points: {class: my_pkg.encoders:PointNet, kwargs: {hidden: 64}, input_shape: [256, 3],
+               projector: {type: mlp, hidden: 128}}
+
+An encoder is a Hugging Face model built from a config (random weights; `input_shape` from its image_size and
+num_channels unless given) or any `torch.nn.Module` named by import path, taking (B, *input_shape) and returning
+(B, tokens, width) (or (B, width): one token). Tokens and width are measured by one forward at build time, so the
+data and the projector never disagree with the encoder. The projector maps width to the LLM's hidden size (an MLP,
+or `type: linear`).
+
+Every encoder and projector runs on every step, on every rank: a batch without an item of a modality runs its
+encoder on one zero item and adds 0 x its output to the loss. Under ZeRO-3 (and FSDP) an encoder's forward gathers
+its parameters in collectives; a rank that skipped it while another ran it would wait forever (the hang of
+Qwen3-VL#126 and ms-swift#8171). 0 x a finite value is exactly 0, so the loss is unchanged to the bit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hf_zero.checkpoint.fsdp import gathered_state_dict
+from hf_zero.core.errors import UserError
+from hf_zero.data.multimodal import ModalitySpec
+
+__all__ = ["build_encoder", "build_encoders", "build_projector", "ComposedModel", "save_composed", "CONFIG_NAME",
+           "WEIGHTS_NAME", "ADAPTER_DIR"]
+
+CONFIG_NAME, WEIGHTS_NAME, ADAPTER_DIR = "composed_config.json", "model.safetensors", "llm_adapter"
+_ENCODER_KEYS = {"class", "kwargs", "hf_config", "input_shape", "projector"}
+
+
+def _import_class(path: str, where: str):
+    module, _, name = path.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name) if name else None
+    except (ImportError, AttributeError) as err:
+        raise UserError(where, f"cannot import {path!r} ({type(err).__name__}: {str(err).splitlines()[0][:100]})",
+                        "give it as package.module:Class, importable from the run's folder or PYTHONPATH") from None
+
+
+def build_encoder(modality: str, cfg: dict) -> tuple[nn.Module, tuple]:
+    """(encoder, input_shape) from one entry of `encoders:`."""
+    where = f"encoders.{modality}"
+    if not isinstance(cfg, dict) or set(cfg) - _ENCODER_KEYS or ("class" in cfg) == ("hf_config" in cfg):
+        raise UserError(where, "needs exactly one of `class` (package.module:Class) or `hf_config` (a transformers "
+                        f"config), plus optional {', '.join(sorted(_ENCODER_KEYS - {'class', 'hf_config'}))}",
+                        "e.g. {class: hf_zero.train.encoders:PointNet, input_shape: [256, 3]}")
+    shape = cfg.get("input_shape")
+    if "class" in cfg:
+        cls = _import_class(str(cfg["class"]), f"{where}.class")
+        if cls is None:
+            raise UserError(f"{where}.class", f"{cfg['class']!r} names no class", "give it as package.module:Class")
+        try:
+            encoder = cls(**(cfg.get("kwargs") or {}))
+        except TypeError as err:
+            raise UserError(f"{where}.kwargs", str(err).splitlines()[0], "give the class's constructor arguments")
+    else:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+        hf = dict(cfg["hf_config"])
+        try:
+            config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+            cls = MODEL_MAPPING[type(config)]
+        except (KeyError, ValueError) as err:
+            raise UserError(f"{where}.hf_config", f"not a transformers model config ({err})",
+                            "give model_type (e.g. vit, dinov2, siglip_vision_model) and its fields") from None
+        # The class itself, not from_config: under ZeRO-3 transformers would build it partitioned (zero.Init), and
+        # it is measured by a forward before any engine exists; the engine partitions it when it wraps the model.
+        extra = {"add_pooling_layer": False} if "add_pooling_layer" in inspect.signature(cls.__init__).parameters \
+            else {}  # a pooler's output is never used: its parameters would get no gradient (DDP refuses that)
+        encoder = cls(config, **extra)
+        if shape is None and hasattr(config, "image_size"):
+            size = config.image_size if isinstance(config.image_size, (list, tuple)) else [config.image_size] * 2
+            shape = [getattr(config, "num_channels", 3), *size]
+    if not shape or not all(isinstance(n, int) and n > 0 for n in shape):
+        raise UserError(f"{where}.input_shape", f"{shape!r} is not a list of positive sizes",
+                        "e.g. input_shape: [1, 8, 8] for an image, [256, 3] for a point cloud")
+    return encoder, tuple(shape)
+
+
+def encode(encoder: nn.Module, values: torch.Tensor) -> torch.Tensor:
+    """(items, tokens, width) from any encoder: an HF model's last_hidden_state, or a module's tensor."""
+    dtype = next((p.dtype for p in encoder.parameters() if p.is_floating_point()), values.dtype)
+    out = encoder(values.to(dtype))
+    out = getattr(out, "last_hidden_state", out)
+    if isinstance(out, (tuple, list)):
+        out = out[0]
+    return out.unsqueeze(1) if out.dim() == 2 else out
+
+
+def build_encoders(encoders: dict) -> tuple[dict, dict]:
+    """({modality: encoder}, {modality: ModalitySpec}): each encoder built and measured by one forward on a zero
+    item, which gives the data its token count and the projector its input width."""
+    if not isinstance(encoders, dict) or not encoders:
+        raise UserError("encoders", "the multimodal recipe needs at least one encoder",
+                        "e.g. encoders: {points: {class: hf_zero.train.encoders:PointNet, input_shape: [256, 3]}}")
+    modules, specs = {}, {}
+    for m, cfg in encoders.items():
+        modules[m], shape = build_encoder(m, cfg)
+        with torch.no_grad():
+            probe = encode(modules[m], torch.zeros(1, *shape))
+        if probe.dim() != 3:
+            raise UserError(f"encoders.{m}", f"its output has shape {tuple(probe.shape)}",
+                            "return (batch, tokens, width) or (batch, width)")
+        specs[m] = ModalitySpec(m, shape, probe.shape[1], probe.shape[-1])
+    return modules, specs
+
+
+def build_projector(modality: str, cfg: dict | None, width: int, hidden_size: int) -> nn.Module:
+    cfg = dict(cfg or {})
+    kind = cfg.pop("type", "mlp")
+    inner = cfg.pop("hidden", hidden_size)
+    if cfg or kind not in ("mlp", "linear"):
+        raise UserError(f"encoders.{modality}.projector", f"unknown type or keys ({kind!r}, {sorted(cfg)})",
+                        "give {type: mlp, hidden: N} or {type: linear}")
+    if kind == "linear":
+        return nn.Linear(width, hidden_size)
+    return nn.Sequential(nn.Linear(width, inner), nn.GELU(), nn.Linear(inner, hidden_size))
+
+
+class ComposedModel(nn.Module):
+    """llm (a causal LM or a peft model of one) + encoders[m] + projectors[m] for each modality m."""
+
+    def __init__(self, llm, encoders: dict, placeholder_ids: dict, built: tuple | None = None):
+        """`encoders`: the recipe's `encoders:`; `built`: build_encoders' result for it, if already made."""
+        super().__init__()
+        self.llm = llm
+        self.config = llm.config  # what the Trainer reads of a model (use_cache, ...): the LLM's
+        hidden = llm.get_input_embeddings().weight.shape[-1] if not hasattr(llm.config, "hidden_size") \
+            else llm.config.hidden_size
+        modules, self.specs = built or build_encoders(encoders)
+        self.encoder_configs, self.placeholder_ids = dict(encoders), dict(placeholder_ids)
+        self.encoders = nn.ModuleDict(modules)
+        self.projectors = nn.ModuleDict({m: build_projector(m, cfg.get("projector"), self.specs[m].width, hidden)
+                                         for m, cfg in encoders.items()})
+
+    @property
+    def uses_lora(self) -> bool:
+        return hasattr(self.llm, "peft_config")
+
+    # What FSDP2's preparation reads of a model (hf_zero.plan.fsdp, accelerate): the LLM's input embeddings and
+    # decoder layer classes; the encoders and projectors stay in the root's shard group.
+    def get_input_embeddings(self):
+        return self.llm.get_input_embeddings()
+
+    @property
+    def _no_split_modules(self) -> list:
+        base = self.llm.get_base_model() if self.uses_lora else self.llm
+        return list(getattr(base, "_no_split_modules", None) or [])
+
+    def forward(self, input_ids, attention_mask=None, labels=None, keep_ranks_in_step: bool = True, **kwargs):
+        media = {m: (kwargs.pop(f"{m}_values", None), kwargs.pop(f"{m}_rows", None)) for m in self.specs}
+        embeds = self.llm.get_input_embeddings()(input_ids)
+        in_step = None
+        for m, spec in self.specs.items():
+            values, rows = media[m]
+            if values is None or values.shape[0] == 0:
+                if bool((input_ids == self.placeholder_ids[m]).any()):
+                    raise ValueError(f"the batch has {m} placeholders but no {m}_values (a Trainer with "
+                                     "remove_unused_columns dropped them?)")
+                if keep_ranks_in_step:
+                    dummy = self.projectors[m](encode(self.encoders[m], torch.zeros(1, *spec.input_shape,
+                                                                                    device=embeds.device)))
+                    in_step = dummy.sum() * 0 if in_step is None else in_step + dummy.sum() * 0
+                continue
+            feats = self.projectors[m](encode(self.encoders[m], values))
+            at = input_ids == self.placeholder_ids[m]
+            if rows is not None and not torch.equal(at.sum(1), torch.bincount(rows, minlength=len(input_ids))
+                                                    * spec.tokens):
+                raise ValueError(f"{m}: the placeholder runs of the batch do not match its items (a collator that "
+                                 "is not hf_zero.data.multimodal.MultimodalCollator?)")
+            # masked_scatter fills the positions in reading order: row by row, the order the collator stacks items.
+            embeds = embeds.masked_scatter(at.unsqueeze(-1), feats.reshape(-1, feats.shape[-1]).to(embeds.dtype))
+        out = self.llm(inputs_embeds=embeds, attention_mask=attention_mask, labels=labels, **kwargs)
+        if in_step is not None and getattr(out, "loss", None) is not None:
+            out.loss = out.loss + in_step.to(out.loss.dtype)
+        return out
+
+    # ------------------------------------------------------------------ one folder: config + safetensors
+
+    def save_pretrained(self, folder, tokenizer=None, state_dict: dict | None = None) -> Path:
+        """config + all weights in one folder; with LoRA, the LLM's adapter alone in folder/llm_adapter as well,
+        for plain `peft.AutoPeftModelForCausalLM.from_pretrained`. `state_dict`: the full weights where this
+        process's parameters are shards (FSDP2: the engine gathers them; save_composed)."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        base = self.llm.get_base_model() if self.uses_lora else self.llm
+        lora = self.llm.peft_config["default"].to_dict() if self.uses_lora else None
+        if lora is not None:
+            lora["target_modules"] = sorted(lora["target_modules"]) if isinstance(lora["target_modules"], set) \
+                else lora["target_modules"]
+            lora = json.loads(json.dumps(lora, default=str))
+        config = {"llm_config": base.config.to_dict(), "lora": lora, "encoders": self.encoder_configs,
+                  "placeholder_ids": self.placeholder_ids}
+        (folder / CONFIG_NAME).write_text(json.dumps(config, indent=1))
+        # Copies: under DeepSpeed the parameters are views into its flat buffers, which safetensors refuses to
+        # write; a tensor shared by two names (tied embeddings) is written once, the alias recorded.
+        state, seen, tied = {}, {}, {}
+        for name, tensor in (self.state_dict() if state_dict is None else state_dict).items():
+            key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
+            if tensor.numel() and key in seen:
+                tied[name] = seen[key]
+                continue
+            seen[key] = name
+            state[name] = tensor.detach().cpu().clone().contiguous()
+        save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt", "tied": json.dumps(tied)})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        if self.uses_lora:
+            llm_state = None if state_dict is None else {k[len("llm."):]: v for k, v in state_dict.items()
+                                                         if k.startswith("llm.")}
+            self.llm.save_pretrained(folder / ADAPTER_DIR, state_dict=llm_state)
+            if tokenizer is not None:  # AutoPeftModel grows the base's embeddings to this tokenizer's size
+                tokenizer.save_pretrained(folder / ADAPTER_DIR)
+        return folder
+
+    @classmethod
+    def from_pretrained(cls, folder) -> "ComposedModel":
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        folder = Path(folder)
+        config = json.loads((folder / CONFIG_NAME).read_text())
+        llm_cfg = dict(config["llm_config"])
+        llm = AutoModelForCausalLM.from_config(AutoConfig.for_model(llm_cfg.pop("model_type"), **llm_cfg))
+        if config["lora"]:
+            from peft import get_peft_config, get_peft_model
+
+            llm = get_peft_model(llm, get_peft_config(config["lora"]))
+        model = cls(llm, config["encoders"], config["placeholder_ids"])
+        path = str(folder / WEIGHTS_NAME)
+        with safe_open(path, "pt") as f:
+            tied = json.loads((f.metadata() or {}).get("tied", "{}"))
+        result = model.load_state_dict(load_file(path), strict=False)  # the tied aliases are tied by the model
+        if result.unexpected_keys or set(result.missing_keys) - set(tied):
+            raise ValueError(f"{path} does not match its config: missing {result.missing_keys[:3]}, unexpected "
+                             f"{result.unexpected_keys[:3]}")
+        return model
+
+
+def save_composed(trainer, folder, tokenizer=None) -> Path | None:
+    """The trained model written by the main process; under ZeRO-3 and FSDP2 every rank first takes part in
+    gathering the full weights (the composed model is saved whole, so its parts are gathered together)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    params = list(model.parameters())
+    if getattr(trainer, "is_fsdp_enabled", False):
+        state = gathered_state_dict(trainer.model, trainable_only=False)  # whole tensors on the main process
+        if trainer.is_world_process_zero():
+            model.save_pretrained(folder, tokenizer, state)
+    elif any(hasattr(p, "ds_id") for p in params):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            if trainer.is_world_process_zero():
+                model.save_pretrained(folder, tokenizer)
+    elif trainer.is_world_process_zero():
+        model.save_pretrained(folder, tokenizer)
+    trainer.accelerator.wait_for_everyone()
+    return Path(folder)

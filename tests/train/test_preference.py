@@ -1,0 +1,449 @@
+"""A `dpo` stage (hf_zero.data.preference, hf_zero.train.preference): preference rows read as TRL reads them and
+refused one row at a time; the loss, reward metrics and reference equal TRL's own DPOTrainer on the same rows,
+reference and settings; the reference cache reused by a second run and refused for other rows or another model; an
+SFT -> DPO curriculum on the tiny model whose reward accuracy rises."""
+
+import copy
+import json
+import random
+import shutil
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from testing_utils import RECIPE, REPO, launch_recipe, read_summary, run_cmd
+
+from hf_zero.core.config import Stage
+from hf_zero.core.errors import UserError
+from hf_zero.data.model_names import get_tokenizer, resolve_model_path
+from hf_zero.data.stages import build_collator, check_stage_files, load_stage_data
+from hf_zero.train.preference import PreferenceMixin, PreferenceStage, preference_stages
+from hf_zero.train.reference_cache import ReferenceCache
+
+ERROR = "hf-zero: error:"
+
+
+def words(rng, n):
+    return " ".join("".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 5))) for _ in range(n))
+
+
+def plain_rows(n=8, seed=0):
+    """Answers of different lengths, so padding and the answer masks matter."""
+    rng = random.Random(seed)
+    return [{"prompt": f"Question: {words(rng, rng.randint(2, 6))}\nAnswer:",
+             "chosen": " " + words(rng, rng.randint(1, 5)), "rejected": " " + words(rng, rng.randint(1, 5))}
+            for _ in range(n)]
+
+
+def chat_rows(n=8, seed=1):
+    return [{"prompt": [{"role": "user", "content": r["prompt"]}],
+             "chosen": [{"role": "assistant", "content": r["chosen"].strip()}],
+             "rejected": [{"role": "assistant", "content": r["rejected"].strip()}]} for r in plain_rows(n, seed)]
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def dpo_stage(data, **keys):
+    return Stage(name="pref", data=str(data), steps=2, objective="dpo", **keys)
+
+
+# ---------------------------------------------------------------- rows and keys refused, one line each
+
+def load(tmp_path, rows, max_len=64, **keys):
+    data = write_rows(tmp_path / "pairs.jsonl", rows)
+    return load_stage_data(dpo_stage(data, **keys), get_tokenizer("tiny-llama"), max_len, "text", 8, 0)
+
+
+@pytest.mark.parametrize("change, want", [
+    (lambda r: r.pop("rejected"), "row 3: no rejected answer"),
+    (lambda r: r.update(chosen="   "), "row 3: empty chosen answer"),
+    (lambda r: r.update(rejected=""), "row 3: empty rejected answer"),
+    (lambda r: r.update(prompt="Question: " + "abc " * 80), "row 3: the prompt is"),
+    (lambda r: r.update(chosen=["not", "a", "string"]), "row 3: prompt, chosen and rejected must all be strings"),
+])
+def test_a_bad_row_is_one_line_naming_it(tmp_path, change, want):
+    rows = plain_rows()
+    change(rows[2])
+    with pytest.raises(UserError) as err:
+        load(tmp_path, rows)
+    line = err.value.line()
+    assert line.startswith("stages[pref].data[0]: ") and want in line and "\n" not in line, line
+    assert "pairs.jsonl" in line
+
+
+def test_columns_and_objective_must_agree(tmp_path):
+    rows = [{k: v for k, v in r.items() if k != "rejected"} for r in plain_rows()]
+    with pytest.raises(UserError, match="no column `rejected`"):
+        load(tmp_path, rows)
+    text = write_rows(tmp_path / "text.jsonl", [{"text": "some words here"}] * 8)
+    with pytest.raises(UserError, match="has no prompt/chosen/rejected rows, and the stage's objective is dpo"):
+        load_stage_data(dpo_stage(text), get_tokenizer("tiny-llama"), 64, "text", 0, 0)
+    pairs = write_rows(tmp_path / "pairs2.jsonl", plain_rows())
+    with pytest.raises(UserError, match="set `objective: dpo` on the stage"):
+        load_stage_data(Stage(name="sft", data=str(pairs), steps=2), get_tokenizer("tiny-llama"), 64, "text", 0, 0)
+
+
+@pytest.mark.parametrize("keys, want", [
+    ({"objective": "ppo"}, "stages[s].objective: unknown objective 'ppo'"),
+    ({"beta": 0.2}, "stages[s].beta: is a preference key, and the stage's objective is sft"),
+    ({"objective": "dpo", "loss_type": "kto"}, "stages[s].loss_type: unknown loss type 'kto'"),
+    ({"objective": "dpo", "beta": 0}, "stages[s].beta: must be a positive number"),
+    ({"objective": "dpo", "simpo_gamma": 1.0}, "stages[s].simpo_gamma: only applies with loss_type: simpo"),
+    ({"objective": "dpo", "eval_data": "x.jsonl"}, "stages[s].eval_data: a dpo stage has no held-out evaluation"),
+])
+def test_stage_keys_are_checked(keys, want):
+    with pytest.raises(UserError) as err:
+        Stage(name="s", data="x.jsonl", steps=1, **keys)
+    assert err.value.line().startswith(want), err.value.line()
+
+
+def test_defaults_and_rows_of_a_dpo_stage(tmp_path):
+    stage = Stage(name="s", data="x.jsonl", steps=1, objective="dpo")
+    assert (stage.beta, stage.loss_type, stage.simpo_gamma) == (0.1, "sigmoid", None)
+    assert Stage(name="s", data="x.jsonl", steps=1, objective="dpo", loss_type="simpo").simpo_gamma == 0.5
+    data = load(tmp_path, plain_rows(6))
+    # every row trains (nothing held out), numbered in order; 6 rows pass the preflight's held-out rule
+    assert [s["row"] for s in data.sources[0]] == list(range(6)) and data.eval_samples == []
+    assert check_stage_files(dpo_stage(tmp_path / "pairs.jsonl"), eval_samples=32) == [6]
+
+
+def test_check_reads_the_preference_rows_as_the_run_does(tmp_path, capsys):
+    from hf_zero.cli import main
+
+    rows = preferred_rows(8)
+    good = sft_dpo_recipe(tmp_path, write_rows(tmp_path / "pairs.jsonl", rows))
+    assert main(["check", "--profile", "zero2", "--config", str(good)]) == 0
+    assert "ok data: 2 stage(s), training samples after tokenization: sft 196, pref 8 (preference)" in \
+        capsys.readouterr().out
+    rows[6]["rejected"] = None
+    write_rows(tmp_path / "pairs.jsonl", rows)
+    assert main(["check", "--profile", "zero2", "--config", str(good)]) == 2
+    fail = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("FAIL data:")]
+    assert len(fail) == 1 and f"stages[pref].data[0]: {tmp_path / 'pairs.jsonl'} row 7: no rejected answer" in fail[0]
+
+
+def test_preview_shows_each_row_as_its_chosen_and_rejected_sequence(tmp_path, capsys):
+    from hf_zero.cli import main
+
+    config = sft_dpo_recipe(tmp_path, write_rows(tmp_path / "pairs.jsonl", preferred_rows(8)))
+    assert main(["preview", "--config", str(config), "--stage", "pref", "-n", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "pairs.jsonl: preference, loss on chosen vs rejected" in out and "8 training samples, 0 held out" in out
+    assert "sample 1 chosen (" in out and "Answer:[[ yes, that is right.<|endoftext|>]]" in out
+    assert "sample 1 rejected (" in out and "Answer:[[ no idea.<|endoftext|>]]" in out
+
+
+def test_init_makes_a_dpo_stage_of_preference_rows_and_its_lora_run_learns(tmp_path, capsys):
+    """`hf-zero init --data pairs.jsonl` (what `hf-zero train --model M --data pairs.jsonl` runs): one dpo stage,
+    LoRA as every init recipe; the recipe trains it on one process."""
+    import yaml
+
+    from hf_zero.cli import main
+
+    pairs = write_rows(tmp_path / "pairs.jsonl", preferred_rows(16))
+    assert main(["init", "--model", "tiny-llama", "--data", str(pairs)]) == 0
+    text = capsys.readouterr().out
+    assert "16 rows, preference (loss on chosen vs rejected)" in text
+    recipe = yaml.safe_load(text)
+    assert recipe["use_peft"] is True
+    assert recipe["stages"] == [{"name": "pairs", "data": str(pairs), "epochs": 1, "objective": "dpo", "beta": 0.1,
+                                 "loss_type": "sigmoid"}]
+    recipe.update(learning_rate=1.0e-2, per_device_train_batch_size=4, lora_dropout=0.0, save_final_model=False)
+    recipe["stages"][0]["beta"] = 0.5
+    config = tmp_path / "init.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    recipe_run = run_cmd([sys.executable, RECIPE, "--config", config, "--output_dir", tmp_path / "run",
+                          "--disable_tqdm", "true"])
+    s = read_summary(tmp_path / "run")
+    assert s["use_peft"] is True and s["total_steps"] == 4, recipe_run.stdout[-2000:]
+    (pref,) = s["preference"]
+    assert pref["reference"] == "computed" and abs(pref["reward_margin_first"]) < 1e-4
+    assert pref["reward_accuracy_last"] == 1.0 and pref["reward_margin_last"] > pref["reward_margin_first"]
+
+
+# ---------------------------------------------------------------- TRL's DPOTrainer on the same rows
+
+def tiny_models(tokenizer):
+    """(policy, reference): the tiny model and a copy moved away from it, so the log-ratios are not zero."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama"), dtype=torch.float32)
+    if len(tokenizer) > ref.get_input_embeddings().weight.shape[0]:
+        ref.resize_token_embeddings(len(tokenizer))
+    policy = copy.deepcopy(ref)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return policy.train(), ref.eval()
+
+
+class _Rest:
+    def compute_loss(self, *args, **kwargs):
+        raise AssertionError("a preference batch went past PreferenceMixin")
+
+    def add_callback(self, callback):
+        self.callbacks = [callback]
+
+
+class _OneStageTrainer(PreferenceMixin, _Rest):
+    """PreferenceMixin with what it reads of a CurriculumTrainer: a one-stage schedule at step 0."""
+
+    def __init__(self, model, stage, samples, tokenizer, output_dir):
+        from accelerate import Accelerator
+
+        from hf_zero.data.curriculum import build_schedule
+
+        self.model, self.accelerator, self.processing_class = model, Accelerator(cpu=True), tokenizer
+        self.args = SimpleNamespace(output_dir=str(output_dir), per_device_eval_batch_size=3,
+                                    device=torch.device("cpu"))
+        super().__init__(preference={0: PreferenceStage(0, stage, samples)})
+        self.schedule = build_schedule([stage], [len(samples)], 4, 1e-3)
+        self.state = SimpleNamespace(global_step=0)
+
+
+def trl_dpo(policy, ref, rows, tokenizer, tmp_path, loss_type, beta):
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type=[loss_type], bf16=False, use_cpu=True,
+                     per_device_train_batch_size=len(rows), precompute_ref_log_probs=True, report_to=[],
+                     max_length=64, dataset_num_proc=None)
+    return DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
+                      processing_class=tokenizer)
+
+
+@pytest.mark.parametrize("form, loss_type, beta", [("plain", "sigmoid", 0.1), ("plain", "ipo", 0.3),
+                                                   ("chat", "sigmoid", 0.5)])
+def test_loss_and_metrics_equal_trls_dpo_trainer(tmp_path, form, loss_type, beta):
+    rows = plain_rows() if form == "plain" else chat_rows()
+    tokenizer = get_tokenizer("tiny-llama")
+    stage = dpo_stage(write_rows(tmp_path / "pairs.jsonl", rows), loss_type=loss_type, beta=beta)
+    data = load_stage_data(stage, tokenizer, 64, "text", 0, 0)  # a chat source gives the tokenizer its template
+    samples = preference_stages([stage], [data])[0].samples
+    policy, ref = tiny_models(tokenizer)
+    theirs = trl_dpo(copy.deepcopy(policy), copy.deepcopy(ref), rows, tokenizer, tmp_path, loss_type, beta)
+    their_rows = [theirs.train_dataset[i] for i in range(len(rows))]
+    assert [s["prompt_ids"] for s in samples] == [r["prompt_ids"] for r in their_rows]
+    # tokenized as DPOTrainer tokenizes, and cut at max_seq_length as its collator cuts at max_length
+    our_batch, their_batch = build_collator(tokenizer, preference=True)(samples), theirs.data_collator(their_rows)
+    for key in ("input_ids", "attention_mask", "completion_mask"):
+        assert torch.equal(our_batch[key], their_batch[key]), key
+    assert torch.equal(our_batch["pref_row"], torch.arange(len(rows)))
+    their_loss = theirs.compute_loss(theirs.model, their_batch).item()
+    their_metrics = {k: v[0] for k, v in theirs._metrics["train"].items()}
+
+    ours = _OneStageTrainer(ref, stage, samples, tokenizer, tmp_path / "out")
+    reference = ours._stage_reference(ours.preference[0], ref)  # the stage's start: `ref` is the model then
+    their_ref = torch.tensor([[r["ref_chosen_logps"], r["ref_rejected_logps"]] for r in their_rows])
+    torch.testing.assert_close(reference, their_ref, rtol=1e-5, atol=1e-5)
+    our_loss = ours.compute_loss(policy, our_batch).item()
+    assert our_loss == pytest.approx(their_loss, abs=1e-5)
+    assert abs(their_loss - {"sigmoid": 0.6931, "ipo": (1 / (2 * beta)) ** 2}[loss_type]) > 1e-3  # not trivial
+    for key in ("rewards/accuracies", "rewards/margins", "rewards/chosen", "logps/chosen", "logps/rejected"):
+        assert ours._pref_metrics[key][0] == pytest.approx(their_metrics[key], rel=1e-5, abs=1e-5), key
+
+
+def test_simpo_equals_trls_cpo_trainer_and_takes_no_reference(tmp_path):
+    """SimPO is TRL's CPOTrainer with loss_type simpo and cpo_alpha 0: its loss and reward metrics on its own batch
+    (CPO tokenizes with BOS, so the batch is CPO's, fed to the dpo stage's loss as a preference batch)."""
+    from datasets import Dataset
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    tokenizer = get_tokenizer("tiny-llama")
+    rows = plain_rows()
+    stage = dpo_stage(write_rows(tmp_path / "pairs.jsonl", rows), loss_type="simpo", beta=2.0, simpo_gamma=0.3)
+    policy, _ = tiny_models(tokenizer)
+    args = CPOConfig(output_dir=str(tmp_path / "cpo"), loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=0.3,
+                     bf16=False, use_cpu=True, report_to=[], per_device_train_batch_size=len(rows), max_length=64)
+    cpo = CPOTrainer(model=copy.deepcopy(policy), args=args, train_dataset=Dataset.from_list(rows),
+                     processing_class=tokenizer)
+    batch = cpo.data_collator([cpo.train_dataset[i] for i in range(len(rows))])
+    their_loss, their_metrics = cpo.get_batch_loss_metrics(cpo.model.train(), batch)
+    cat = CPOTrainer.concatenated_inputs(batch, padding_value=tokenizer.pad_token_id)
+    ours_batch = {"input_ids": cat["concatenated_input_ids"], "attention_mask": cat["concatenated_attention_mask"],
+                  "completion_mask": (cat["concatenated_labels"] != -100).long(),
+                  "pref_row": torch.arange(len(rows))}
+    ours = _OneStageTrainer(policy, stage, [], tokenizer, tmp_path / "out")
+    loss = ours.compute_loss(policy, ours_batch)
+    assert loss.item() == pytest.approx(their_loss.item(), abs=1e-5)
+    for key in ("rewards/accuracies", "rewards/margins", "rewards/chosen", "logps/chosen", "logps/rejected"):
+        assert ours._pref_metrics[key][0] == pytest.approx(their_metrics[key], rel=1e-5, abs=1e-5), key
+    loss.backward()
+    assert policy.lm_head.weight.grad is not None
+    # reference-free: no reference callback, nothing computed or written
+    assert not hasattr(ours, "callbacks") and not (tmp_path / "out" / "reference_logps").exists()
+
+
+# ---------------------------------------------------------------- the cache: reused, refused
+
+def test_cache_refuses_other_rows_and_another_model(tmp_path):
+    tokenizer = get_tokenizer("tiny-llama")
+    stage = dpo_stage(write_rows(tmp_path / "pairs.jsonl", plain_rows()))
+    samples = preference_stages([stage], [load_stage_data(stage, tokenizer, 64, "text", 0, 0)])[0].samples
+    policy, ref = tiny_models(tokenizer)
+    pstage = PreferenceStage(0, stage, samples)
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return torch.zeros(len(samples), 2)
+
+    cache = ReferenceCache(tmp_path, pstage)
+    assert cache.get(ref, ref, at_start=True, compute=compute)[1] == "computed" and calls == [1]
+    assert cache.get(ref, ref, at_start=True, compute=compute)[1] == "reused" and calls == [1]
+    assert cache.get(policy, policy, at_start=False, compute=compute)[1] == "reused"  # mid-stage: weights moved on
+    with pytest.raises(UserError) as err:
+        cache.get(policy, policy, at_start=True, compute=compute)
+    assert "made from another model" in err.value.line() and "pref.json" in err.value.field
+    other = PreferenceStage(0, stage, samples[:-1])
+    with pytest.raises(UserError, match=r"made from other rows \(8 rows.*\(7 rows"):
+        ReferenceCache(tmp_path, other).get(ref, ref, at_start=True, compute=compute)
+    shutil.rmtree(tmp_path / "reference_logps")
+    with pytest.raises(UserError, match="missing: stage pref's reference is computed at its start"):
+        cache.get(ref, ref, at_start=False, compute=compute)
+    assert calls == [1]
+
+
+# ---------------------------------------------------------------- SFT -> DPO in one run
+
+def sft_dpo_recipe(root, pairs, out_name="run"):
+    cfg = {"model_name_or_path": "tiny-llama", "max_seq_length": 64, "eval_samples": 4, "sample_prompts": 0,
+           "per_device_train_batch_size": 4, "seed": 0, "save_final_model": False,
+           "save_strategy": "steps", "save_steps": 5,  # a checkpoint inside the preference stage
+           "stages": [{"name": "sft", "data": str(REPO / "recipes/data/tiny/short.jsonl"), "steps": 2},
+                      {"name": "pref", "data": str(pairs), "steps": 6, "objective": "dpo", "beta": 0.5,
+                       "learning_rate": 5.0e-3, "lr_schedule": "constant"}]}
+    path = root / "sft_dpo.yaml"
+    path.write_text(json.dumps(cfg))  # JSON is YAML
+    return path
+
+
+def preferred_rows(n=32, seed=0):
+    rng = random.Random(seed)
+    return [{"prompt": f"Question: {words(rng, rng.randint(3, 6))}\nAnswer:", "chosen": " yes, that is right.",
+             "rejected": " no idea."} for _ in range(n)]
+
+
+def recipe(config, out, check=True):
+    return run_cmd([sys.executable, RECIPE, "--config", config, "--output_dir", out, "--disable_tqdm", "true"],
+                   check=check)
+
+
+@pytest.fixture(scope="module")
+def sft_dpo_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sft_dpo")
+    config = sft_dpo_recipe(root, write_rows(root / "pairs.jsonl", preferred_rows()))
+    proc = recipe(config, root / "run")
+    return root, config, proc
+
+
+def test_sft_then_dpo_in_one_run_raises_reward_accuracy(sft_dpo_run):
+    root, _, proc = sft_dpo_run
+    s = read_summary(root / "run")
+    assert [row["name"] for row in s["stages"]] == ["sft", "pref"] and s["total_steps"] == 8
+    (pref,) = s["preference"]
+    assert (pref["stage"], pref["loss_type"], pref["beta"], pref["rows"], pref["reference"]) == \
+        ("pref", "sigmoid", 0.5, 32, "computed")
+    # the first preference step: the policy is the reference, so nothing is preferred yet (a margin of rounding:
+    # the reference's batches were padded differently)
+    assert abs(pref["reward_margin_first"]) < 1e-4 and pref["reward_accuracy_first"] < 1.0
+    assert pref["reward_accuracy_last"] == 1.0 and pref["reward_margin_last"] > 1.0
+    losses = s["losses"]
+    assert losses[2] == pytest.approx(0.6931, abs=1e-3) and losses[-1] < 0.3  # log 2, then learnt
+    history = json.loads((root / "run" / "log_history.json").read_text())
+    assert all("rewards/accuracies" in h for h in history if "loss" in h and h["step"] > 2)
+    assert not any("rewards/accuracies" in h for h in history if "loss" in h and h["step"] <= 2)
+    assert "stage pref: reference log-probs of 32 rows computed" in proc.stdout
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(next((root / "run").rglob("events.out.tfevents.*")).parent))
+    acc.Reload()
+    for tag in ("train/rewards/accuracies", "train/rewards/margins", "train/logps/chosen", "train/logps/rejected"):
+        assert [e.step for e in acc.Scalars(tag)] == list(range(3, 9)), tag
+    assert acc.Scalars("train/rewards/accuracies")[-1].value == 1.0
+    steps = {int(ln.split()[1].split("/")[0]): ln for ln in proc.stdout.splitlines() if ln.startswith("step ")}
+    assert "reward acc" not in steps[2] and "margin 0.000" in steps[3]
+    assert "reward acc 1.00" in steps[8]
+
+
+def test_a_resume_inside_the_stage_reuses_the_cache(sft_dpo_run, tmp_path):
+    """Stopped after checkpoint-5 (3 steps into the preference stage): the resumed run reads the cache, and its
+    steps are the uninterrupted run's."""
+    root, config, _ = sft_dpo_run
+    out = tmp_path / "resumed"
+    shutil.copytree(root / "run", out)
+    for name in ("summary.json", "log_history.json"):
+        (out / name).unlink()
+    for extra in [p for p in out.glob("checkpoint-*") if p.name != "checkpoint-5"]:
+        shutil.rmtree(extra)
+    (out / "latest_checkpoint").write_text("checkpoint-5\n")
+    before = (out / "reference_logps" / "pref.safetensors").read_bytes()
+    proc = recipe(config, out)
+    assert "stage pref: reference log-probs of 32 rows reused" in proc.stdout
+    assert (out / "reference_logps" / "pref.safetensors").read_bytes() == before
+    s, full = read_summary(out), read_summary(root / "run")
+    assert s["resumed_from"].endswith("checkpoint-5") and s["preference"][0]["reference"] == "reused"
+    assert len(s["losses"]) == 8 and s["losses"] == pytest.approx(full["losses"], abs=1e-6)  # 6-8 trained again
+
+
+def test_a_second_run_reuses_the_cache_and_other_rows_are_refused(sft_dpo_run, tmp_path):
+    root, config, _ = sft_dpo_run
+    cached = root / "run" / "reference_logps"
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copytree(cached, again / "reference_logps")
+    before = (again / "reference_logps" / "pref.safetensors").read_bytes()
+    proc = recipe(config, again)
+    assert "stage pref: reference log-probs of 32 rows reused" in proc.stdout
+    assert (again / "reference_logps" / "pref.safetensors").read_bytes() == before
+    assert read_summary(again)["losses"] == pytest.approx(read_summary(root / "run")["losses"], abs=1e-6)
+    assert read_summary(again)["preference"][0]["reference"] == "reused"
+
+    rows = preferred_rows()
+    rows[5]["chosen"] = " yes, quite right."
+    changed = sft_dpo_recipe(tmp_path, write_rows(tmp_path / "pairs.jsonl", rows))
+    other = tmp_path / "other"
+    other.mkdir()
+    shutil.copytree(cached, other / "reference_logps")
+    proc = recipe(changed, other, check=False)
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith(ERROR)]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "reference_logps/pref.json: made from other rows" in errors[0]
+    assert "step 1/" not in proc.stdout  # refused before the first step, not at the stage's start
+
+
+# ---------------------------------------------------------------- every profile on 2 ranks (extended)
+
+PROFILES_2_RANKS = ("ddp", "zero2", "zero3", "zero3_offload", "fsdp2")
+
+
+@pytest.fixture(scope="module")
+def profile_runs(tmp_path_factory):
+    """The SFT -> DPO curriculum on 2 CPU ranks under each profile (4 per rank, 8 a step)."""
+    root = tmp_path_factory.mktemp("pref_profiles")
+    config = sft_dpo_recipe(root, write_rows(root / "pairs.jsonl", preferred_rows()))
+    runs = {}
+    for profile in PROFILES_2_RANKS:
+        launch_recipe(profile, root / profile, config=config)
+        runs[profile] = root / profile
+    return runs
+
+
+@pytest.mark.multiproc
+def test_every_profile_gives_the_same_preference_steps(profile_runs):
+    from safetensors.torch import load_file
+
+    base = read_summary(profile_runs["ddp"])
+    ref = load_file(str(profile_runs["ddp"] / "reference_logps" / "pref.safetensors"))["logps"]
+    for profile, out in profile_runs.items():
+        s = read_summary(out)
+        assert (s["world_size"], s["total_steps"]) == (2, 8), profile
+        assert s["losses"] == pytest.approx(base["losses"], abs=1e-4), profile  # SFT steps, then the preference ones
+        assert s["preference"][0]["reward_accuracy_last"] == 1.0, profile
+        logps = load_file(str(out / "reference_logps" / "pref.safetensors"))["logps"]
+        torch.testing.assert_close(logps, ref, rtol=1e-5, atol=1e-4, msg=profile)
