@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from testing_utils import REPO, TINY
 
 from hf_zero.checkpoint.convert import convert_to_universal
@@ -100,8 +101,18 @@ def test_resume_refuses_a_payload_in_the_model_states_on_every_rank_in_one_line(
     shutil.copytree(trained / "checkpoint-15", checkpoint)
     marker = tmp_path / "pwned"
     bad = _plant(checkpoint, "global_step15/mp_rank_00_model_states.pt", marker)
-    proc = subprocess.run([sys.executable, "-m", "hf_zero.cli", "train", "--profile", "zero2", "--config", TINY,
-                           "--output_dir", tmp_path / "run", "--disable_tqdm", "true",
+    # The last stage longer (and the change allowed): a resume with steps left to train, so that what stops it is
+    # the payload, not "nothing would train" (checkpoint-15 is the end of the tiny curriculum).
+    recipe = yaml.safe_load(Path(TINY).read_text())
+    recipe["stages"][-1]["steps"] += 5
+    here = Path(TINY).parent  # the data paths are relative to the recipe: absolute in the copy
+    for stage in recipe["stages"]:
+        data = stage["data"]
+        stage["data"] = [str(here / d) for d in data] if isinstance(data, list) else str(here / data)
+    config = tmp_path / "longer.yaml"
+    config.write_text(yaml.safe_dump(recipe))
+    proc = subprocess.run([sys.executable, "-m", "hf_zero.cli", "train", "--profile", "zero2", "--config", config,
+                           "--output_dir", tmp_path / "run", "--disable_tqdm", "true", "--allow_changes", "stages",
                            "--resume_from_checkpoint", checkpoint], cwd=REPO, capture_output=True, text=True,
                           timeout=900)
     out = proc.stdout + proc.stderr
