@@ -44,6 +44,16 @@ GROUP_MARKS_ENV = "HF_ZERO_TEST_GROUP_MARKS"
 
 # ---------------------------------------------------------------- commands and launches
 
+# 12 conversations: the chat case (the tiny tokenizer has no chat template: tokens added, embeddings grown).
+CHAT_ROWS = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                           {"role": "assistant", "content": str(2 * i)}]} for i in range(12)]
+
+
+def write_chat_rows(path: Path) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in CHAT_ROWS))
+    return path
+
+
 def run_cmd(cmd, timeout=900, cwd=REPO, env=None, check=True):
     env = {**os.environ, **(env or {})}
     if os.environ.get("HF_ZERO_TEST_LAUNCH_LOG") and str(PROCESS_GUARD) not in env.get("PYTHONPATH", ""):

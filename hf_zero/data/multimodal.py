@@ -19,7 +19,7 @@ from pathlib import Path
 from hf_zero.core.errors import UserError
 from hf_zero.data.chat import IGNORE, FormatOptions, SourceReport, _encode_conversation, _messages, _Row
 from hf_zero.data.chat_template import prepare_chat_template
-from hf_zero.data.stages import StageData, check_held_out, held_out_sizes, load_source, verify_data_file
+from hf_zero.data.stages import StageData, hold_out, load_source, verify_data_file
 
 __all__ = ["ModalitySpec", "add_placeholders", "load_media", "encode_multimodal_rows", "load_multimodal_stage",
            "MultimodalCollator", "read_rows", "declared_specs", "check_multimodal_data"]
@@ -185,8 +185,6 @@ def encode_multimodal_rows(conversations: list, tokenizer, specs: dict, placehol
 def load_multimodal_stage(stage, tokenizer, specs: dict, placeholder_ids: dict, default_max_len: int,
                           eval_samples: int, seed: int, opts: FormatOptions | None = None) -> StageData:
     """A stage's multimodal sources tokenized, a held-out slice drawn as hf_zero.data.stages draws it."""
-    import numpy as np
-
     max_len = stage.max_seq_length or default_max_len
     sources, reports = [], []
     for j, spec in enumerate(stage.data):
@@ -199,14 +197,7 @@ def load_multimodal_stage(stage, tokenizer, specs: dict, placeholder_ids: dict, 
             raise UserError(where, f"{spec} has no row left within max_seq_length", "raise max_seq_length")
         sources.append(samples)
         reports.append(report)
-    held_out = []
-    if eval_samples:
-        check_held_out(stage, [len(s) for s in sources], eval_samples, "sample")
-        rng = np.random.default_rng([seed, 7919])
-        for j, (samples, take) in enumerate(zip(sources, held_out_sizes([len(s) for s in sources], eval_samples))):
-            idx = set(rng.permutation(len(samples))[:take].tolist())
-            held_out += [s for i, s in enumerate(samples) if i in idx]
-            sources[j] = [s for i, s in enumerate(samples) if i not in idx]
+    held_out = hold_out(stage, sources, eval_samples, seed) if eval_samples else []
     return StageData(sources, held_out, reports)
 
 

@@ -26,8 +26,8 @@ from hf_zero.data.preference import (
 )
 from hf_zero.data.row_checks import RowKinds, verify_csv
 
-__all__ = ["StageData", "load_source", "verify_data_file", "held_out_sizes", "check_held_out", "check_stage_files",
-           "load_stage_data", "build_collator"]
+__all__ = ["StageData", "load_source", "verify_data_file", "held_out_sizes", "check_held_out", "hold_out",
+           "check_stage_files", "load_stage_data", "build_collator"]
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
 
@@ -255,6 +255,21 @@ def held_out_sizes(sizes: list[int], eval_samples: int) -> list[int]:
     return [min(per_source, n // 4) for n in sizes]
 
 
+
+def hold_out(stage, sources: list[list], eval_samples: int, seed: int) -> list:
+    """`eval_samples` rows drawn at random (seeded) from a stage's sources, spread over them as held_out_sizes says,
+    and taken out of `sources` (in place): the held-out slice of a stage with no eval_data."""
+    import numpy as np
+
+    check_held_out(stage, [len(s) for s in sources], eval_samples, "sample")
+    rng = np.random.default_rng([seed, 7919])
+    held_out = []
+    for j, (samples, take) in enumerate(zip(sources, held_out_sizes([len(s) for s in sources], eval_samples))):
+        idx = set(rng.permutation(len(samples))[:take].tolist())
+        held_out += [s for i, s in enumerate(samples) if i in idx]
+        sources[j] = [s for i, s in enumerate(samples) if i not in idx]
+    return held_out
+
 def check_held_out(stage: Stage, sizes: list[int], eval_samples: int, unit: str = "row") -> None:
     """A stage without eval_data whose sources are too small to hold any sample out has no eval loss, and would
     silently leave the runs' before/after eval mean: refused (the preflight counts rows, the run samples)."""
@@ -289,8 +304,6 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
     take them from the stage's `eval_data`; with `packing`, the training documents of each source go whole into rows
     of the stage's length. `formats` (hf_zero.data.chat.FormatOptions) says how to read chat and prompt data."""
     startup.phase(f"reading and tokenizing stage {stage.name}")
-    import numpy as np
-
     opts = formats or FormatOptions(text_field=text_field)
     max_len = stage.max_seq_length or default_max_len
     sources, reports = [], []
@@ -309,12 +322,7 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
             held_out += _load_tokenized(spec, f"stages[{stage.name}].eval_data[{j}]", tokenizer, max_len, opts)[0]
         held_out = held_out[:eval_samples] if eval_samples else []
     elif eval_samples:
-        check_held_out(stage, [len(s) for s in sources], eval_samples, "sample")
-        rng = np.random.default_rng([seed, 7919])
-        for j, (samples, take) in enumerate(zip(sources, held_out_sizes([len(s) for s in sources], eval_samples))):
-            idx = set(rng.permutation(len(samples))[:take].tolist())
-            held_out += [s for i, s in enumerate(samples) if i in idx]
-            sources[j] = [s for i, s in enumerate(samples) if i not in idx]
+        held_out = hold_out(stage, sources, eval_samples, seed)
     eval_prompts = _split_gen(held_out)
     for samples in sources:
         _split_gen(samples)

@@ -4,18 +4,14 @@ print for the README's commands say what is true and take the flags the other co
 import json
 
 import pytest
+from testing_utils import write_chat_rows
 
 from hf_zero.cli import main
-
-CHAT = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                      {"role": "assistant", "content": str(2 * i)}]} for i in range(12)]
 
 
 @pytest.fixture
 def chat_file(tmp_path):
-    path = tmp_path / "chat.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
-    return path
+    return write_chat_rows(tmp_path / "chat.jsonl")
 
 
 def test_train_with_data_names_what_it_checks(capsys, tmp_path):

@@ -10,20 +10,14 @@ import time
 
 import pytest
 import yaml
-from testing_utils import REPO, TINY, check, failed, read_summary, readme_command, run_cmd
+from testing_utils import REPO, TINY, check, failed, read_summary, readme_command, run_cmd, write_chat_rows
 
 from hf_zero.cli import main
-
-# 12 conversations: the chat case (the tiny tokenizer has no chat template: tokens added, embeddings grown).
-CHAT = [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
-                      {"role": "assistant", "content": str(2 * i)}]} for i in range(12)]
 
 
 @pytest.fixture
 def chat_file(tmp_path):
-    path = tmp_path / "chat.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in CHAT))
-    return path
+    return write_chat_rows(tmp_path / "chat.jsonl")
 
 
 def _init(capsys, *args) -> tuple[int, str, str]:
