@@ -11,13 +11,13 @@ import sys
 
 from hf_zero.core.config import ModelArguments
 from hf_zero.core.multimodal_args import MultimodalArguments
-from hf_zero.data.multimodal import check_multimodal_data
 from hf_zero.launch.worker import recipe_entry
+from hf_zero.train.composed_count import check_multimodal
 
 # What the tools know of this recipe (`hf-zero check`): the argument classes its YAMLs set (the last one extends
-# TrainingArguments) and how to check their data (every image and array opened).
+# TrainingArguments) and how to check their data (every image and array opened; per stage, what trains).
 ARGUMENT_TYPES = (ModelArguments, MultimodalArguments)
-CHECK_DATA = check_multimodal_data
+CHECK_DATA = check_multimodal
 
 
 @recipe_entry  # one line for a mistake, a clean stop on Ctrl-C, rank 0's console only

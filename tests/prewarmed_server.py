@@ -17,9 +17,9 @@ import json
 import os
 import sys
 
-# peft too: hf_zero imports it only where a LoRA model is built (core/lean_import.py), which most of the suite's
-# commands do, each paying its ~1.5 s again in a fork of a server without it. A full fine-tune's own imports are held
-# to "no peft" by tests/launch/test_lean_launch.py, in interpreters of their own.
+# peft too: hf_zero imports it only where a LoRA model is built (integrations/lean_import.py), which most of the
+# suite's commands do, each paying its ~1.5 s again in a fork of a server without it. A full fine-tune's own imports
+# are held to "no peft" by tests/launch/test_lean_launch.py, in interpreters of their own.
 PREWARM = ("hf_zero.cli", "hf_zero.core.config", "hf_zero.preflight.checks", "hf_zero.plan.one_stage", "datasets",
            "hf_zero.commands.check", "hf_zero.commands.estimate", "hf_zero.commands.export",
            "hf_zero.commands.preview", "hf_zero.commands.init", "hf_zero.commands.convert", "peft")

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from hf_zero.checkpoint.paths import checkpoint_files, inside, read_tag
 from hf_zero.core.errors import EXIT_USAGE, UserError
+from hf_zero.integrations.torch import check_dcp_metadata_first, restore_dcp_read_metadata, set_torch_load
 
 __all__ = ["FORCE_ENV", "ALLOWED", "allowed_globals", "safe_checkpoint_loading", "check_checkpoint", "safe_load",
            "refusal"]
@@ -86,7 +87,6 @@ ALLOWED = (
     "pathlib.PosixPath",
 )
 _ORIGINAL_LOAD: list = []  # torch.load as torch defines it, kept while the guard wraps it
-_ORIGINAL_READ_METADATA: list = []  # torch's FileSystemReader.read_metadata, kept while the guard wraps it
 _FIX = ("hf_zero loads only tensors and the training state DeepSpeed, the Trainer and torch write; use a checkpoint "
         "from a run you trust, or re-save its weights as safetensors")
 _STATE = {"depth": 0, "registered": False}
@@ -253,29 +253,10 @@ def _guarded_load(f, map_location=None, pickle_module=None, *, weights_only=None
         raise refusal(_file_name(f), _unsafe_type(str(err))) from None
 
 
-def _guarded_read_metadata(self, *args, **kwargs):
-    path = Path(self._get_metadata_path(kwargs.get("rank")))
-    if path.is_file():  # else torch's own FileNotFoundError: it falls back from a rank's metadata to the global one
-        _check_metadata(path)
-    return _ORIGINAL_READ_METADATA[0](self, *args, **kwargs)
-
-
-def _wrap_dcp_reader(on: bool) -> None:
-    from torch.distributed.checkpoint import filesystem
-
-    if on:
-        _ORIGINAL_READ_METADATA.append(filesystem.FileSystemReader.read_metadata)
-        filesystem.FileSystemReader.read_metadata = _guarded_read_metadata
-    else:
-        filesystem.FileSystemReader.read_metadata = _ORIGINAL_READ_METADATA.pop()
-
-
 @contextlib.contextmanager
 def safe_checkpoint_loading():
     """Every torch.load in this process (and the environment of any subprocess started meanwhile) weights-only with
     the allowlist; a refused file raises UserError naming it. Re-entrant."""
-    import torch
-
     _register()
     if _STATE["depth"]:
         _STATE["depth"] += 1
@@ -286,15 +267,15 @@ def safe_checkpoint_loading():
         return
     before = os.environ.get(FORCE_ENV)
     os.environ[FORCE_ENV] = "1"
-    torch.load = torch.serialization.load = _guarded_load
-    _wrap_dcp_reader(True)
+    set_torch_load(_guarded_load)  # hf_zero/integrations/torch.py
+    check_dcp_metadata_first(_check_metadata)
     _STATE["depth"] = 1
     try:
         yield
     finally:
         _STATE["depth"] = 0
-        torch.load = torch.serialization.load = _ORIGINAL_LOAD[0]
-        _wrap_dcp_reader(False)
+        set_torch_load(_ORIGINAL_LOAD[0])
+        restore_dcp_read_metadata()
         if before is None:
             os.environ.pop(FORCE_ENV, None)
         else:

@@ -15,10 +15,10 @@ import shutil
 import time
 from pathlib import Path
 
-from hf_zero.checkpoint.frozen import frozen_weights_left_out
 from hf_zero.checkpoint.store import STAGING_DIR
 from hf_zero.checkpoint.write import complete_checkpoint, is_disk_full, stop_on_full_disk
 from hf_zero.core.errors import RunInterrupted
+from hf_zero.integrations.deepspeed import frozen_weights_left_out
 
 __all__ = ["StagedCheckpointMixin"]
 
@@ -37,7 +37,7 @@ class StagedCheckpointMixin:
         started = time.time()
         try:
             self.args.output_dir = str(staged.parent)
-            # A LoRA checkpoint under DeepSpeed: no frozen weight, tied ones included (checkpoint/frozen.py).
+            # A LoRA checkpoint under DeepSpeed: no frozen weight, tied ones included (integrations/deepspeed.py).
             engine = self.model_wrapped if getattr(self, "is_deepspeed_enabled", False) else None
             try:
                 with frozen_weights_left_out(engine):

@@ -32,6 +32,7 @@ from hf_zero.core.files import human_bytes
 from hf_zero.core.report import report_user_error
 from hf_zero.data.model_names import BASE_PATH_ATTR
 from hf_zero.estimate.measure import count_parameters
+from hf_zero.integrations.transformers import config_name_or_path
 
 __all__ = ["CheckpointCallback", "best_metric_default", "build_checkpoint_metadata", "complete_checkpoint",
            "verify_saved_model", "is_disk_full", "stop_on_full_disk"]
@@ -96,8 +97,8 @@ def build_checkpoint_metadata(trainer) -> dict:
         "nodes": plan.nodes,
         "peft": hasattr(trainer.model, "peft_config"),
         # The adapter names its base model by hub id (hf_zero.train.model.apply_lora); this is where it resolved here.
-        "base_model_path": getattr(trainer.model, BASE_PATH_ATTR, None) or getattr(
-            getattr(trainer.model, "config", None), "_name_or_path", None),
+        "base_model_path": getattr(trainer.model, BASE_PATH_ATTR, None) or config_name_or_path(
+            getattr(trainer.model, "config", None)),
         "trainable_params": count_parameters(trainer.model)[0],
         "seed": args.seed,
         "settings": trainer.settings,  # what a resume is compared with (checkpoint/compare.py)

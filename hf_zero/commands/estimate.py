@@ -143,18 +143,21 @@ def run(args) -> int:
     sp = prof.sp_size if prof else 1  # a sequence-parallel profile: activations split over sp ranks
     batch = plan_batch(recipe.micro, recipe.accumulation, world_of(gpn, nodes), recipe.global_batch, sp=sp)
     try:
-        count = count_model(get_model_config(recipe.model), lora=recipe.lora)
+        composed = _composed(recipe)  # a multimodal recipe: the LLM with its encoders and projectors, counted
+        count = count_model(composed.model) if composed else count_model(get_model_config(recipe.model),
+                                                                          lora=recipe.lora)
     except ValueError as err:  # peft: target modules not in the model
         raise UserError("--lora-target-modules" if recipe.lora else "--model", str(err).splitlines()[0]) from None
     usable = int(gpu_mem * (1 - HEADROOM)) if gpu_mem else None
     kw = dict(gpus_per_node=gpn, nodes=nodes, precision=precision, seq_len=recipe.seq_len,
               grad_checkpointing=recipe.gradient_checkpointing, convention=args.convention,
               attn_implementation=recipe.attn_implementation, sp_size=sp,
-              fused_cross_entropy=recipe.fused_cross_entropy)
+              fused_cross_entropy=recipe.fused_cross_entropy,
+              extra_activations=composed.activation_bytes_per_row(precision) if composed else 0)
     # LoRA over every strategy: QLoRA's 4-bit base as rows of their own where it is most used; a 4-bit recipe: only
     # those, under every strategy that runs it
     rows = [(s, None) for s in strategies if not recipe.load_in_4bit]
-    if recipe.lora is not None and args.convention == "deepspeed":
+    if recipe.lora is not None and args.convention == "deepspeed" and (composed is None or recipe.load_in_4bit):
         rows += [(s, "nf4") for s in strategies if s in memory.QLORA_STRATEGIES and (
             recipe.load_in_4bit or len(strategies) > 1 and s in ("ddp", "zero3", "fsdp2"))]
     if not rows:
@@ -174,7 +177,8 @@ def run(args) -> int:
                 **{**kw, "sp_size": rec["sp_size"]})
     seq_par = _sequence_parallel(recipe, count, world_of(gpn, nodes), usable, args, batch, kw)
     layer = count.layer
-    summary = {"name": recipe.model, "params": count.total_params, "largest_layer_params": count.largest_layer_params,
+    name = recipe.model + (f" + encoders {', '.join(composed.specs)}" if composed else "")
+    summary = {"name": name, "params": count.total_params, "largest_layer_params": count.largest_layer_params,
                "trainable_params": count.trainable_params, "num_layers": count.num_layers,
                "hidden_size": count.hidden_size, "vocab_size": count.vocab_size}
     inputs = {"gpus_per_node": gpn, "nodes": nodes, "precision": precision, "micro_batch": batch.micro,
@@ -185,14 +189,31 @@ def run(args) -> int:
               "sp_size": sp, "batch": batch.line(),
               # the cpu profile's ranks are processes on the CPU: the table names them so, not GPUs
               "device": "CPU rank" if prof is not None and (prof.name == "cpu" or prof.raw.get("use_cpu")) else "GPU"}
+    multimodal = None
+    if composed:
+        from hf_zero.train.composed_count import estimate_lines, estimate_summary
+
+        multimodal = estimate_summary(composed, precision, batch.micro)
     if args.json:
         print(json.dumps({"model": summary, "convention": args.convention, "inputs": inputs, "strategies": estimates,
-                          "recommendation": rec, "sequence_parallel": seq_par}, indent=2))
+                          "recommendation": rec, "sequence_parallel": seq_par, "multimodal": multimodal}, indent=2))
         return 0
-    _print_table(summary, inputs, args.convention, estimates, rec)
+    _print_table(summary, inputs, args.convention, estimates, rec,
+                 estimate_lines(composed, precision, batch.micro) if composed else ())
     if seq_par:
         _print_sequence_parallel(seq_par, inputs["gpus_per_node"], precision)
     return 0
+
+
+def _composed(recipe):
+    """A multimodal recipe's composed model counted on the meta device (hf_zero.train.composed_count), with the
+    estimate's flags as its overrides; None for any other recipe or a bare model."""
+    if not recipe.path:
+        return None
+    from hf_zero.train.composed_count import count_composed
+
+    overrides = [x for k, v in recipe.flags for x in (f"--{k}", *(v if isinstance(v, tuple) else (v,)))]
+    return count_composed(recipe.path, overrides)
 
 
 def _sequence_parallel(recipe, count, world: int, usable, args, batch, kw) -> dict | None:
@@ -241,7 +262,7 @@ def _print_sequence_parallel(sp: dict, gpn: int, precision: str) -> None:
         print(f"recommended for the longest stage {stage}: sp_size {best}, the smallest that fits: {how}")
 
 
-def _print_table(summary, inputs, convention, estimates, rec) -> None:
+def _print_table(summary, inputs, convention, estimates, rec, multimodal=()) -> None:
     out = sys.stdout
     lora = inputs["lora"]
     trainable = (f", trainable {summary['trainable_params']:,} (LoRA r={lora['r']})" if lora else "")
@@ -258,6 +279,8 @@ def _print_table(summary, inputs, convention, estimates, rec) -> None:
           f"; convention {convention}",
           file=out)
     print(f"batch: {inputs['batch']} | precision: {inputs['precision']}", file=out)  # as check and train show them
+    for line in multimodal:
+        print(line, file=out)
     peak = "peak/GPU" if inputs["device"] == "GPU" else "peak/rank"
     head = ("strategy", "params", "grads", "optimizer", "states@step", "states@fwd", "activations", "buffers",
             peak, "at", "CPU/node", "NVMe", "fits")

@@ -18,7 +18,7 @@ from hf_zero.data.packing import pack_documents, padding_stats
 from hf_zero.data.preference import sample_views
 from hf_zero.plan.one_stage import config_from_flags
 from hf_zero.plan.parse import parse_recipe_args, recipe_fields
-from hf_zero.plan.shipped import DEFAULT_CONFIG
+from hf_zero.plan.shipped import DEFAULT_CONFIG, load_recipe, recipe_argument_types, recipe_script
 
 __all__ = ["add_arguments", "run", "marked_text", "source_lines", "ACCEPTS_EXTRA"]
 
@@ -73,6 +73,8 @@ def run(args) -> int:
         raise UserError("-n", f"must be 0 or more, got {args.samples}")
     # the same recipe `hf-zero train` would run for these flags (--data: the one-stage YAML it builds)
     args.config, extra, _ = config_from_flags(args.config, args.model, args.data, args.extra)
+    if _multimodal(args.config):
+        return _preview_multimodal(args, extra)
     model_args, stages, training, _ = parse_recipe_args(
         (ModelArguments, CurriculumArguments), ["--config", args.config, *extra])
     data_args = recipe_fields(CurriculumArguments, training)
@@ -100,4 +102,61 @@ def run(args) -> int:
                     print(f"  sample {i + 1}{name} ({len(view['input_ids'])} tokens; loss on the tokens between "
                           f"{OPEN} and {CLOSE}):")
                     print("    " + marked_text(tokenizer, view).rstrip().replace("\n", "\n    "))
+    return 0
+
+
+def _multimodal(config: str) -> bool:
+    """Whether the YAML's recipe composes encoders (recipes/multimodal.py)."""
+    types = recipe_argument_types(load_recipe(str(recipe_script(None, config))))
+    return any("encoders" in getattr(t, "__dataclass_fields__", {}) for t in types)
+
+
+def placeholder_runs(sample: dict, placeholder_ids: dict, tokens: dict) -> list[tuple[str, int, int, str]]:
+    """(modality, first position, positions, file) of each modality item of a sample, in reading order: the k-th
+    item of a modality fills the k-th `tokens` of that modality's placeholder positions (as the model fills them)."""
+    at = {m: [p for p, t in enumerate(sample["input_ids"]) if t == i] for m, i in placeholder_ids.items()}
+    seen, runs = {}, []
+    for kind, path in sample.get("media", ()):
+        k = seen[kind] = seen.get(kind, -1) + 1
+        where = at[kind][k * tokens[kind]:(k + 1) * tokens[kind]]
+        runs.append((kind, where[0], len(where), path))
+    return sorted(runs, key=lambda r: r[1])
+
+
+def _preview_multimodal(args, extra) -> int:
+    """A multimodal recipe's stages: per source its rows, then samples with each modality item shown as its
+    placeholder and how many positions it takes (`<points> x4`), and where each item goes in the row."""
+    import re
+
+    from hf_zero.core.config import ModelArguments
+    from hf_zero.train.composed_count import multimodal_data
+
+    types = recipe_argument_types(load_recipe(str(recipe_script(None, args.config))))
+    model_args, *_, all_stages, training, _ = parse_recipe_args(types, ["--config", args.config, *extra])
+    if not isinstance(model_args, ModelArguments):
+        raise UserError("recipe", "the multimodal recipe's first arguments are not ModelArguments", "check recipe:")
+    stages = [s for s in all_stages if s.name == args.stage] if args.stage else all_stages
+    if not stages:
+        raise UserError("--stage", f"no stage {args.stage!r} in {args.config}",
+                        f"use one of: {', '.join(s.name for s in all_stages)}")
+    tokenizer, specs, placeholders, data = multimodal_data(model_args, training, stages)
+    print("modalities: " + ", ".join(f"{m} {s.placeholder} = {s.tokens} tokens per item (input {list(s.input_shape)})"
+                                     for m, s in specs.items()))
+    seq = training["max_seq_length"]
+    for stage, stage_data in zip(stages, data):
+        print(f"stage {stage.name!r}: {len(stage.data)} source(s), max_seq_length {stage.max_seq_length or seq}, "
+              f"{stage_data.pool_size:,} training samples, {len(stage_data.eval_samples):,} held out")
+        for j, (report, samples) in enumerate(zip(stage_data.reports, stage_data.sources)):
+            print(f"  data[{j}] {report.spec}: " + "\n    ".join(source_lines(report)))
+            for i, sample in enumerate(samples[: args.samples]):
+                runs = placeholder_runs(sample, placeholders, {m: sp.tokens for m, sp in specs.items()})
+                print(f"  sample {i + 1} ({len(sample['input_ids'])} tokens, {len(runs)} modality item(s); loss on "
+                      f"the tokens between {OPEN} and {CLOSE}):")
+                for kind, pos, tokens, path in runs:
+                    print(f"    {specs[kind].placeholder} x{tokens} at positions {pos}-{pos + tokens - 1}: {path}")
+                text = marked_text(tokenizer, sample)
+                for s in specs.values():  # a run of n placeholder tokens shown once, with its count
+                    text = re.sub(f"(?:{re.escape(s.placeholder)})+",
+                                  lambda mt, ph=s.placeholder: f"{{{ph} x{len(mt.group()) // len(ph)}}}", text)
+                print("    " + text.rstrip().replace("\n", "\n    "))
     return 0

@@ -12,11 +12,11 @@ from hf_zero.checkpoint.resume import complete_message
 from hf_zero.core import startup
 from hf_zero.core.console import VERBOSE_ENV, quiet_environment
 from hf_zero.core.errors import EXIT_USAGE, UserError
-from hf_zero.core.lean_import import import_training_args
 from hf_zero.core.once import read_once
 from hf_zero.core.validate import at_least
 from hf_zero.estimate.pick import pick_profile
 from hf_zero.estimate.recipe import read_recipe
+from hf_zero.integrations.lean_import import import_training_args
 from hf_zero.launch import launcher
 from hf_zero.launch.interrupt import RESUME_ENV
 from hf_zero.launch.launch_command import build_launch_command, prepare_assets

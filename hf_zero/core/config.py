@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hf_zero.core.lean_import import import_training_args
+from hf_zero.integrations.lean_import import import_training_args
 
 import_training_args()  # every process that parses a recipe; peft only where a LoRA model is built
 

@@ -11,6 +11,7 @@ import time
 from hf_zero.core import startup
 from hf_zero.core.console import rank
 from hf_zero.core.errors import UserError
+from hf_zero.integrations.torch import set_default_group_timeout
 
 __all__ = ["DIST_TIMEOUT_ENV", "DEFAULT_DIST_TIMEOUT", "DistWaitError", "RankLostError", "dist_timeout",
            "set_dist_timeout", "waiting_for", "stall_if_asked"]
@@ -61,9 +62,7 @@ def set_dist_timeout(seconds: int) -> None:
 
     _timeout_s = int(seconds)
     if dist.is_available() and dist.is_initialized():
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        _set_pg_timeout(timedelta(seconds=seconds))
+        set_default_group_timeout(timedelta(seconds=seconds))  # hf_zero/integrations/torch.py
 
 
 @contextlib.contextmanager

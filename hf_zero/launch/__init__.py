@@ -1,1 +1,2 @@
-"""From a command line to running ranks: `hf-zero train`/`profiles`, the launcher, the worker wrapper, Slurm."""
+"""From a resolved run to running ranks: the launcher (`hf-zero train`'s process), the `accelerate launch` line,
+the worker wrapper of each rank, interrupts, the parent watch and the Slurm script."""

@@ -25,9 +25,9 @@ from pathlib import Path
 from hf_zero.core import startup
 from hf_zero.core.console import VERBOSE_ENV, quiet_environment
 from hf_zero.core.errors import EXIT_USAGE, UserError
-from hf_zero.core.lean_import import import_training_args
 from hf_zero.core.report import STATUS_ENV, read_status
 from hf_zero.core.run_lock import LOCK_ENV, RunLock
+from hf_zero.integrations.lean_import import import_training_args
 from hf_zero.launch.interrupt import RESUME_ENV, status_line, where_it_stands
 from hf_zero.launch.parent_watch import LAUNCHER_PID_ENV
 from hf_zero.plan.profiles import load_profile, with_precision

@@ -26,6 +26,7 @@ from hf_zero.core.disk import disk_error, write_errno
 from hf_zero.core.errors import EXIT_USAGE, RunComplete, RunInterrupted, UserError
 from hf_zero.core.report import STATUS_ENV, report_user_error, write_status
 from hf_zero.core.run_lock import release_held
+from hf_zero.integrations.torch import tensorboard_thread_file
 from hf_zero.launch.interrupt import (
     interrupt_requested,
     newest_complete_checkpoint,
@@ -68,7 +69,7 @@ def stop_on_write_failure(err: UserError) -> None:
 def _thread_failed(args) -> None:
     """threading.excepthook: TensorBoard's SummaryWriter writes in its own thread, whose OSError would print a
     thread traceback (and resurface later in the main thread as a second one)."""
-    writer = getattr(getattr(getattr(args.thread, "_record_writer", None), "_writer", None), "filename", None)
+    writer = tensorboard_thread_file(args.thread)
     err = write_failure(args.exc_value, writer) if isinstance(args.exc_value, Exception) else None
     if err is None:
         _DEFAULT_THREAD_HOOK(args)

@@ -5,6 +5,7 @@ settings FSDP2 cannot honour, each as one line."""
 from __future__ import annotations
 
 from hf_zero.core.errors import UserError
+from hf_zero.integrations.transformers import no_split_modules
 
 __all__ = ["layer_classes", "shard_layers", "meta_model", "verify_fsdp"]
 
@@ -12,7 +13,7 @@ __all__ = ["layer_classes", "shard_layers", "meta_model", "verify_fsdp"]
 def layer_classes(model, named: str | None = None) -> list[str]:
     """The module classes FSDP2 gives a shard group of their own: the profile's `fsdp_transformer_layer_cls_to_wrap`
     if it names one, else the model's `_no_split_modules` (what accelerate reads), keeping only classes present."""
-    wanted = [c.strip() for c in named.split(",")] if named else list(getattr(model, "_no_split_modules", None) or [])
+    wanted = [c.strip() for c in named.split(",")] if named else list(no_split_modules(model) or [])
     present = {type(m).__name__ for m in model.modules()}
     return [c for c in wanted if c in present]
 

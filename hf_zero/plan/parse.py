@@ -21,6 +21,7 @@ from hf_zero.core.errors import UserError
 from hf_zero.core.once import once, read_text
 from hf_zero.core.validate import at_line, check_values, check_yaml_types, resolve_recipe_paths, yaml_lines
 from hf_zero.core.yaml_safe import load_yaml
+from hf_zero.integrations.parsers import parser_actions, set_action_types
 
 if TYPE_CHECKING:  # core/config.py imports transformers: only when a stage is built
     from hf_zero.core.config import Stage
@@ -183,12 +184,13 @@ def parse_recipe_args(dataclass_types: tuple, argv: list[str] | None = None, yam
     # gets its "did you mean" instead
     parser = _Parser(dataclass_types, allow_abbrev=False)
     _accept_str_or_bool(parser, dataclass_types)
-    known = {a.dest for a in parser._actions}
+    known = {a.dest for a in parser_actions(parser)}
     for key in yaml_values:
         if key not in known:
             raise _unknown_key_error(key, sorted(known), config_path)
     check_yaml_types(parser, yaml_values, config_path, lines)
-    for action in parser._actions:  # `lora_target_modules: q_proj` is the list `--lora_target_modules q_proj` gives
+    # `lora_target_modules: q_proj` is the list `--lora_target_modules q_proj` gives
+    for action in parser_actions(parser):
         value = yaml_values.get(action.dest)
         if action.nargs in ("+", "*") and value is not None and not isinstance(value, (list, dict)):
             yaml_values[action.dest] = [value]
@@ -247,9 +249,7 @@ def _accept_str_or_bool(parser, dataclass_types) -> None:
             args = set(typing.get_args(hints.get(f.name)))
             if {str, bool} <= args:
                 mixed.add(f.name)
-    for action in parser._actions:
-        if action.dest in mixed:
-            action.type = _str_or_bool
+    set_action_types(parser, mixed, _str_or_bool)  # hf_zero/integrations/parsers.py
 
 
 def pop_flag(argv: list[str], flag: str) -> tuple[str | None, list[str]]:

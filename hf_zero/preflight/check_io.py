@@ -151,7 +151,12 @@ def _recipe_data(st):
     line out); None when it declares none."""
     if st.check_data is None or st.parsed is None:
         return None
-    return st.check_data(st.parsed[-2], st.recipe_values)
+    import inspect
+
+    # a checker that also lists what the model trains (the multimodal recipe's) takes the model's arguments: not in
+    # the light check before a launch, which reads files only
+    wants = "model_args" in inspect.signature(st.check_data).parameters and not st.light
+    return st.check_data(st.parsed[-2], st.recipe_values, **({"model_args": st.parsed[0]} if wants else {}))
 
 
 def _offload(st):

@@ -16,6 +16,7 @@ from hf_zero.core.ops import build_ops
 from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate.memory import estimate
 from hf_zero.estimate.model_count import count_model
+from hf_zero.integrations.parsers import group_dests
 from hf_zero.plan.fsdp import verify_fsdp
 from hf_zero.plan.hostfile import find_machine_rank, read_hostfile
 from hf_zero.plan.profiles import gpu_count, precision_name
@@ -35,8 +36,7 @@ def _accelerate_deepspeed_keys(title: str = "DeepSpeed Arguments") -> set[str]:
     would silently mean stage 0."""
     from accelerate.commands.launch import launch_command_parser
 
-    group = next(g for g in launch_command_parser()._action_groups if g.title == title)
-    return {a.dest for a in group._group_actions}
+    return group_dests(launch_command_parser(), title)  # hf_zero/integrations/parsers.py
 
 
 def verify_profile_keys(profile, keys=None) -> str:

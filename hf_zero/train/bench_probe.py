@@ -18,6 +18,8 @@ from transformers import TrainerCallback
 from hf_zero.core import startup
 from hf_zero.core.console import rank
 from hf_zero.core.files import write_json_atomic
+from hf_zero.integrations.torch import ddp_logging_data
+from hf_zero.integrations.transformers import attn_implementation
 
 __all__ = ["BENCH_ENV", "bench_requested", "BenchProbeCallback", "StartupCallback", "ddp_bucket_bytes", "peak_memory",
            "training_fingerprint"]
@@ -31,10 +33,9 @@ def bench_requested() -> bool:
 
 def ddp_bucket_bytes(wrapped) -> int:
     """Bytes of DDP's gradient buckets: a second copy of every gradient unless gradient_as_bucket_view is on."""
-    get = getattr(wrapped, "_get_ddp_logging_data", None)
-    if get is None:
+    data = ddp_logging_data(wrapped)
+    if data is None:
         return 0
-    data = get()
     if int(data.get("gradient_as_bucket_view", 0)):
         return 0  # the gradients are views into the buckets: one copy, already counted as gradients
     return sum(int(b) for b in str(data.get("bucket_sizes", "")).split(",") if b.strip())
@@ -50,7 +51,7 @@ def training_fingerprint(trainer) -> dict:
     state = trainer.accelerator.state
     return {"param_dtype": str(params[0].dtype) if params else None,
             "trainable_params": sum(getattr(p, "ds_numel", p.numel()) for p in params),
-            "attn_implementation": getattr(trainer.model.config, "_attn_implementation", None),
+            "attn_implementation": attn_implementation(trainer.model.config),
             "distributed_type": str(state.distributed_type), "mixed_precision": str(state.mixed_precision),
             "world_size": state.num_processes, "torch_threads": torch.get_num_threads()}
 

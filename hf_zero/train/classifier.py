@@ -17,6 +17,8 @@ from hf_zero.core.config import ModelArguments
 from hf_zero.core.distributed import waiting_for
 from hf_zero.core.errors import UserError
 from hf_zero.data.model_names import get_tokenizer, resolve_model_path
+from hf_zero.integrations.torch import batch_norm_base
+from hf_zero.integrations.transformers import model_mapping, set_attn_implementation
 from hf_zero.train.model import apply_lora, base_dtype, trainable_in_fp32
 from hf_zero.train.trainer import stage_table
 
@@ -72,11 +74,11 @@ def build_classifier(model_args: ModelArguments, kind: str, label_names: list[st
     labels = {"num_labels": len(label_names), "id2label": dict(enumerate(label_names)),
               "label2id": {n: i for i, n in enumerate(label_names)}}
     config = AutoConfig.from_pretrained(path, **labels)
-    if type(config) not in auto._model_mapping:
+    if type(config) not in model_mapping(auto):
         raise UserError("model_name_or_path", f"a {config.model_type} model has no {kind}-classification head",
                         "use e.g. minilm for text or recipes/models/digits_resnet for images")
     if model_args.attn_implementation:
-        config._attn_implementation = model_args.attn_implementation
+        set_attn_implementation(config, model_args.attn_implementation)
     with waiting_for("the other ranks to build the model (zero.Init under ZeRO-3)"):
         if has_weights(path):
             # The head is new (its size is the number of labels), hence ignore_mismatched_sizes for pretrained heads.
@@ -121,7 +123,7 @@ def sync_norm_stats(model) -> int:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return 0
-    buffers = [b for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+    buffers = [b for m in model.modules() if isinstance(m, batch_norm_base())
                for b in (m.running_mean, m.running_var) if b is not None]
     if not buffers:
         return 0

@@ -31,6 +31,7 @@ from torch import nn
 from hf_zero.checkpoint.fsdp import gathered_state_dict
 from hf_zero.core.errors import UserError
 from hf_zero.data.multimodal import ModalitySpec
+from hf_zero.integrations.transformers import no_split_modules
 
 __all__ = ["build_encoder", "build_encoders", "build_projector", "ComposedModel", "save_composed", "CONFIG_NAME",
            "WEIGHTS_NAME", "ADAPTER_DIR"]
@@ -157,7 +158,7 @@ class ComposedModel(nn.Module):
     @property
     def _no_split_modules(self) -> list:
         base = self.llm.get_base_model() if self.uses_lora else self.llm
-        return list(getattr(base, "_no_split_modules", None) or [])
+        return list(no_split_modules(base) or [])
 
     def forward(self, input_ids, attention_mask=None, labels=None, keep_ranks_in_step: bool = True, **kwargs):
         media = {m: (kwargs.pop(f"{m}_values", None), kwargs.pop(f"{m}_rows", None)) for m in self.specs}

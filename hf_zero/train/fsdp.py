@@ -1,44 +1,14 @@
-"""FSDP2 (torch's `fully_shard`) under accelerate and the Trainer: the one correction accelerate needs on a machine
-without GPUs, and the layer classes each shard group is built around, handed to accelerate before the model is
-prepared. Its checkpoints: hf_zero/checkpoint/fsdp.py; its rules, checked before a launch: hf_zero/plan/fsdp.py.
+"""FSDP2 (torch's `fully_shard`) under accelerate and the Trainer: the layer classes each shard group is built
+around, handed to accelerate before the model is prepared (the one correction accelerate needs on a machine without
+GPUs is hf_zero/integrations/accelerate.py's enable_fsdp_on_cpu). Its checkpoints: hf_zero/checkpoint/fsdp.py;
+its rules, checked before a launch: hf_zero/plan/fsdp.py.
 """
 
 from __future__ import annotations
 
-import os
-
 from hf_zero.plan.fsdp import shard_layers
 
-__all__ = ["enable_fsdp_on_cpu", "announce_layers"]
-
-
-def enable_fsdp_on_cpu(trainer) -> bool:
-    """Turn the Trainer's accelerator into the FSDP one the launcher asked for, on a machine without GPUs.
-
-    accelerate 1.15 only honours ACCELERATE_USE_FSDP for GPU-like backends: on CPU it builds a MULTI_CPU state and
-    trains plain DDP without a word (measured here: the "FSDP" run's losses equal DDP's because it *is* DDP).
-    FSDP2 itself runs on CPU over gloo, so the state gets the FSDP plugin accelerate would have given it, before
-    the model is prepared. Returns True when it changed something.
-    """
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    state = trainer.accelerator.state
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or \
-            state.distributed_type != DistributedType.MULTI_CPU:
-        return False
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    plugin = FullyShardedDataParallelPlugin()  # from the launcher's FSDP_* variables, as accelerate does
-    if isinstance(plugin.cpu_offload, CPUOffloadPolicy):
-        # Pinned host memory needs an accelerator ("Cannot access accelerator device"); with none, the shards
-        # already live in ordinary CPU memory.
-        plugin.cpu_offload = CPUOffloadPolicy(pin_memory=False)
-    if state.mixed_precision != "no":
-        plugin.set_mixed_precision(state.mixed_precision)
-    state.distributed_type = DistributedType.FSDP
-    state.fsdp_plugin = plugin
-    trainer.is_fsdp_enabled = True
-    return True
+__all__ = ["announce_layers"]
 
 
 def announce_layers(trainer) -> list[str]:

@@ -21,6 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from hf_zero.core.errors import UserError
 from hf_zero.data.packing import IGNORE
+from hf_zero.integrations.torch import forward_replaced, printed_class_name
 from hf_zero.plan.fused_loss import chunk_tokens, config_problem
 
 __all__ = ["ChunkedLinearCrossEntropy", "FusedCrossEntropyMixin", "plan_fused_head", "chunk_tokens",
@@ -124,11 +125,8 @@ def _loss_in_head(head, targets, denom):
         hidden = hidden.reshape(-1, hidden.shape[-1])
         return linear_cross_entropy(hidden, head.weight, head.bias, targets.to(hidden.device), denom)
 
-    head.forward = forward
-    try:
+    with forward_replaced(head, forward):  # hf_zero/integrations/torch.py
         yield
-    finally:
-        del head.forward
 
 
 def plan_fused_head(model, mode) -> tuple[torch.nn.Module | None, str]:
@@ -142,7 +140,7 @@ def plan_fused_head(model, mode) -> tuple[torch.nn.Module | None, str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    if head is None or base._get_name() not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+    if head is None or printed_class_name(base) not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         why = "the model is not a causal LM with an lm_head"
     elif not isinstance(head, torch.nn.Linear):
         why = f"its lm_head is a {type(head).__name__} (LoRA or modules_to_save on lm_head), not a plain Linear"

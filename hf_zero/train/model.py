@@ -10,6 +10,7 @@ from hf_zero.core.errors import UserError
 from hf_zero.data.chat_template import added_template_tokens, grow_embeddings, train_embeddings
 from hf_zero.data.model_names import BASE_PATH_ATTR, get_model_config, hub_model_id, resolve_model_path
 from hf_zero.estimate.measure import count_parameters
+from hf_zero.integrations.bitsandbytes import keep_4bit_layout_on_cpu
 from hf_zero.plan.profiles import TORCH_DTYPES
 from hf_zero.plan.quantization import quantization_config
 
@@ -120,22 +121,6 @@ def embeddings_in_16bit(model, dtype) -> None:
         weight = getattr(layer, "weight", None)
         if weight is not None and not weight.requires_grad and weight.is_floating_point():
             weight.data = weight.data.to(dtype)
-
-
-def keep_4bit_layout_on_cpu(model) -> int:
-    """bitsandbytes, on a CPU with AVX512-BF16 (Intel Sapphire Rapids and later), repacks a 4-bit linear's weight in
-    place for its fused kernel at the first forward in eval mode without gradients (a run's evaluation), and undoes
-    that at every state_dict (a checkpoint). Both break in training: the repack takes only out_features a multiple
-    of 32 and in_features a multiple of the quantization block (a reshape error on a small model), and the undo
-    only the uint8 storage of a 4-bit base held whole (an assertion at the first checkpoint under ZeRO-3 or FSDP2,
-    whose 4-bit weights are stored in 16-bit elements). A model hf_zero trains keeps bitsandbytes' storage layout:
-    its evaluation takes the plain 4-bit path, as on every other CPU. Returns how many linears it set."""
-    kept = 0
-    for module in model.modules():
-        if getattr(module, "support_avx512bf16_for_cpu", False):
-            module.support_avx512bf16_for_cpu = False
-            kept += 1
-    return kept
 
 
 def trainable_in_fp32(model) -> list[str]:

@@ -32,6 +32,7 @@ from hf_zero.core.console import say
 from hf_zero.core.errors import UserError
 from hf_zero.data.packing import IGNORE
 from hf_zero.data.preference import PREFERENCE_KEYS
+from hf_zero.integrations.trl import dpo_loss
 from hf_zero.train.reference_cache import ReferenceCache
 
 __all__ = ["PreferenceStage", "preference_stages", "sequence_outputs", "reference_logps", "PreferenceMixin",
@@ -201,12 +202,10 @@ class PreferenceMixin:
         batch = {k: v for k, v in inputs.items() if k != "pref_row"}
         if pstage.reference_free:
             return self._simpo_loss(model, batch, pstage)
-        from trl.trainer.dpo_trainer import DPOTrainer
-
         ref = self._stage_reference(pstage, model)[rows].to(inputs["input_ids"].device)
         batch["ref_chosen_logps"], batch["ref_rejected_logps"] = ref[:, 0], ref[:, 1]
         view = _DPOView(self, pstage.stage, model)
-        loss = DPOTrainer._compute_loss(view, _TRLModel(model), batch, False)
+        loss = dpo_loss(view, _TRLModel(model), batch)  # hf_zero/integrations/trl.py
         for key in METRICS:
             self._pref_metrics[key] += view._metrics["train"][key]
         return loss

@@ -24,6 +24,9 @@ from __future__ import annotations
 import torch
 
 from hf_zero.data.packing import IGNORE
+from hf_zero.integrations.accelerate import set_ulysses_attention
+from hf_zero.integrations.deepspeed import ulysses_group, ulysses_rank, ulysses_world_size
+from hf_zero.integrations.transformers import attn_implementation
 from hf_zero.train.fused_ce import _loss_in_head
 
 __all__ = ["SequenceParallelMixin", "pad_batch", "sp_enabled", "sp_sample_order", "SpOrderedDataset"]
@@ -97,7 +100,6 @@ def _group_adapter(trainer):
     resume the micro-steps already trained skipped here: the Trainer's own skip (accelerate's skip_first_batches)
     rebuilds a plain DataLoader from the adapter it is given, which has no dataset, so it is turned off under SP."""
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-    from deepspeed.utils import groups
 
     class PaddedUlyssesAdapter(UlyssesSPDataLoaderAdapter):
         def refill(self):
@@ -118,14 +120,14 @@ def _group_adapter(trainer):
     def adapter(dl, model):
         from accelerate import skip_first_batches
 
-        sp = groups._get_sequence_parallel_world_size()
+        sp = ulysses_world_size()
         # The curriculum is one epoch: the steps already trained are the first global_step x accumulation micro-steps
         done = trainer.state.global_step * trainer.args.gradient_accumulation_steps if trainer.sp_skip_data else 0
         rounds, within = divmod(done, sp)  # a round: one batch of each rank of the group, one micro-step each
         if rounds:
             dl = skip_first_batches(dl, rounds)
-        out = PaddedUlyssesAdapter(dl, sp_rank=groups._get_sequence_parallel_rank(),
-                                   sp_group=groups._get_sequence_parallel_group(), sp_world_size=sp,
+        out = PaddedUlyssesAdapter(dl, sp_rank=ulysses_rank(),
+                                   sp_group=ulysses_group(), sp_world_size=sp,
                                    device=model.device)
         for _ in range(within):
             next(out)
@@ -143,7 +145,7 @@ class SequenceParallelMixin:
         pc = getattr(targs, "parallelism_config", None)
         if pc is not None and pc.sp_enabled and model is not None:
             # Ulysses wraps the attention the model really uses (DeepSpeed compares the two names)
-            pc.sp_handler.sp_attn_implementation = model.config._attn_implementation
+            set_ulysses_attention(pc, attn_implementation(model.config))  # hf_zero/integrations/accelerate.py
         if pc is not None and pc.sp_enabled and kwargs.get("train_dataset") is not None:
             kwargs["train_dataset"] = SpOrderedDataset(kwargs["train_dataset"], targs.per_device_train_batch_size,
                                                        targs.world_size // pc.sp_size, pc.sp_size)

@@ -15,12 +15,14 @@ from hf_zero.checkpoint.write import CheckpointCallback
 from hf_zero.core import startup
 from hf_zero.core.console import MEAN_LOSS, console_callback, say
 from hf_zero.core.distributed import waiting_for
-from hf_zero.core.lean_import import import_trainer
 from hf_zero.data.curriculum import CurriculumSchedule
+from hf_zero.integrations.accelerate import enable_fsdp_on_cpu
+from hf_zero.integrations.lean_import import import_trainer
+from hf_zero.integrations.torch import last_lr, set_last_lr
 from hf_zero.launch.interrupt import stop_on_signal
 from hf_zero.plan.run_plan import RunPlan
 from hf_zero.train.callbacks import CurriculumCallback, Zero3UniversalFix
-from hf_zero.train.fsdp import announce_layers, enable_fsdp_on_cpu
+from hf_zero.train.fsdp import announce_layers
 from hf_zero.train.fused_ce import FusedCrossEntropyMixin
 from hf_zero.train.held_out import HeldOutLossMixin
 from hf_zero.train.preference import PreferenceMixin
@@ -98,7 +100,7 @@ class CurriculumTrainer(PreferenceMixin, HeldOutLossMixin, SequenceParallelMixin
             # A checkpoint of another engine (checkpoint/convert.py): DeepSpeed drops an empty param group (LoRA's
             # no-decay one), FSDP2 keeps it. Every group shares the one base LR the schedule scales.
             scheduler.base_lrs = [scheduler.base_lrs[0]] * len(groups)
-            scheduler._last_lr = [scheduler._last_lr[0]] * len(groups)
+            set_last_lr(scheduler, [last_lr(scheduler)[0]] * len(groups))
         if not fresh or len(fresh) != len(groups) or not hasattr(scheduler, "lr_lambdas"):
             return
         for group, new in zip(groups, fresh):
@@ -106,8 +108,8 @@ class CurriculumTrainer(PreferenceMixin, HeldOutLossMixin, SequenceParallelMixin
             group["initial_lr"] = new["lr"]
         scheduler.base_lrs = [new["lr"] for new in fresh]
         step = scheduler.last_epoch  # the scheduler's position: the checkpoint's step
-        scheduler._last_lr = [base * f(step) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-        for group, lr in zip(groups, scheduler._last_lr):
+        set_last_lr(scheduler, [base * f(step) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas)])
+        for group, lr in zip(groups, last_lr(scheduler)):
             group["lr"] = lr
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):

@@ -11,7 +11,7 @@ import yaml
 from safetensors import safe_open
 from testing_utils import REPO, launch_recipe
 
-from hf_zero.checkpoint.frozen import frozen_state_names, frozen_weights_left_out
+from hf_zero.integrations.deepspeed import frozen_state_names, frozen_weights_left_out
 
 
 def _tiny(tied: bool):

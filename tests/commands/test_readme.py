@@ -229,7 +229,22 @@ def _check_long_context(proc, where):
     assert s["eval_loss_after"] < s["eval_loss_before"]
 
 
+def _check_multimodal_preview(proc, where):
+    assert "    <points> x4 at positions 5-8: " in proc.stdout and "{<image> x5}What digit is this?" in proc.stdout
+
+
+def _check_multimodal_check(proc, where):
+    assert "stage points trains encoder.points (6,464), projector.points (2,112): 8,576 parameters" in proc.stdout
+
+
+def _check_multimodal_estimate(proc, where):
+    assert "multimodal: encoders and projectors encoder.points 6,464, encoder.image 9,344" in proc.stdout
+
+
 CHECKS = {
+    "hf-zero preview --config recipes/configs/tiny_multimodal.yaml -n 1": _check_multimodal_preview,
+    "hf-zero check --config recipes/configs/tiny_multimodal.yaml": _check_multimodal_check,
+    "hf-zero estimate --config recipes/configs/tiny_multimodal.yaml --profile cpu": _check_multimodal_estimate,
     "make train": _check_make_train,
     "hf-zero train --profile zero3_sp --config recipes/configs/tiny_long_context.yaml": _check_long_context,
     "hf-zero estimate --config recipes/configs/long_context_gpu.yaml --gpus-per-node 8 --gpu-memory 80GiB":

@@ -217,13 +217,14 @@ def test_smollm2_loads_and_knows_shakespeare(smollm2_path):
 
 def test_gguf_conversion_reads_the_file_once_and_puts_the_library_back():
     """The SmolLM2 conversion shares one GGUF reader and one tensor-name table between transformers' three reads
-    (hf_zero/data/smollm2.py); outside the conversion gguf's own functions are back."""
+    (hf_zero/integrations/gguf.py); outside the conversion gguf's own functions are back."""
     import gguf
 
-    from hf_zero.data.smollm2 import _gguf_read_once, _smollm2_gguf
+    from hf_zero.data.smollm2 import _smollm2_gguf
+    from hf_zero.integrations.gguf import gguf_read_once
 
     reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    with _gguf_read_once():
+    with gguf_read_once():
         first, again = gguf.GGUFReader(_smollm2_gguf()), gguf.GGUFReader(str(_smollm2_gguf()))
         assert first is again and isinstance(first, reader_class)
         assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)

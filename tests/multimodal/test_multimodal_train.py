@@ -117,8 +117,9 @@ def test_check_opens_every_image_and_array_and_names_a_bad_one(tmp_path, capsys)
     from testing_utils import check
 
     rc, results = check(capsys, "--config", str(short_config(tmp_path / "good.yaml")), output_dir=tmp_path / "o")
-    assert rc == 0 and results["data"] == (True, "2 stage(s), every image and array opened: points 60 rows, 60 "
-                                                 "files; images 120 rows, 120 files")
+    assert rc == 0 and results["data"][0] is True
+    assert results["data"][1].startswith("2 stage(s), every image and array opened: points 60 rows, 60 files; "
+                                         "images 120 rows, 120 files; "), results["data"]
     shapes = tmp_path / "shapes"
     shapes.mkdir()
     for f in (REPO / "recipes/data/tiny_multimodal/shapes").iterdir():

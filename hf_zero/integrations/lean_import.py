@@ -8,6 +8,11 @@ rank of a full fine-tune (whose transformers code is loaded anyway) for `isinsta
 Here transformers is told peft is absent while those modules load; the names they would have taken from peft stand
 in until peft itself is imported by whoever builds a LoRA model in this process (then they are peft's own classes,
 checked as such). A LoRA run imports peft when it builds its model, as before.
+
+Three assumptions about transformers 5.23.0's import code (registry.py: _is_package_available, PeftModel /
+PeftMixedModel): it asks `import_utils._is_package_available("peft")`, its is_peft_available caches the answer
+(cleared here after), and these two modules take those names from peft at their top. Can go when transformers
+imports peft lazily; issue 42 item 3 weighs removing it against the 1.05 start-up target.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def _import_without_peft(modules: tuple[str, ...]) -> None:
     def hide(pkg_name: str, return_version: bool = False) -> tuple[bool, str]:
         return (False, "N/A") if pkg_name in HIDDEN else real(pkg_name, return_version)
 
-    setattr(import_utils, "_is_package_available", hide)  # noqa: B010  (restored below; listed in core/internals.py)
+    setattr(import_utils, "_is_package_available", hide)  # noqa: B010  (restored below; listed in integrations/registry.py)
     try:
         for name in modules:
             importlib.import_module(name)

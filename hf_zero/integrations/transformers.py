@@ -1,0 +1,56 @@
+"""transformers' private names hf_zero reads or writes (entries in registry.py)."""
+
+from __future__ import annotations
+
+__all__ = ["attn_implementation", "set_attn_implementation", "model_mapping", "no_split_modules",
+           "config_name_or_path", "compile_chat_template"]
+
+
+def attn_implementation(config) -> str | None:
+    """The attention kernel a model built from `config` uses ("sdpa", "eager", ...), None if the config has none.
+
+    Reads PretrainedConfig._attn_implementation (transformers 5.23.0): the model sets it when it resolves the kernel
+    and there is no public getter. Can go when PretrainedConfig exposes attn_implementation publicly."""
+    return getattr(config, "_attn_implementation", None)
+
+
+def set_attn_implementation(config, value: str) -> None:
+    """Build models from `config` with the attention kernel `value`.
+
+    Writes PretrainedConfig._attn_implementation (transformers 5.23.0): AutoModelFor*.from_config takes no
+    attn_implementation for every model class (a classifier's image models among them), the config's attribute is
+    what they all read. Can go with attn_implementation."""
+    config._attn_implementation = value
+
+
+def model_mapping(auto):
+    """`auto`'s config class -> model class mapping (an AutoModelFor* class), to pick a model class without building
+    the model (from_config would allocate it, and partition it under zero.Init).
+
+    The auto classes' _model_mapping (transformers 5.23.0); can go when they offer a public config -> class lookup."""
+    return auto._model_mapping
+
+
+def no_split_modules(model) -> list | None:
+    """The layer classes `model` says must not be split (what accelerate wraps for FSDP2), None if it says none.
+
+    PreTrainedModel._no_split_modules (transformers 5.23.0, read by accelerate 1.15.0 the same way); can go when
+    accelerate's FSDP2 auto-wrap reads a public attribute. A composed model answers it for its LLM
+    (train/composed.py defines the property, as transformers' models do: the contract, not a reach)."""
+    return getattr(model, "_no_split_modules", None)
+
+
+def config_name_or_path(config) -> str | None:
+    """Where the model of `config` was loaded from on this machine (PretrainedConfig._name_or_path, transformers
+    5.23.0), None without a config; can go when the config exposes it publicly."""
+    return getattr(config, "_name_or_path", None)
+
+
+def compile_chat_template(template: str):
+    """Compile `template` exactly as apply_chat_template will (a jinja2 TemplateSyntaxError if it does not parse).
+
+    transformers.utils.chat_template_utils._compile_jinja_template (transformers 5.23.0); can go when transformers
+    offers a public template validator."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    return _compile_jinja_template(template)

@@ -1,0 +1,152 @@
+"""The tools on a multimodal recipe, in process on the tiny config: `hf-zero estimate` counts the composed model as the
+recipe builds it (encoders, projectors, grown embeddings, what trains per stage) and the encoders' activations per
+modality token; `hf-zero check` lists per stage what trains; `hf-zero preview` shows where each item's placeholder
+positions go and how many."""
+
+import json
+import re
+
+import pytest
+import yaml
+from testing_utils import REPO
+
+from hf_zero.cli import main
+
+CONFIG = REPO / "recipes" / "configs" / "tiny_multimodal.yaml"
+
+
+def config_copy(dst, points_tokens=None):
+    """The tiny config with absolute data paths (and another token count for the point-cloud encoder)."""
+    data = yaml.safe_load(CONFIG.read_text())
+    for stage in data["stages"]:
+        paths = stage["data"] if isinstance(stage["data"], list) else [stage["data"]]
+        stage["data"] = [str((CONFIG.parent / p).resolve()) for p in paths]
+    if points_tokens is not None:
+        data["encoders"]["points"]["kwargs"]["tokens"] = points_tokens
+    dst.write_text(yaml.safe_dump(data, sort_keys=False))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def built():
+    """The composed model exactly as recipes/multimodal.py builds it (real weights, the cpu profile's LLM), its part
+    sizes before plan_parts, and the plan."""
+    from hf_zero.core.config import ModelArguments
+    from hf_zero.core.multimodal_args import MultimodalArguments
+    from hf_zero.data.chat_template import prepare_chat_template
+    from hf_zero.data.model_names import get_tokenizer
+    from hf_zero.data.multimodal import add_placeholders
+    from hf_zero.plan.parse import parse_recipe_args
+    from hf_zero.plan.profiles import load_profile
+    from hf_zero.train.composed import ComposedModel, build_encoders
+    from hf_zero.train.model import build_causal_lm
+    from hf_zero.train.parts import part_sizes, plan_parts
+
+    model_args, stages, training, _ = parse_recipe_args((ModelArguments, MultimodalArguments),
+                                                        ["--config", str(CONFIG)])
+    tokenizer = get_tokenizer(model_args.model_name_or_path)
+    prepare_chat_template(tokenizer, training.get("chat_template"))
+    encoders = build_encoders(training["encoders"])
+    placeholders = add_placeholders(tokenizer, encoders[1])
+    llm = build_causal_lm(model_args, tokenizer, load_profile("cpu"))
+    model = ComposedModel(llm, training["encoders"], placeholders, encoders)
+    sizes = part_sizes(model)
+    plan = plan_parts(model, stages, training["learning_rate"])
+    return model, sizes, plan
+
+
+def estimate_json(capsys, config, *flags):
+    assert main(["estimate", "--config", str(config), "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_the_estimates_parameter_counts_are_the_built_models(built, capsys):
+    """Every parameter the run holds (the LLM with its grown embedding rows and LoRA, the encoders, the projectors)
+    and every one that trains in some stage; the old estimate counted the text LLM alone (53,152 / 1,792)."""
+    model, sizes, plan = built
+    out = estimate_json(capsys, CONFIG, "--profile", "ddp")
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert (out["model"]["params"], out["model"]["trainable_params"]) == (total, trainable)
+    mm = out["multimodal"]
+    assert mm["encoders"] == {p: n for p, n in sizes.items() if p.startswith("encoder.")}
+    assert mm["projectors"] == {p: n for p, n in sizes.items() if p.startswith("projector.")}
+    assert mm["trainable_params"] == trainable
+    assert [(s["stage"], s["trains"]) for s in mm["stages"]] == [
+        (name, [p for p, f in factors.items() if f > 0]) for name, factors in zip(plan.names, plan.factors)]
+    assert mm["modality_tokens_per_row"] == {"points": 4, "image": 5}
+    # gradients and Adam moments for exactly what trains in some stage (fp32 under DDP: 4 + 8 bytes a parameter)
+    row = out["strategies"][0]["gpu_bytes_per_rank"]
+    assert (row["grads"], row["optimizer"]) == (4 * trainable, 8 * trainable)
+
+
+def test_the_encoders_activation_term_grows_with_their_token_count(tmp_path, capsys):
+    """Four times the point-cloud tokens: more bytes kept per row by the encoder and projector, and exactly that much
+    more in every strategy's activations (the LLM's term is the same max_seq_length in both)."""
+    small = estimate_json(capsys, config_copy(tmp_path / "a.yaml"), "--profile", "ddp")
+    large = estimate_json(capsys, config_copy(tmp_path / "b.yaml", points_tokens=16), "--profile", "ddp")
+    assert large["multimodal"]["modality_tokens_per_row"]["points"] == 16
+    grown = large["multimodal"]["activation_bytes"] - small["multimodal"]["activation_bytes"]
+    assert grown > 0 and small["multimodal"]["activation_bytes"] > 0
+    assert large["strategies"][0]["gpu_bytes_per_rank"]["activations"] - \
+        small["strategies"][0]["gpu_bytes_per_rank"]["activations"] == grown
+
+
+def test_check_lists_per_stage_what_trains(built, tmp_path, capsys):
+    from testing_utils import check
+
+    _, sizes, plan = built
+    rc, results = check(capsys, "--config", str(config_copy(tmp_path / "c.yaml")), output_dir=tmp_path / "o")
+    ok, line = results["data"]
+    assert rc == 0 and ok is True, line
+    assert "modality tokens per item: points 4, image 5" in line
+    for name, factors in zip(plan.names, plan.factors):
+        trains = [p for p, f in factors.items() if f > 0]
+        n = sum(sizes[p] for p in trains)
+        assert f"stage {name} trains {', '.join(f'{p} ({sizes[p]:,})' for p in trains)}: {n:,} parameters" in line
+
+
+def test_placeholder_runs_split_adjacent_items_of_a_modality():
+    from hf_zero.commands.preview import placeholder_runs
+
+    p, i = 100, 200
+    sample = {"input_ids": [1, p, p, p, p, p, p, 2, i, i, 3],
+              "media": [("points", "a.npy"), ("points", "b.npy"), ("image", "c.png")]}
+    assert placeholder_runs(sample, {"points": p, "image": i}, {"points": 3, "image": 2}) == [
+        ("points", 1, 3, "a.npy"), ("points", 4, 3, "b.npy"), ("image", 8, 2, "c.png")]
+
+
+def test_preview_shows_where_each_items_tokens_go(capsys):
+    assert main(["preview", "--config", str(CONFIG), "-n", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "modalities: points <points> = 4 tokens per item (input [64, 3]), image <image> = 5 tokens per item " \
+           "(input [1, 8, 8])" in out
+    runs = re.findall(r"<(points|image)> x(\d+) at positions (\d+)-(\d+): \S+\.(npy|png)", out)
+    assert {(kind, int(n)) for kind, n, *_ in runs} == {("points", 4), ("image", 5)}
+    assert all(int(end) - int(start) + 1 == int(n) for _, n, start, end, _ in runs)
+    assert "{<points> x4}What shape is this?" in out and "{<image> x5}What digit is this?" in out
+
+
+def test_the_estimates_model_states_match_what_the_run_holds(tmp_path, capsys):
+    """One process (no ranks launched), one step a stage, `--measure_memory true`: the estimate's parameter,
+    gradient and optimizer bytes (fp32, one rank, no wrapper) within 10% of what the run held at its first step,
+    as tests/estimate/ checks the text estimate; the old estimate counted the text LLM alone (its 1,792 trainable
+    parameters: a fraction of the gradients measured)."""
+    import sys
+
+    from testing_utils import run_cmd
+
+    from hf_zero.estimate.measure import read_measurements
+
+    config = config_copy(tmp_path / "m.yaml")
+    data = yaml.safe_load(config.read_text())
+    data.update(eval_samples=0, stages=[{**s, "steps": 1} for s in data["stages"]])
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    out = tmp_path / "run"
+    run_cmd([sys.executable, REPO / "recipes" / "multimodal.py", "--config", config, "--output_dir", out,
+             "--measure_memory", "true", "--save_final_model", "false", "--disable_tqdm", "true"])
+    (measured,) = read_measurements(out)
+    est = estimate_json(capsys, config, "--profile", "ddp", "--precision", "fp32", "--gpus-per-node", "1")
+    row = est["strategies"][0]["gpu_bytes_per_rank"]
+    for part in ("params", "grads", "optimizer"):
+        assert measured["measured"][part] == pytest.approx(row[part], rel=0.10), (part, measured, row)
