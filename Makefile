@@ -53,10 +53,11 @@ PARALLEL = $(if $(filter 0,$(XDIST)),,-n $(XDIST) --dist loadgroup)
 test: install
 	$(BIN)/python -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
-# Everything that starts no process group (no launcher, no ranks): unit and in-process tests, before every commit.
+# Everything that starts no process group (no launcher, no ranks): unit and in-process tests, before every commit;
+# less the tests that run a whole recipe in one process (marker `recipe_run`: `make test` runs them).
 # tests/conftest.py fails a test here that starts one without the `multiproc` marker.
 test-fast: install
-	$(BIN)/python -m pytest -n $(if $(filter 0,$(XDIST)),1,$(XDIST)) --dist loadfile -m "not gpu and not slow and not multiproc" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(if $(filter 0,$(XDIST)),1,$(XDIST)) --dist loadfile -m "not gpu and not slow and not multiproc and not recipe_run" $(PYTEST_ARGS)
 
 # The launches beyond `make test`'s 15 minutes (marker `extended`: each failure scenario and engine combination end
 # to end, the README/docs commands that launch); CI runs it after `make test`.

@@ -138,6 +138,7 @@ def tiny_config(tmp_path):
     return folder
 
 
+@pytest.mark.recipe_run  # plans every variant on the 1.1B config (10 s)
 def test_dry_run_plans_each_variant_as_on_a_gpu_without_launching(tiny_config, tmp_path, capsys):
     """Recipe, data, flags and DeepSpeed settings of each run reconciled as on a GPU, nothing launched: a Liger
     variant fails where liger-kernel is not installed (the GPU kit must carry it), a CUDA-only one is planned."""

@@ -23,6 +23,10 @@ def short_config(dst: Path, steps: int = 4, **overrides) -> Path:
     return dst
 
 
+# Each test here runs the recipe (the module's run once, a resume, refusals): `make test`, not `make test-fast`.
+pytestmark = pytest.mark.recipe_run
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("multimodal")

@@ -137,6 +137,7 @@ def test_preview_shows_each_row_as_its_chosen_and_rejected_sequence(tmp_path, ca
     assert "sample 1 rejected (" in out and "Answer:[[ no idea.<|endoftext|>]]" in out
 
 
+@pytest.mark.recipe_run
 def test_init_makes_a_dpo_stage_of_preference_rows_and_its_lora_run_learns(tmp_path, capsys):
     """`hf-zero init --data pairs.jsonl` (what `hf-zero train --model M --data pairs.jsonl` runs): one dpo stage,
     LoRA as every init recipe; the recipe trains it on one process."""
@@ -342,6 +343,7 @@ def sft_dpo_run(tmp_path_factory):
     return root, config, proc
 
 
+@pytest.mark.recipe_run
 def test_sft_then_dpo_in_one_run_raises_reward_accuracy(sft_dpo_run):
     root, _, proc = sft_dpo_run
     s = read_summary(root / "run")
@@ -371,6 +373,7 @@ def test_sft_then_dpo_in_one_run_raises_reward_accuracy(sft_dpo_run):
     assert "reward acc 1.00" in steps[8]
 
 
+@pytest.mark.recipe_run
 def test_a_resume_inside_the_stage_reuses_the_cache(sft_dpo_run, tmp_path):
     """Stopped after checkpoint-5 (3 steps into the preference stage): the resumed run reads the cache, and its
     steps are the uninterrupted run's."""
@@ -391,6 +394,7 @@ def test_a_resume_inside_the_stage_reuses_the_cache(sft_dpo_run, tmp_path):
     assert len(s["losses"]) == 8 and s["losses"] == pytest.approx(full["losses"], abs=1e-6)  # 6-8 trained again
 
 
+@pytest.mark.recipe_run
 def test_a_second_run_reuses_the_cache_and_other_rows_are_refused(sft_dpo_run, tmp_path):
     root, config, _ = sft_dpo_run
     cached = root / "run" / "reference_logps"
