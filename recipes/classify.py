@@ -10,9 +10,9 @@ the results go to TensorBoard, log_history.json and summary.json.
 
 import sys
 
-from hf_zero.core.config import ModelArguments
-from hf_zero.data.classification import ClassificationArguments, check_classification_data
+from hf_zero.data.classification import check_classification_data
 from hf_zero.launch.worker import recipe_entry
+from hf_zero.plan.arguments import ClassificationArguments, ModelArguments
 
 # What the tools know of this recipe (`hf-zero check`): the argument classes its YAMLs set (the last one extends
 # TrainingArguments) and how to check their data.

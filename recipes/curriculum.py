@@ -9,8 +9,8 @@ TrainingArguments field is a flag (--output_dir, --seed, --save_steps, ...).
 
 import sys
 
-from hf_zero.core.config import CurriculumArguments, ModelArguments
 from hf_zero.launch.worker import recipe_entry
+from hf_zero.plan.arguments import CurriculumArguments, ModelArguments
 
 # What the YAMLs of this recipe are checked against (`hf-zero check`); the last class extends TrainingArguments.
 ARGUMENT_TYPES = (ModelArguments, CurriculumArguments)
@@ -27,7 +27,8 @@ def main(argv=None):
     from hf_zero.train import recipe_steps as steps
     from hf_zero.train.generate import PROMPT_FORM_KEY, prompt_form
     from hf_zero.train.model import build_causal_lm, count_parameters, describe_weights, is_zero3_partitioned
-    from hf_zero.train.preference import preference_stages, preference_summary
+    from hf_zero.train.preference import preference_stages
+    from hf_zero.train.preference_report import preference_summary, preference_words
     from hf_zero.train.run import setup_run, write_summary
     from hf_zero.train.samples import SampleCallback, exact_match_summary
     from hf_zero.train.trainer import CurriculumTrainer, eval_means, stage_table
@@ -42,7 +43,9 @@ def main(argv=None):
     stage_data = [load_stage_data(s, tokenizer, args.max_seq_length, args.text_field, args.eval_samples,
                                   args.seed, packing=args.packing, formats=FormatOptions.from_args(args))
                   for s in ctx.stages]
-    eval_sets = {s.name: d.eval_samples for s, d in zip(ctx.stages, stage_data) if d.eval_samples}
+    # a dpo stage's held-out pairs are not a loss's: their reward accuracy is measured at its start and end
+    eval_sets = {s.name: d.eval_samples for s, d in zip(ctx.stages, stage_data)
+                 if d.eval_samples and s.objective != "dpo"}
     pref = preference_stages(ctx.stages, stage_data)  # the dpo stages and their rows (hf_zero.train.preference)
     schedule, order = steps.lay_out(ctx, [d.pool_size for d in stage_data],
                                     [[len(src) for src in d.sources] for d in stage_data], has_eval=bool(eval_sets),
@@ -83,13 +86,14 @@ def main(argv=None):
         "model_path": resolve_model_path(model_args.model_name_or_path),
         "zero3_partitioned_at_build": partitioned,
         **(exact := exact_match_summary(history)),
-        **preference_summary(history, schedule, pref, trainer.reference_status),
+        **(summary_pref := preference_summary(history, schedule, pref, trainer.reference_status)),
         PROMPT_FORM_KEY: (form := prompt_form(stage_data)),  # how `hf-zero generate` prompts the model
     }, history)
     held_out = sum(len(samples) for samples in eval_sets.values())
     done = (f"[hf_zero] done: {steps.loss_words(before, after, len(eval_sets), held_out)}"
             + steps.exact_match_words(exact.get("exact_match_before"), exact.get("exact_match_after"),
                                       exact.get("exact_match_prompts"))
+            + preference_words(summary_pref)
             + (f"model in {final_dir}" if final_dir else "no model written (save_final_model: false)")
             + f", summary in {summary}")
     say("\n".join([done, *steps.next_steps(ctx.output_dir, final_dir, model_args.use_peft, form=form)]))

@@ -9,9 +9,8 @@ and what is not built yet.
 
 import sys
 
-from hf_zero.core.config import ModelArguments
-from hf_zero.core.multimodal_args import MultimodalArguments
 from hf_zero.launch.worker import recipe_entry
+from hf_zero.plan.arguments import ModelArguments, MultimodalArguments
 from hf_zero.train.composed_count import check_multimodal
 
 # What the tools know of this recipe (`hf-zero check`): the argument classes its YAMLs set (the last one extends

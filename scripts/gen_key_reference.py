@@ -24,11 +24,18 @@ PAGE = REPO / "docs" / "reference" / "recipe-keys.md"
 def documented_types() -> tuple:
     """The argument classes a recipe YAML sets, in page order. The one place that imports them: where they move,
     change these lines."""
-    from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
-    from hf_zero.core.multimodal_args import MultimodalArguments
-    from hf_zero.data.classification import ClassificationArguments
+    from hf_zero.core.config import Stage
+    from hf_zero.plan.arguments import (
+        ClassificationArguments,
+        CurriculumArguments,
+        ModelArguments,
+        MultimodalArguments,
+        RecipeArguments,
+    )
+    from hf_zero.plan.vlm_args import VlmArguments
 
-    return ModelArguments, CurriculumArguments, Stage, ClassificationArguments, MultimodalArguments
+    return (ModelArguments, RecipeArguments, CurriculumArguments, Stage, ClassificationArguments, MultimodalArguments,
+            VlmArguments)
 
 
 def _trainer_defaults() -> tuple[dict, dict]:
@@ -42,10 +49,12 @@ def _trainer_defaults() -> tuple[dict, dict]:
 
 SECTIONS = {  # class name -> the heading of its table
     "ModelArguments": "Model and LoRA",
+    "RecipeArguments": "Batch and resuming (every recipe)",
     "CurriculumArguments": "Data, batch and run (the curriculum recipe)",
     "Stage": "Stages (each entry of `stages:`)",
     "ClassificationArguments": "The classification recipe (`recipe: classify`)",
     "MultimodalArguments": "The multimodal recipe (`recipe: multimodal`), beside the curriculum's keys",
+    "VlmArguments": "The vision-language recipe (`recipe: vlm`), beside the curriculum's keys",
 }
 
 

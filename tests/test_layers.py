@@ -38,32 +38,26 @@ UPWARD = set()
 CYCLES = set()
 
 # hf_zero modules imported inside a function: "importer -> imported": why it cannot be at the top of the file.
-# Start-up time: the imported module loads transformers (core/config.py subclasses its TrainingArguments; the others
-# import core/config.py or a TrainerCallback), seconds that `hf-zero check`, `estimate`, `preview`, `bench` and the
+# Start-up time: the imported module loads transformers (plan/arguments.py subclasses its TrainingArguments; the
+# others import it or a TrainerCallback), seconds that `hf-zero check`, `estimate`, `preview`, `bench` and the
 # launcher only pay once they read a recipe; each of those imports sits in the function that needs it.
 _TRANSFORMERS = "loads transformers: imported where a recipe is read, not when the command or launcher starts"
 LOCAL = {
-    'hf_zero.checkpoint.export -> hf_zero.core.config': _TRANSFORMERS,
+    'hf_zero.checkpoint.export -> hf_zero.plan.arguments': _TRANSFORMERS,
     'hf_zero.bench.execute -> hf_zero.train.bench_probe': _TRANSFORMERS,
-    'hf_zero.bench.plan -> hf_zero.core.config': _TRANSFORMERS,
-    'hf_zero.bench.plan -> hf_zero.data.curriculum': _TRANSFORMERS,
-    'hf_zero.bench.plan -> hf_zero.data.stages': _TRANSFORMERS,
+    'hf_zero.bench.plan -> hf_zero.plan.arguments': _TRANSFORMERS,
     'hf_zero.bench.plan -> hf_zero.train.model': _TRANSFORMERS,
     'hf_zero.bench.runs -> hf_zero.estimate.measure': _TRANSFORMERS,
-    'hf_zero.commands.estimate -> hf_zero.core.config': _TRANSFORMERS,
+    'hf_zero.commands.estimate -> hf_zero.plan.arguments': _TRANSFORMERS,
     'hf_zero.commands.estimate -> hf_zero.train.composed_count': _TRANSFORMERS,
     'hf_zero.commands.preview -> hf_zero.train.composed_count': _TRANSFORMERS,
-    'hf_zero.commands.preview -> hf_zero.core.config': _TRANSFORMERS,
-    'hf_zero.commands.preview -> hf_zero.data.stages': _TRANSFORMERS,
-    'hf_zero.plan.one_stage -> hf_zero.core.config': _TRANSFORMERS,
-    'hf_zero.plan.one_stage -> hf_zero.data.stages': _TRANSFORMERS,
-    'hf_zero.plan.parse -> hf_zero.core.config': _TRANSFORMERS,
-    'hf_zero.plan.sequence_parallel -> hf_zero.core.config': _TRANSFORMERS,
-    'hf_zero.plan.shipped -> hf_zero.core.config': _TRANSFORMERS,
-    'hf_zero.preflight.check_io -> hf_zero.core.config': _TRANSFORMERS,
-    'hf_zero.preflight.check_io -> hf_zero.data.curriculum': _TRANSFORMERS,
-    'hf_zero.preflight.check_io -> hf_zero.data.stages': _TRANSFORMERS,
-    'hf_zero.preflight.checks -> hf_zero.core.config': _TRANSFORMERS,
+    'hf_zero.commands.preview -> hf_zero.train.vlm_check': _TRANSFORMERS,
+    'hf_zero.commands.preview -> hf_zero.plan.arguments': _TRANSFORMERS,
+    'hf_zero.plan.one_stage -> hf_zero.plan.arguments': _TRANSFORMERS,
+    'hf_zero.plan.parse -> hf_zero.plan.arguments': _TRANSFORMERS,
+    'hf_zero.plan.sequence_parallel -> hf_zero.plan.arguments': _TRANSFORMERS,
+    'hf_zero.plan.shipped -> hf_zero.plan.arguments': _TRANSFORMERS,
+    'hf_zero.preflight.checks -> hf_zero.plan.arguments': _TRANSFORMERS,
 }
 
 

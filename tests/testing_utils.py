@@ -91,7 +91,7 @@ HF_ZERO_LINES = (
     r"\[hf_zero\] ", r"\[hf_zero bench\] ", r"hf-zero: ", r"\s",
     r"step \d+/\d+ \| ", r"eval (before training|at step \d+)", r"={72}$", r"hf_zero \| profile ",  # a run
     r"(ok|FAIL|skip) [\w-]+: ",  # check
-    r"stage '",  # preview
+    r"stage '", r"plan: profile ",  # preview
     # estimate: its model line, the table's header and rows (a strategy name, then sizes), the legend, the advice
     r"model \S+: [\d,]+ params", r"strategy  ", r"(ddp|zero\d|fsdp2)\w*( 4-bit)? +(\d|0 B)", r"peak/(GPU|rank) = ",
     r"recommended: ", r"batch: \d+ micro x ",  # estimate: the batch line and precision, as check and train show them
@@ -480,7 +480,7 @@ def profile(tmp_path, base="zero2", replace=None, append="") -> str:
 
 
 def start_args(tmp_path):
-    from hf_zero.core.config import CurriculumArguments, ModelArguments
+    from hf_zero.plan.arguments import CurriculumArguments, ModelArguments
     from hf_zero.plan.parse import parse_recipe_args
 
     m, stages, kwargs, _ = parse_recipe_args((ModelArguments, CurriculumArguments),

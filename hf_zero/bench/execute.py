@@ -27,7 +27,7 @@ from hf_zero.plan.shipped import DEFAULT_RECIPE, shipped_dir
 
 # summarize_run, root_cause, model_state_bytes: hf_zero.bench.runs's, re-exported as bench's own.
 __all__ = ["execute", "DEFAULT_STRATEGIES", "DEFAULT_BENCH_CONFIG", "PLAIN_SCRIPT",
-           "summarize_run", "root_cause", "model_state_bytes", "plain_launch_command"]
+           "summarize_run", "root_cause", "model_state_bytes", "plain_launch_command", "run_hf_zero"]
 
 DEFAULT_BENCH_CONFIG = shipped_dir("recipes") / "configs" / "bench.yaml"
 PLAIN_SCRIPT = shipped_dir("benchmarks") / "plain_trainer.py"
@@ -83,7 +83,7 @@ def _threads(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
-def _run_hf_zero(profile: str, plan, args, run_dir: Path, measure: bool, flip_packing: bool = False,
+def run_hf_zero(profile: str, plan, args, run_dir: Path, measure: bool, flip_packing: bool = False,
                  switches: dict | None = None) -> dict:
     """One hf_zero run of the bench's recipe; `flip_packing`: with packing switched the other way from the recipe;
     `switches`: bench switches for this run alone (the GPU matrix's DeepSpeed settings)."""
@@ -128,7 +128,7 @@ def _overhead_pairs(plan, args, overhead: str, out: Path, log) -> list[tuple[dic
     spec = write_plain_spec(plan, overhead, args.precision, out / "plain")
     pairs = []
     for i in range(args.overhead_repeats):
-        launch = {"hf": lambda: _run_hf_zero(overhead, plan, args, out / "runs" / f"overhead_hf_zero_{i + 1}",
+        launch = {"hf": lambda: run_hf_zero(overhead, plan, args, out / "runs" / f"overhead_hf_zero_{i + 1}",
                                              measure=False),
                   "plain": lambda: _run_plain(spec, overhead, args, out / "runs" / f"overhead_plain_{i + 1}", plan)}
         got = {side: launch[side]() for side in (("hf", "plain") if i % 2 == 0 else ("plain", "hf"))}
@@ -169,14 +169,14 @@ def execute(args, reference: bool = False) -> tuple[dict, int]:
         results["torch_loop"] = _run_reference(plan, args, out)
         log(bench_report.progress_line("torch loop (reference)", results["torch_loop"]), flush=True)
     for name in names:
-        results[name] = _run_hf_zero(name, plan, args, out / "runs" / name, measure=True)
+        results[name] = run_hf_zero(name, plan, args, out / "runs" / name, measure=True)
         log(bench_report.progress_line(name, results[name]), flush=True)
 
     pairs = _overhead_pairs(plan, args, overhead, out, log) if args.overhead_repeats else []
 
     flipped = None
     if not args.no_packing:
-        flipped = _run_hf_zero(overhead, plan, args, out / "runs" / ("unpacked" if plan.packing else "packing"),
+        flipped = run_hf_zero(overhead, plan, args, out / "runs" / ("unpacked" if plan.packing else "packing"),
                                measure=False, flip_packing=True)
         log(bench_report.progress_line(f"{overhead} {'unpacked' if plan.packing else 'packed'}", flipped), flush=True)
 

@@ -96,7 +96,10 @@ def _recipe(path: Path, model: Path, seq_len: int, micro: int, steps: int) -> Pa
               "stages": [{"name": "passages", "data": DATA, "steps": steps, "learning_rate": 1.0e-4,
                           "warmup_steps": 1}],
               "per_device_train_batch_size": micro, "gradient_accumulation_steps": 1, "learning_rate": 1.0e-4,
-              "seed": 42, "dataloader_num_workers": 0}
+              "seed": 42, "dataloader_num_workers": 0,
+              # like for like with the plain PyTorch loop, which has none of Liger's kernels (on by default on a
+              # GPU); the speed matrix measures them as variants of their own (`--use_liger_kernel true`)
+              "use_liger_kernel": False}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# Written by `hf-zero bench --preset gpu`.\n" + yaml.safe_dump(recipe, sort_keys=False))
     return path

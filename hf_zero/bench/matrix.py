@@ -23,9 +23,9 @@ from pathlib import Path
 
 from hf_zero.bench import gpu
 from hf_zero.bench.dryrun import config_only_folder, dry_run
-from hf_zero.bench.execute import _run_hf_zero
+from hf_zero.bench.execute import run_hf_zero
 from hf_zero.bench.matrix_report import write_reports
-from hf_zero.bench.plan import _recipe_types, build_plan
+from hf_zero.bench.plan import build_plan, recipe_types
 from hf_zero.bench.report import machine_info, progress_line
 from hf_zero.core.errors import UserError
 from hf_zero.data.cache import get_cache_dir
@@ -137,7 +137,8 @@ def _estimate(plan, strategy: str) -> int | None:
     (name,), _ = strategies_for(strategy)
     e = estimate(plan.count, name, world_size=1, gpus_per_node=1, precision="bf16", micro_batch=plan.micro,
                  seq_len=plan.seq_len, attn_implementation=plan.model_args.attn_implementation,
-                 fused_cross_entropy=plan.training_kwargs.get("fused_cross_entropy", "auto"))
+                 fused_cross_entropy=plan.training_kwargs.get("fused_cross_entropy", "auto"),
+                 use_liger_kernel=plan.training_kwargs.get("use_liger_kernel", "auto"))
     return int(e["gpu_bytes_per_rank"]["total"])
 
 
@@ -145,7 +146,7 @@ def _with_flags(plan, recipe: Path, flags: tuple):
     """`plan` with the recipe's arguments as `flags` make them (parsed and checked as build_plan parses them)."""
     from dataclasses import replace
 
-    model_args, _, kwargs, _ = parse_recipe_args(_recipe_types(), ["--config", str(recipe), *flags])
+    model_args, _, kwargs, _ = parse_recipe_args(recipe_types(), ["--config", str(recipe), *flags])
     return replace(plan, model_args=model_args, training_kwargs=kwargs)
 
 
@@ -205,7 +206,7 @@ def run_matrix(args) -> int:
         sub = copy.copy(args)
         sub.extra, sub.nproc, sub.precision = list(v.flags), 1, "bf16"
         sub.timeout = max(1, int(min(args.timeout, left)))
-        result = _run_hf_zero(v.strategy, plan, sub, folder / "run", measure=False, switches=env)
+        result = run_hf_zero(v.strategy, plan, sub, folder / "run", measure=False, switches=env)
         print(progress_line(v.name, result), flush=True)
         if result["status"] != "ok":
             return {**row, "status": "failed", "reason": result.get("cause", ""), "log": result.get("log")}

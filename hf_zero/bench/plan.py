@@ -9,16 +9,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
+from hf_zero.data.curriculum import build_sample_order, build_schedule
 from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
 from hf_zero.data.packing import padding_stats, real_tokens
+from hf_zero.data.stages import load_stage_data
 from hf_zero.estimate.flops import flops_per_token
 from hf_zero.estimate.memory import estimate, strategies_for
 from hf_zero.estimate.model_count import count_model
 from hf_zero.plan.parse import load_yaml_config, parse_recipe_args, parse_stages, recipe_fields
 from hf_zero.plan.profiles import Profile, gpu_count, load_profile, with_precision
-from hf_zero.plan.reconcile import BatchPlan, plan_batch, reconcile_training_kwargs
+from hf_zero.plan.reconcile import BatchPlan, reconcile_training_kwargs, resolve_batch
+from hf_zero.plan.world import launch_shape
 
-__all__ = ["BenchPlan", "build_plan", "run_profile", "write_plain_spec", "estimate_bytes"]
+__all__ = ["BenchPlan", "build_plan", "run_profile", "recipe_types", "write_plain_spec", "estimate_bytes"]
 
 
 @dataclass
@@ -39,7 +42,7 @@ class BenchPlan:
     padding: dict  # {"unpacked": padding_stats, "packed": padding_stats} over the whole run
     count: object  # hf_zero.estimate.model_count.ModelCount
     flops_per_token: float
-    model_args: object = field(repr=False, default=None)  # hf_zero.core.config.ModelArguments
+    model_args: object = field(repr=False, default=None)  # hf_zero.plan.arguments.ModelArguments
     training_kwargs: dict = field(repr=False, default_factory=dict)
     samples: list = field(repr=False, default_factory=list)  # the rows trained, in step order
 
@@ -58,8 +61,8 @@ def run_profile(name: str, precision: str | None) -> Profile:
     return with_precision(load_profile(name), precision)
 
 
-def _recipe_types():
-    from hf_zero.core.config import CurriculumArguments, ModelArguments
+def recipe_types():
+    from hf_zero.plan.arguments import CurriculumArguments, ModelArguments
 
     return ModelArguments, CurriculumArguments
 
@@ -88,8 +91,6 @@ def build_plan(config: str, model: str | None, steps: int | None, nproc: int, ex
     samples (as the recipe trains them, packed or not, and the other way for the packing comparison)."""
     import yaml
 
-    from hf_zero.data.curriculum import build_sample_order, build_schedule
-    from hf_zero.data.stages import load_stage_data
     from hf_zero.train.model import lora_kwargs
 
     raw = load_yaml_config(config)
@@ -98,13 +99,14 @@ def build_plan(config: str, model: str | None, steps: int | None, nproc: int, ex
     forced = {"eval_samples": 0, "save_strategy": "no", **({} if keep_models else {"save_final_model": False}),
               **({"model_name_or_path": model} if model else {})}
     argv = ["--config", config, *extra, *[x for k, v in forced.items() for x in (f"--{k}", str(v))]]
-    model_args, stages, kwargs, _ = parse_recipe_args(_recipe_types(), argv)
-    data_args = recipe_fields(_recipe_types()[-1], kwargs)
+    model_args, stages, kwargs, _ = parse_recipe_args(recipe_types(), argv)
+    data_args = recipe_fields(recipe_types()[-1], kwargs)
     if not stages:
         raise UserError("--config", f"{config} has no stages", "use a recipe with a `stages:` list")
     tokenizer = get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)
-    batch = plan_batch(int(kwargs["per_device_train_batch_size"]), int(kwargs["gradient_accumulation_steps"]), nproc,
-                       data_args.global_batch_size)
+    # every strategy's batch on `nproc` ranks of one machine, resolved as `hf-zero train` resolves it
+    batch = resolve_batch({**kwargs, "global_batch_size": data_args.global_batch_size},
+                          launch_shape(nproc=nproc).world)
     seed = int(kwargs["seed"])
     data = [load_stage_data(s, tokenizer, data_args.max_seq_length, data_args.text_field, 0, seed,
                             packing=data_args.packing) for s in stages]
@@ -170,8 +172,7 @@ def write_plain_spec(plan: BenchPlan, profile_name: str, precision: str | None, 
     prof = run_profile(profile_name, precision)
     kwargs, _ = reconcile_training_kwargs(dict(plan.training_kwargs), prof, plan.nproc, has_gpu=gpu_count() > 0,
                                           global_batch=plan.global_batch)
-    kwargs.update(max_steps=plan.total_steps, train_sampling_strategy="sequential", disable_tqdm=True,
-                  gradient_accumulation_steps=plan.accumulation)
+    kwargs.update(max_steps=plan.total_steps, train_sampling_strategy="sequential", disable_tqdm=True)
     ds = kwargs.pop("deepspeed", None)
     defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments) if f.init}
     training_args = {k: v for k, v in kwargs.items()

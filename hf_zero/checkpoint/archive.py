@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from hf_zero.checkpoint.store import LATEST_NAME, STAGING_DIR, _fsync_dir, list_checkpoints, write_json_atomic
+from hf_zero.checkpoint.store import LATEST_NAME, STAGING_DIR, fsync_dir, list_checkpoints, write_json_atomic
 from hf_zero.core.errors import UserError
 
 __all__ = ["ARCHIVE_DIR", "ARCHIVE_JOURNAL", "next_archive", "archive_checkpoints", "recover_archive"]
@@ -81,10 +81,10 @@ def _move_entries(output_dir: Path, archive: Path, names: list[str]) -> None:
                             "met a file written since); nothing was overwritten",
                             f"move one of them out of {output_dir}, then run the same command again")
         os.rename(src, dst)
-    _fsync_dir(archive)
-    _fsync_dir(output_dir)
+    fsync_dir(archive)
+    fsync_dir(output_dir)
     (output_dir / ARCHIVE_JOURNAL).unlink()
-    _fsync_dir(output_dir)
+    fsync_dir(output_dir)
 
 
 def recover_archive(output_dir) -> Path | None:

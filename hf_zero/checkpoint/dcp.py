@@ -69,6 +69,8 @@ def universal_to_dcp(universal: Path, dest: Path, checkpoint: Path | None = None
         key = _adapter_key(name) if peft else name
         model[key] = _meta_like(zero / name / "fp32.pt", shapes.get(name))
         model_src[f"model.{key}"] = _reader(zero / name / "fp32.pt", model[key].shape)
+    if not peft and checkpoint is not None:
+        _frozen_from_weights(Path(checkpoint), set(shapes) - set(names), model, model_src)
     defaults = _adamw_defaults()
     state, optim_src, param_groups = {}, {}, []
     for group in groups:
@@ -88,6 +90,30 @@ def universal_to_dcp(universal: Path, dest: Path, checkpoint: Path | None = None
     _dcp_save({"model": model}, model_src, dest / FSDP_MODEL_DIR)
     _dcp_save({"optimizer": {"state": state, "param_groups": param_groups}}, optim_src, dest / FSDP_OPTIM_DIR)
     (dest / FSDP_MODEL_DIR / ".complete").write_text("ok\n")
+
+
+def _frozen_from_weights(checkpoint: Path, frozen: set, model: dict, sources: dict) -> None:
+    """The frozen weights of a full model that is not a peft model (a composed multimodal model: its LLM's base
+    under LoRA), which a ZeRO-3 universal checkpoint leaves out (no optimizer state, no parameter folder) and FSDP2's
+    loader wants with the rest: read from the checkpoint's gathered model.safetensors."""
+    weights = checkpoint / "model.safetensors"
+    if not frozen or not weights.is_file():
+        return
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(weights), "pt") as f:
+        for name in sorted(frozen & set(f.keys())):
+            shape = f.get_slice(name).get_shape()
+            model[name] = torch.empty(shape, dtype=torch.float32, device="meta")
+            sources[f"model.{name}"] = (lambda n=name: _safetensors_tensor(weights, n))
+
+
+def _safetensors_tensor(path: Path, name: str):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.get_tensor(name).float().contiguous()
 
 
 def _adapter_key(name: str) -> str:

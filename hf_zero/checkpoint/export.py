@@ -27,6 +27,7 @@ from hf_zero.core.disk import disk_error
 from hf_zero.core.errors import UserError
 from hf_zero.core.safetensors_header import verify_safetensors
 from hf_zero.data.model_names import hub_model_id, resolve_model_path
+from hf_zero.data.vlm import is_vlm_config
 from hf_zero.plan.profiles import Profile, with_precision
 from hf_zero.plan.quantization import quantization_config
 
@@ -174,12 +175,15 @@ def _export_full(folder: Path, out: Path, dtype) -> int:
     return count
 
 
-def _auto_class(task_type: str | None):
+def _auto_class(task_type: str | None, base_path: str | None = None):
     import transformers
 
     name = {"CAUSAL_LM": "AutoModelForCausalLM", "SEQ_CLS": "AutoModelForSequenceClassification",
             "TOKEN_CLS": "AutoModelForTokenClassification", "SEQ_2_SEQ_LM": "AutoModelForSeq2SeqLM",
             "QUESTION_ANS": "AutoModelForQuestionAnswering"}.get(task_type or "", "AutoModel")
+    config = Path(base_path or "") / "config.json"
+    if name == "AutoModelForCausalLM" and config.is_file() and is_vlm_config(json.loads(config.read_text())):
+        name = "AutoModelForImageTextToText"  # a vision-language model's adapter (recipes/vlm.py) is a CAUSAL_LM one
     return getattr(transformers, name)
 
 
@@ -191,7 +195,7 @@ def _quantization(folder: Path):
             info = json.loads(record.read_text())
             if not (info.get("settings") or {}).get("load_in_4bit"):
                 return None
-            from hf_zero.core.config import ModelArguments
+            from hf_zero.plan.arguments import ModelArguments
 
             return quantization_config(ModelArguments(use_peft=True, load_in_4bit=True),
                                        with_precision(Profile(name="export"), info.get("precision")))
@@ -221,7 +225,7 @@ def _export_lora(folder: Path, out: Path, dtype, merge: bool, base_model: str | 
         verify_safetensors(Path(base_path), "--base-model")
         quantized = _quantization(folder)
         if quantized is None:
-            base = _auto_class(config.get("task_type")).from_pretrained(base_path, dtype=torch.float32)
+            base = _auto_class(config.get("task_type"), base_path).from_pretrained(base_path, dtype=torch.float32)
         else:  # the base the adapter trained on: quantized as in the run, then dequantized to plain linears
             base = _auto_class(config.get("task_type")).from_pretrained(
                 base_path, quantization_config=quantized, dtype=quantized.bnb_4bit_compute_dtype)

@@ -54,7 +54,12 @@ ALLOWED = (
     "numpy.ndarray",
     "numpy.dtype",
     "numpy.dtypes.UInt32DType",
-    # training_args.bin: the recipes' TrainingArguments and what they hold
+    # training_args.bin: the recipes' TrainingArguments and what they hold (under their names before the move to
+    # plan/arguments.py too: a checkpoint written then records those, _MOVED)
+    "hf_zero.plan.arguments.CurriculumArguments",
+    "hf_zero.plan.arguments.ClassificationArguments",
+    "hf_zero.plan.arguments.MultimodalArguments",
+    "hf_zero.plan.vlm_args.VlmArguments",
     "hf_zero.core.config.CurriculumArguments",
     "hf_zero.data.classification.ClassificationArguments",
     "hf_zero.core.multimodal_args.MultimodalArguments",
@@ -93,8 +98,13 @@ _STATE = {"depth": 0, "registered": False}
 _DCP_METADATA = re.compile(r"^(__\d+)?\.metadata$")  # torch's distributed checkpoint: global, or one rank's
 
 
+_MOVED = {f"hf_zero.{old}.{cls}": f"hf_zero.plan.arguments.{cls}" for old, cls in (
+    ("core.config", "CurriculumArguments"), ("data.classification", "ClassificationArguments"),
+    ("core.multimodal_args", "MultimodalArguments"))}
+
+
 def _resolve(name: str):
-    module, attr = name.rsplit(".", 1)
+    module, attr = _MOVED.get(name, name).rsplit(".", 1)
     return getattr(importlib.import_module(module), attr)
 
 

@@ -29,7 +29,7 @@ __all__ = [
     "METADATA_NAME", "MANIFEST_NAME", "LATEST_NAME", "STAGING_DIR", "checkpoint_step", "list_checkpoints",
     "file_sizes", "crc32_of", "write_json_atomic", "write_manifest", "read_metadata", "validate_checkpoint",
     "find_resume_checkpoint", "checkpoints_to_keep", "rotate_checkpoints", "publish_checkpoint",
-    "size_breakdown",
+    "size_breakdown", "fsync_dir",
 ]
 
 METADATA_NAME = "hf_zero_checkpoint.json"
@@ -191,7 +191,7 @@ def _remove_if_empty(folder: Path) -> None:
         pass
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -207,7 +207,7 @@ def publish_checkpoint(staged, output_dir) -> Path:
     if final.exists():
         _remove_folder(final)
     os.rename(staged, final)
-    _fsync_dir(output_dir)
+    fsync_dir(output_dir)
     _remove_if_empty(staged.parent)
     (output_dir / (LATEST_NAME + ".tmp")).write_text(final.name + "\n")
     os.replace(output_dir / (LATEST_NAME + ".tmp"), output_dir / LATEST_NAME)

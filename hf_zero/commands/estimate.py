@@ -20,6 +20,7 @@ from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.core.validate import at_least
 from hf_zero.data.model_names import get_model_config
+from hf_zero.data.preference import reference_cache_bytes
 from hf_zero.estimate import memory
 from hf_zero.estimate.activations import ATTENTION
 from hf_zero.estimate.memory import CONVENTIONS, PRECISIONS, strategies_for
@@ -27,8 +28,10 @@ from hf_zero.estimate.model_count import count_model
 from hf_zero.estimate.pick import HEADROOM, plan
 from hf_zero.estimate.recipe import RecipeMemory, lora_fields, read_recipe, sp_by_stage, sp_sizes
 from hf_zero.plan.profiles import load_profile, with_precision
-from hf_zero.plan.reconcile import plan_batch
-from hf_zero.plan.world import per_machine_of, world_of
+from hf_zero.plan.reconcile import resolve_batch
+from hf_zero.plan.run_plan import resolve_plan
+from hf_zero.plan.shipped import recipe_script
+from hf_zero.plan.world import launch_shape
 
 __all__ = ["add_arguments", "run", "parse_bytes"]
 
@@ -108,7 +111,7 @@ def _recipe(args):
     else:
         if not args.model:
             raise UserError("--model", "no model given", "pass --model NAME or a --config recipe")
-        from hf_zero.core.config import ModelArguments
+        from hf_zero.plan.arguments import ModelArguments
         context = getattr(get_model_config(str(args.model)).get_text_config(), "max_position_embeddings", 0) or 2048
         margs = ModelArguments(model_name_or_path=str(args.model), use_peft=bool(use_peft),
                                load_in_4bit=bool(args.load_in_4bit),
@@ -134,14 +137,18 @@ def run(args) -> int:
     quiet_environment()  # DeepSpeed's accelerator probe would print into stdout, which --json must keep clean
     recipe = _recipe(args)
     strategies, prof = strategies_for(args.profile)
-    gpn = at_least("--gpus-per-node", args.gpus_per_node) or (
-        per_machine_of(prof.num_processes, prof.num_machines) if prof else 1)
-    nodes = at_least("--nodes", args.nodes) or (prof.num_machines if prof else 1)
-    precision = with_precision(prof, args.precision).precision if prof else args.precision or "bf16"
+    run_plan = _run_plan(recipe, prof, args)
+    shape = launch_shape(prof, nproc=at_least("--gpus-per-node", args.gpus_per_node),
+                         nodes=at_least("--nodes", args.nodes))
+    gpn, nodes = shape.per_machine, shape.nodes
+    precision = run_plan.precision if run_plan else with_precision(prof, args.precision).precision if prof else \
+        args.precision or "bf16"
     gpu_mem = parse_bytes(args.gpu_memory, "--gpu-memory") if args.gpu_memory else None
     cpu_mem = parse_bytes(args.cpu_memory, "--cpu-memory") if args.cpu_memory else None
     sp = prof.sp_size if prof else 1  # a sequence-parallel profile: activations split over sp ranks
-    batch = plan_batch(recipe.micro, recipe.accumulation, world_of(gpn, nodes), recipe.global_batch, sp=sp)
+    batch = run_plan.batch if run_plan else resolve_batch(
+        {"per_device_train_batch_size": recipe.micro, "gradient_accumulation_steps": recipe.accumulation,
+         "global_batch_size": recipe.global_batch}, shape.world)
     try:
         composed = _composed(recipe)  # a multimodal recipe: the LLM with its encoders and projectors, counted
         count = count_model(composed.model) if composed else count_model(get_model_config(recipe.model),
@@ -152,8 +159,9 @@ def run(args) -> int:
     kw = dict(gpus_per_node=gpn, nodes=nodes, precision=precision, seq_len=recipe.seq_len,
               grad_checkpointing=recipe.gradient_checkpointing, convention=args.convention,
               attn_implementation=recipe.attn_implementation, sp_size=sp,
-              fused_cross_entropy=recipe.fused_cross_entropy,
-              extra_activations=composed.activation_bytes_per_row(precision) if composed else 0)
+              fused_cross_entropy=recipe.fused_cross_entropy, use_liger_kernel=recipe.use_liger_kernel,
+              extra_activations=composed.activation_bytes_per_row(precision) if composed else 0,
+              sequences_per_row=recipe.sequences_per_row)  # a dpo stage's peak: chosen + rejected per row
     # LoRA over every strategy: QLoRA's 4-bit base as rows of their own where it is most used; a 4-bit recipe: only
     # those, under every strategy that runs it
     rows = [(s, None) for s in strategies if not recipe.load_in_4bit]
@@ -175,7 +183,7 @@ def run(args) -> int:
             rec["largest_micro_batch"] = memory.largest_micro_batch(
                 count, rec["strategy"], usable, cpu_mem, frozen_base="nf4" if rec["load_in_4bit"] else None,
                 **{**kw, "sp_size": rec["sp_size"]})
-    seq_par = _sequence_parallel(recipe, count, world_of(gpn, nodes), usable, args, batch, kw)
+    seq_par = _sequence_parallel(recipe, count, shape.world, usable, args, batch, kw)
     layer = count.layer
     name = recipe.model + (f" + encoders {', '.join(composed.specs)}" if composed else "")
     summary = {"name": name, "params": count.total_params, "largest_layer_params": count.largest_layer_params,
@@ -186,7 +194,8 @@ def run(args) -> int:
               "packing": recipe.packing, "gradient_checkpointing": recipe.gradient_checkpointing,
               "attn_implementation": recipe.attn_implementation or (layer.attn_implementation if layer else None),
               "lora": recipe.lora, "gpu_memory_bytes": gpu_mem, "cpu_memory_bytes": cpu_mem, "recipe": recipe.path,
-              "sp_size": sp, "batch": batch.line(),
+              "sp_size": sp, "world_size": shape.world, "batch": batch.line(),
+              "sequences_per_row": recipe.sequences_per_row, "preference": _preference(recipe),
               # the cpu profile's ranks are processes on the CPU: the table names them so, not GPUs
               "device": "CPU rank" if prof is not None and (prof.name == "cpu" or prof.raw.get("use_cpu")) else "GPU"}
     multimodal = None
@@ -196,13 +205,37 @@ def run(args) -> int:
         multimodal = estimate_summary(composed, precision, batch.micro)
     if args.json:
         print(json.dumps({"model": summary, "convention": args.convention, "inputs": inputs, "strategies": estimates,
-                          "recommendation": rec, "sequence_parallel": seq_par, "multimodal": multimodal}, indent=2))
+                          "recommendation": rec, "sequence_parallel": seq_par, "multimodal": multimodal,
+                          "plan": run_plan.record() if run_plan else None}, indent=2))
         return 0
     _print_table(summary, inputs, args.convention, estimates, rec,
                  estimate_lines(composed, precision, batch.micro) if composed else ())
     if seq_par:
         _print_sequence_parallel(seq_par, inputs["gpus_per_node"], precision)
     return 0
+
+
+def _preference(recipe) -> list[dict]:
+    """Each dpo stage: its rows' reference cache on disk (hf_zero.train.reference_cache), none when reference-free."""
+    return [{"stage": name, "loss_type": loss, "reference_rows": rows, "sequences_per_row": 2,
+             "cache": f"output_dir/reference_logps/{name}.safetensors",
+             "cache_bytes": None if rows is None else reference_cache_bytes(rows)}
+            for name, loss, rows in recipe.preference]
+
+
+def _run_plan(recipe, prof, args):
+    """A recipe under a profile: the run plan `hf-zero train` would resolve for these flags (hf_zero.plan.run_plan);
+    None for a bare model or a strategy name, which no launch runs as given."""
+    if prof is None or not recipe.path:
+        return None
+    return resolve_plan(prof, str(recipe_script(None, recipe.path)), ["--config", recipe.path, *_overrides(recipe)],
+                        nproc=at_least("--gpus-per-node", args.gpus_per_node), nodes=at_least("--nodes", args.nodes),
+                        precision=args.precision, env={})
+
+
+def _overrides(recipe) -> list[str]:
+    """The recipe's flags as `hf-zero train` takes them after the YAML."""
+    return [x for k, v in recipe.flags for x in (f"--{k}", *(v if isinstance(v, tuple) else (v,)))]
 
 
 def _composed(recipe):
@@ -212,8 +245,7 @@ def _composed(recipe):
         return None
     from hf_zero.train.composed_count import count_composed
 
-    overrides = [x for k, v in recipe.flags for x in (f"--{k}", *(v if isinstance(v, tuple) else (v,)))]
-    return count_composed(recipe.path, overrides)
+    return count_composed(recipe.path, _overrides(recipe))
 
 
 def _sequence_parallel(recipe, count, world: int, usable, args, batch, kw) -> dict | None:
@@ -226,7 +258,7 @@ def _sequence_parallel(recipe, count, world: int, usable, args, batch, kw) -> di
     if not sizes:
         return None
     rows = sp_by_stage(recipe, count, sizes, usable, micro_batch=batch.micro, grad_accumulation=batch.accumulation,
-                       **{k: v for k, v in kw.items() if k not in ("seq_len", "sp_size")})
+                       **{k: v for k, v in kw.items() if k not in ("seq_len", "sp_size", "sequences_per_row")})
     longest = max(rows, key=lambda r: r["seq_len"])
     return {"sizes": sizes, "stages": rows, "longest_stage": longest["stage"], "fitted": usable is not None,
             "recommended_sp_size": longest["fits_at_sp"], "config": recipe.path}
@@ -266,7 +298,8 @@ def _print_table(summary, inputs, convention, estimates, rec, multimodal=()) -> 
     out = sys.stdout
     lora = inputs["lora"]
     trainable = (f", trainable {summary['trainable_params']:,} (LoRA r={lora['r']})" if lora else "")
-    seq = (f"{inputs['seq_len']} tokens (stage {inputs['longest_stage']}, the longest"
+    seq = (f"{inputs['seq_len']} tokens (stage {inputs['longest_stage']}, the "
+           f"{'longest' if inputs['sequences_per_row'] == 1 else 'most tokens a row: chosen + rejected'}"
            f"{'; packed rows' if inputs['packing'] else '; rows padded to the longest in a batch, at most this'})"
            if inputs["longest_stage"] else f"{inputs['seq_len']} tokens")
     print(f"model {summary['name']}: {summary['params']:,} params{trainable}, largest layer "
@@ -279,6 +312,14 @@ def _print_table(summary, inputs, convention, estimates, rec, multimodal=()) -> 
           f"; convention {convention}",
           file=out)
     print(f"batch: {inputs['batch']} | precision: {inputs['precision']}", file=out)  # as check and train show them
+    for p in inputs["preference"]:  # indented under the batch line
+        print(f"  stage {p['stage']} (dpo, {p['loss_type']}): 2 sequences per row (chosen + rejected) with full "
+              f"logits{', the peak counted so' if p['stage'] == inputs['longest_stage'] else ''}; "
+              + ("reference-free: no reference log-probs" if p["reference_rows"] is None and p["loss_type"] == "simpo"
+                 else f"reference log-probs cached on disk: {_human(p['cache_bytes'])} for {p['reference_rows']:,} "
+                 f"rows ({p['cache']}), no reference model in memory" if p["reference_rows"] is not None
+                 else "reference log-probs cached on disk (8 bytes a row; its data is not readable here), no "
+                 "reference model in memory"), file=out)
     for line in multimodal:
         print(line, file=out)
     peak = "peak/GPU" if inputs["device"] == "GPU" else "peak/rank"

@@ -12,15 +12,20 @@ decoded with the tokens that carry loss between [[ and ]]. Recipe flags after th
 from __future__ import annotations
 
 from hf_zero.core.errors import UserError
+from hf_zero.core.validate import at_least
 from hf_zero.data.chat import FormatOptions
 from hf_zero.data.model_names import get_tokenizer
 from hf_zero.data.packing import pack_documents, padding_stats
 from hf_zero.data.preference import sample_views
+from hf_zero.data.stages import load_stage_data
+from hf_zero.estimate.pick import pick_profile
 from hf_zero.plan.one_stage import config_from_flags
 from hf_zero.plan.parse import parse_recipe_args, recipe_fields
+from hf_zero.plan.profiles import load_profile
+from hf_zero.plan.run_plan import resolve_plan
 from hf_zero.plan.shipped import DEFAULT_CONFIG, load_recipe, recipe_argument_types, recipe_script
 
-__all__ = ["add_arguments", "run", "marked_text", "source_lines", "ACCEPTS_EXTRA"]
+__all__ = ["add_arguments", "run", "marked_text", "source_lines", "plan_line", "ACCEPTS_EXTRA"]
 
 ACCEPTS_EXTRA = True  # recipe flags, e.g. --max_seq_length 64
 OPEN, CLOSE = "[[", "]]"
@@ -34,6 +39,10 @@ def add_arguments(parser) -> None:
                         "(as hf-zero train --model M --data FILE trains them)")
     parser.add_argument("--stage", help="only this stage (default: all)")
     parser.add_argument("-n", "--samples", type=int, default=3, help="samples shown per source (default 3)")
+    parser.add_argument("--profile", help="the profile the plan line is resolved for (default: picked from the "
+                        "hardware, as hf-zero train picks it)")
+    parser.add_argument("--nproc", type=int, help="processes per machine for the plan line (default: the profile's)")
+    parser.add_argument("--precision", help="override the profile's precision: fp32, bf16 or fp16")
 
 
 def marked_text(tokenizer, sample: dict) -> str:
@@ -67,8 +76,7 @@ def source_lines(report) -> list[str]:
 
 
 def run(args) -> int:
-    from hf_zero.core.config import CurriculumArguments, ModelArguments
-    from hf_zero.data.stages import load_stage_data
+    from hf_zero.plan.arguments import CurriculumArguments, ModelArguments
     if args.samples < 0:
         raise UserError("-n", f"must be 0 or more, got {args.samples}")
     # the same recipe `hf-zero train` would run for these flags (--data: the one-stage YAML it builds)
@@ -77,6 +85,7 @@ def run(args) -> int:
         return _preview_multimodal(args, extra)
     model_args, stages, training, _ = parse_recipe_args(
         (ModelArguments, CurriculumArguments), ["--config", args.config, *extra])
+    print(plan_line(args, extra, (model_args,), training))
     data_args = recipe_fields(CurriculumArguments, training)
     if args.stage:
         names = [s.name for s in stages]
@@ -105,15 +114,39 @@ def run(args) -> int:
     return 0
 
 
+def plan_line(args, extra: list[str], instances: tuple, training: dict) -> str:
+    """The run these samples train in, as `hf-zero train` would resolve it (hf_zero.plan.run_plan): its profile,
+    ranks, batch and precision."""
+    at_least("--nproc", args.nproc)
+    profile = load_profile(args.profile or pick_profile()[0])
+    plan = resolve_plan(profile, str(recipe_script(None, args.config)), ["--config", args.config, *extra],
+                        nproc=args.nproc, precision=args.precision, parsed=(instances, training, args.config), env={})
+    return (f"plan: profile {plan.profile.name}, {plan.world} rank(s) on {plan.nodes} machine(s); "
+            f"batch: {plan.batch.line()} | precision: {plan.precision}")
+
+
 def _multimodal(config: str) -> bool:
-    """Whether the YAML's recipe composes encoders (recipes/multimodal.py)."""
+    """Whether the YAML's recipe composes encoders (recipes/multimodal.py) or trains a stock VLM (recipes/vlm.py)."""
     types = recipe_argument_types(load_recipe(str(recipe_script(None, config))))
-    return any("encoders" in getattr(t, "__dataclass_fields__", {}) for t in types)
+    return any({"encoders", "image_max_pixels"} & set(getattr(t, "__dataclass_fields__", {})) for t in types)
 
 
 def placeholder_runs(sample: dict, placeholder_ids: dict, tokens: dict) -> list[tuple[str, int, int, str]]:
     """(modality, first position, positions, file) of each modality item of a sample, in reading order: the k-th
-    item of a modality fills the k-th `tokens` of that modality's placeholder positions (as the model fills them)."""
+    item of a modality fills the k-th `tokens` of that modality's placeholder positions (as the model fills them).
+    `tokens` None: a stock VLM's items, whose runs differ in length (hf_zero.data.vlm): each run of the image token
+    is one item's (one tile's, for a family that splits images)."""
+    if tokens is None:
+        import itertools
+
+        ids, runs, p = sample["input_ids"], [], 0
+        for t, group in itertools.groupby(ids):
+            n = len(list(group))
+            if t in placeholder_ids.values():
+                runs.append((next(m for m, i in placeholder_ids.items() if i == t), p, n))
+            p += n
+        media = [path for _, path in sample.get("media", ())]
+        return [(m, pos, n, media[k] if len(media) == len(runs) else "") for k, (m, pos, n) in enumerate(runs)]
     at = {m: [p for p, t in enumerate(sample["input_ids"]) if t == i] for m, i in placeholder_ids.items()}
     seen, runs = {}, []
     for kind, path in sample.get("media", ()):
@@ -128,19 +161,23 @@ def _preview_multimodal(args, extra) -> int:
     placeholder and how many positions it takes (`<points> x4`), and where each item goes in the row."""
     import re
 
-    from hf_zero.core.config import ModelArguments
+    from hf_zero.plan.arguments import ModelArguments
     from hf_zero.train.composed_count import multimodal_data
+    from hf_zero.train.vlm_check import vlm_data
 
     types = recipe_argument_types(load_recipe(str(recipe_script(None, args.config))))
     model_args, *_, all_stages, training, _ = parse_recipe_args(types, ["--config", args.config, *extra])
     if not isinstance(model_args, ModelArguments):
         raise UserError("recipe", "the multimodal recipe's first arguments are not ModelArguments", "check recipe:")
+    print(plan_line(args, extra, (model_args,), training))
     stages = [s for s in all_stages if s.name == args.stage] if args.stage else all_stages
     if not stages:
         raise UserError("--stage", f"no stage {args.stage!r} in {args.config}",
                         f"use one of: {', '.join(s.name for s in all_stages)}")
-    tokenizer, specs, placeholders, data = multimodal_data(model_args, training, stages)
+    vlm = any("image_max_pixels" in getattr(t, "__dataclass_fields__", {}) for t in types)  # recipes/vlm.py
+    tokenizer, specs, placeholders, data = (vlm_data if vlm else multimodal_data)(model_args, training, stages)
     print("modalities: " + ", ".join(f"{m} {s.placeholder} = {s.tokens} tokens per item (input {list(s.input_shape)})"
+                                     if not vlm else f"{m} {s.placeholder}, its count per image from the processor"
                                      for m, s in specs.items()))
     seq = training["max_seq_length"]
     for stage, stage_data in zip(stages, data):
@@ -149,7 +186,8 @@ def _preview_multimodal(args, extra) -> int:
         for j, (report, samples) in enumerate(zip(stage_data.reports, stage_data.sources)):
             print(f"  data[{j}] {report.spec}: " + "\n    ".join(source_lines(report)))
             for i, sample in enumerate(samples[: args.samples]):
-                runs = placeholder_runs(sample, placeholders, {m: sp.tokens for m, sp in specs.items()})
+                tokens = None if vlm else {m: sp.tokens for m, sp in specs.items()}
+                runs = placeholder_runs(sample, placeholders, tokens)
                 print(f"  sample {i + 1} ({len(sample['input_ids'])} tokens, {len(runs)} modality item(s); loss on "
                       f"the tokens between {OPEN} and {CLOSE}):")
                 for kind, pos, tokens, path in runs:

@@ -122,8 +122,9 @@ def preflight(args, profile: str, extra: list[str]) -> bool | str:
     configuration mistake costs seconds, not a launch. Every failure is one `hf-zero: error:` line."""
     from argparse import Namespace
 
-    check_args = Namespace(profile=profile, config=args.config, nproc=args.nproc, hostfile=args.hostfile,
-                           output_dir=None, gpus=None, precision=args.precision, extra=extra, recipe=args.recipe)
+    check_args = Namespace(profile=profile, config=args.config, nproc=args.nproc, nodes=args.nodes,
+                           hostfile=args.hostfile, output_dir=None, gpus=None, precision=args.precision, extra=extra,
+                           recipe=args.recipe)
     failed = [r for r in run_checks(check_args, light=True) if r.ok is False]
     for r in failed:
         print(f"hf-zero: error: {r.error.line() if r.error else f'{r.name}: {r.message}'}", file=sys.stderr)
@@ -141,8 +142,7 @@ def run(args) -> int:
 
 def _run(args) -> int:
     validate_flags(args)
-    if args.help_recipe:
-        import_training_args()  # TrainingArguments' fields are all it needs
+    if args.help_recipe:  # the recipe's argument classes load TrainingArguments without peft (plan/arguments.py)
         args.recipe = str(recipe_script(args.recipe, args.config or str(DEFAULT_CONFIG)))
         print(f"Flags of {args.recipe} (each also a key of the --config YAML; a flag overrides the YAML):")
         print("\n".join(recipe_help(recipe_argument_types(load_recipe(args.recipe)), args.help_recipe == "all")))

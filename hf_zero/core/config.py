@@ -1,152 +1,16 @@
-"""Recipe arguments: dataclasses documented field by field (read from YAML + flags by plan/parse.py).
-
-As in TRL (`SFTConfig`), a recipe's own arguments extend `TrainingArguments` (`CurriculumArguments` here,
-`ClassificationArguments` for the classifier) and the model's are a separate class (`ModelArguments`, TRL's
-`ModelConfig` names). `--config recipe.yaml` sets defaults, command-line flags override them, and an unknown key in
-either is a one-line error naming the key (with the closest known key). The YAML's `stages:` list is the one nested
-value; it is read into `Stage` objects with the same strictness. The TrainingArguments subclass is built once, in
-each rank, after the run plan has settled precision, accumulation and the DeepSpeed config (train/run.py): its
-`__post_init__` hands that config to DeepSpeed (arming zero.Init), so it must not be built before.
+"""The curriculum's stages: `Stage`, one entry of a recipe YAML's `stages:` list, documented field by field and read
+by plan/parse.py with the same strictness as the top-level keys. The recipes' argument classes (TrainingArguments
+subclasses, which load transformers) live above core, in hf_zero/plan/arguments.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hf_zero.integrations.lean_import import import_training_args
+from hf_zero.core.errors import UserError
+from hf_zero.core.validate import positive
 
-import_training_args()  # every process that parses a recipe; peft only where a LoRA model is built
-
-from transformers import TrainingArguments  # noqa: E402
-
-from hf_zero.core.errors import UserError  # noqa: E402
-from hf_zero.core.validate import positive  # noqa: E402
-
-__all__ = ["ModelArguments", "CurriculumArguments", "Stage"]
-
-
-@dataclass
-class ModelArguments:
-    """Model and LoRA. LoRA fields use TRL's names so recipes move between TRL and hf_zero unchanged."""
-
-    model_name_or_path: str = field(
-        default="tiny-llama",
-        metadata={"help": "Local folder, hub id (online, or in the Hugging Face cache) or offline name: tiny-llama "
-                          "(hf-zero/tiny-llama), smollm2-135m-instruct (HuggingFaceTB/SmolLM2-135M-Instruct), "
-                          "minilm."},
-    )
-    tokenizer_name_or_path: str | None = field(default=None, metadata={"help": "Tokenizer if not the model's own."})
-    attn_implementation: str | None = field(
-        default=None,
-        metadata={"help": "eager, sdpa or flash_attention_2 (GPU only); default: the model's choice, or "
-                          "flash_attention_2 with packing on a GPU in bf16/fp16 when flash-attn is installed."},
-    )
-    use_peft: bool = field(
-        default=False, metadata={"help": "Train LoRA adapters instead of all weights; in bf16/fp16 the frozen base is "
-                                         "held in 16 bits, the adapters in fp32."}
-    )
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank; higher = more trainable parameters and memory."})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA scaling numerator (scale = alpha / r)."})
-    lora_dropout: float = field(default=0.05,
-                                metadata={"help": "Dropout on the LoRA input; 0 for exact parity tests."})
-    lora_target_modules: list[str] | None = field(
-        default=None, metadata={"help": "Module names to adapt (e.g. q_proj v_proj); default: peft's for the model."}
-    )
-    load_in_4bit: bool = field(
-        default=False,
-        metadata={"help": "QLoRA: hold the frozen base in 4 bits (bitsandbytes NF4, double quantization, computing "
-                          "in the profile's precision); needs use_peft; any profile but zero3_nvme."},
-    )
-
-
-@dataclass
-class CurriculumArguments(TrainingArguments):
-    """The curriculum recipe's arguments: every TrainingArguments field, then the data shared by all stages (the
-    stages themselves come from the YAML's `stages:` list)."""
-
-    max_seq_length: int = field(default=128, metadata={"help": "Tokens per sample unless a stage sets its own."})
-    text_field: str = field(default="text", metadata={"help": "Column holding the text in every data file."})
-    dataset_format: str = field(
-        default="auto",
-        metadata={"help": "auto (from the columns), text, prompt_completion or conversational (TRL's formats)."},
-    )
-    prompt_field: str = field(default="prompt", metadata={"help": "Column holding the prompt (string or messages)."})
-    completion_field: str = field(
-        default="completion", metadata={"help": "Column holding the completion (string or messages)."}
-    )
-    messages_field: str = field(
-        default="messages", metadata={"help": "Column holding a conversation: a list of {role, content} messages."}
-    )
-    assistant_only_loss: bool = field(
-        default=True, metadata={"help": "Conversations: loss on the assistant replies only (false: every token)."}
-    )
-    completion_only_loss: bool = field(
-        default=True, metadata={"help": "Prompt/completion data: loss on the completion only (false: every token)."}
-    )
-    chat_template: str | None = field(
-        default=None,
-        metadata={"help": "A .jinja file, `chatml`, or a model whose template to use; default: the tokenizer's own, "
-                          "else ChatML. Saved with the model or adapter."},
-    )
-    sample_prompts: int = field(
-        default=4,
-        metadata={"help": "Held-out prompts answered (greedy) at the start and at each stage end, logged to "
-                          "samples.jsonl and TensorBoard with exact match (0: none)."},
-    )
-    sample_max_new_tokens: int = field(default=32, metadata={"help": "Longest generated answer, in tokens."})
-    eval_samples: int = field(
-        default=32, metadata={"help": "Samples held out per stage for per-stage eval loss/perplexity (0: none)."}
-    )
-    global_batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Fix the global batch: gradient accumulation = global / (micro batch x world size)."},
-    )
-    fresh_start: bool = field(
-        default=False, metadata={"help": "Ignore checkpoints in output_dir and start from step 0."}
-    )
-    allow_changes: list[str] | None = field(
-        default=None,
-        metadata={"help": "Settings a resume may change (comma- or space-separated, e.g. learning_rate,seed,stages): "
-                          "the new values apply from the checkpoint's step. Without it any difference is refused."},
-    )
-    packing: bool = field(
-        default=False,
-        metadata={"help": "Pack each stage's documents whole into rows of max_seq_length tokens (less padding); "
-                          "document boundaries are kept (positions restart, no attention or loss across them)."},
-    )
-    save_final_model: bool = field(
-        default=True,
-        metadata={"help": "Write the trained model (or LoRA adapter) to output_dir/final and verify it; false for "
-                          "benchmarks and sweeps that only need the logs."},
-    )
-    measure_memory: bool = field(
-        default=False,
-        metadata={"help": "Write the parameter/gradient/optimizer bytes each rank holds at step 1 to "
-                          "output_dir/memory_rank{R}.json and the activation bytes saved for backward per step to "
-                          "output_dir/activations_rank{R}.json (also HF_ZERO_MEASURE_MEMORY=1)."},
-    )
-    fused_cross_entropy: str | bool = field(
-        default="auto",
-        metadata={"help": "Training loss without the full logits (chunks of tokens; Liger's kernel on CUDA when "
-                          "installed): auto = on for models where it is exact, true = on or an error, false = off."},
-    )
-
-    @staticmethod
-    def clean_values(values: dict) -> None:
-        """Checked and normalized as soon as the YAML and flags are read (parse_recipe_args), so `hf-zero check`
-        reports it too: a YAML gives a bool or "auto", a flag a string."""
-        value = values.get("fused_cross_entropy", "auto")
-        mode = {"true": True, "false": False, "auto": "auto"}.get(value.lower()) if isinstance(value, str) else value
-        if mode not in ("auto", True, False):
-            raise UserError("fused_cross_entropy", f"{value!r} is not auto, true or false",
-                            "e.g. fused_cross_entropy: auto")
-        values["fused_cross_entropy"] = mode
-
-    def __post_init__(self):
-        values = {"fused_cross_entropy": self.fused_cross_entropy}
-        self.clean_values(values)
-        self.fused_cross_entropy = values["fused_cross_entropy"]
-        super().__post_init__()
+__all__ = ["Stage"]
 
 
 OBJECTIVES = ("sft", "dpo")
@@ -164,9 +28,6 @@ def check_objective_keys(stage: "Stage", where: str) -> None:
                 raise UserError(f"{where}.{key}", "is a preference key, and the stage's objective is "
                                 f"{stage.objective or 'sft'}", "set `objective: dpo` on the stage, or remove the key")
         return
-    if stage.eval_data:
-        raise UserError(f"{where}.eval_data", "a dpo stage has no held-out evaluation yet",
-                        "remove eval_data from the stage (docs/preference.md)")
     for key in ("beta", "simpo_gamma"):
         value = getattr(stage, key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
@@ -241,7 +102,8 @@ class Stage:
         metadata={"help": "Multimodal recipe: the parts that train in this stage (an encoder or projector per "
                           "modality, e.g. encoder.image, projector.points; `encoder` / `projector` for all of them; "
                           "lora, or llm without LoRA); default: every part. Frozen parts do not change by one bit "
-                          "(docs/multimodal.md)."}
+                          "(docs/multimodal.md). The vlm recipe's parts: vision_tower, projector, lora (or "
+                          "language_model); default: lora (docs/vlm.md)."}
     )
     learning_rates: dict | None = field(
         default=None,

@@ -16,9 +16,10 @@ from pathlib import Path
 from hf_zero.core.distributed import stall_if_asked, waiting_for
 from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.core.files import write_text_atomic
-from hf_zero.data.cache import build_once, get_cache_dir, model_folder_problem, usable
+from hf_zero.data.cache import build_once, entry_problem, get_cache_dir, model_folder_problem
 from hf_zero.data.model_names import get_tiny_llama_path, is_tiny, tiny_llama_folder
 from hf_zero.data.smollm2 import SMOLLM2_HUB_ID, get_smollm2_path, smollm2_folder
+from hf_zero.data.tiny_vlm import get_tiny_vlm_path, is_tiny_vlm, tiny_vlm_folder
 
 __all__ = [
     "get_cache_dir", "get_shakespeare_texts_dir", "prepare_shakespeare_curriculum",
@@ -222,6 +223,8 @@ def _run_assets(model: str | None, data=()) -> dict:
     found = {}
     if model and is_tiny(model):
         found[model] = (tiny_llama_folder(model), lambda: get_tiny_llama_path(model), model_folder_problem)
+    elif model and is_tiny_vlm(model):
+        found[model] = (tiny_vlm_folder(model), lambda: get_tiny_vlm_path(model), model_folder_problem)
     elif model in ("smollm2-135m-instruct", SMOLLM2_HUB_ID):
         found[model] = (smollm2_folder(), get_smollm2_path, model_folder_problem)
     if any(spec in BUILTIN_DATA and spec.rsplit("/", 1)[1] in CURRICULUM_STAGES for spec in data):
@@ -234,7 +237,7 @@ def _run_assets(model: str | None, data=()) -> dict:
 
 
 def missing_run_assets(model: str | None, data=()) -> list[str]:
-    return [name for name, (final, _, verify) in _run_assets(model, data).items() if usable(final, verify)]
+    return [name for name, (final, _, verify) in _run_assets(model, data).items() if entry_problem(final, verify)]
 
 
 def prepare_run_assets(model: str | None, data=()) -> None:

@@ -22,7 +22,7 @@ from hf_zero.core.distributed import DIST_TIMEOUT_ENV, dist_timeout
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import write_text_atomic
 
-__all__ = ["get_cache_dir", "hub_cache_dir", "hub_snapshot_dir", "build_once", "build_hub_snapshot", "usable",
+__all__ = ["get_cache_dir", "hub_cache_dir", "hub_snapshot_dir", "build_once", "build_hub_snapshot", "entry_problem",
            "model_folder_problem", "MARKER"]
 
 MARKER = ".complete"
@@ -160,7 +160,8 @@ def model_folder_problem(folder: Path) -> str | None:
     return f"its tokenizer is incomplete (no {', '.join(missing)})" if missing else None
 
 
-def usable(final: Path, verify) -> str | None:
+def entry_problem(final: Path, verify) -> str | None:
+    """What keeps the cache entry `final` from being used (not built, or `verify`'s finding); None when usable."""
     if not (final / MARKER).is_file():
         return "it is not built"
     return verify(final) if verify else None
@@ -179,7 +180,7 @@ def _in_distributed_process() -> bool:
 def build_once(final: Path, build, *args, verify=None, lock_dir: Path | None = None) -> Path:
     """`final` built by `build(tmp_dir, *args)`, at most once however many processes ask at the same time. Usable
     means marked complete and passing `verify(folder) -> problem or None`; an entry that is not is rebuilt."""
-    problem = usable(final, verify)
+    problem = entry_problem(final, verify)
     if problem is None:
         return final
     if (final / MARKER).is_file():
@@ -190,7 +191,7 @@ def build_once(final: Path, build, *args, verify=None, lock_dir: Path | None = N
     final.parent.mkdir(parents=True, exist_ok=True)
     (lock_dir or final.parent).mkdir(parents=True, exist_ok=True)
     with _cache_lock((lock_dir or final.parent) / f".{final.name}.lock", final.name):
-        if usable(final, verify) is None:  # another process finished it while we waited
+        if entry_problem(final, verify) is None:  # another process finished it while we waited
             return final
         # Leftovers of a crashed build: nobody else can be writing them while we hold the lock.
         for stale in [final, *final.parent.glob(f".{final.name}.tmp-*")]:

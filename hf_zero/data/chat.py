@@ -30,7 +30,7 @@ from hf_zero.core.errors import UserError
 from hf_zero.data.chat_template import has_generation_markers
 
 __all__ = ["FORMATS", "FormatOptions", "SourceReport", "Encoded", "detect_format", "encode_rows", "ROLES",
-           "CHARS_PER_TOKEN", "bounded"]
+           "CHARS_PER_TOKEN", "bounded", "Row", "validate_messages", "encode_conversation"]
 
 FORMATS = ("auto", "text", "prompt_completion", "conversational")
 ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -135,7 +135,7 @@ def bounded(value, max_len: int):
     return value
 
 
-class _Row:
+class Row:
     """Raises the one-line error for a row of a source: the file and the row (1-based) are named."""
 
     def __init__(self, where: str, spec: str):
@@ -145,7 +145,7 @@ class _Row:
         raise UserError(self.where, f"{self.spec} row {self.n}: {problem}", fix)
 
 
-def _messages(value, row: _Row, name: str, sharegpt: bool = False) -> list[dict]:
+def validate_messages(value, row: Row, name: str, sharegpt: bool = False) -> list[dict]:
     if not isinstance(value, list) or not value:
         row.fail(f"{name} must be a non-empty list of {{role, content}} messages")
     out = []
@@ -167,7 +167,7 @@ def _messages(value, row: _Row, name: str, sharegpt: bool = False) -> list[dict]
     return out
 
 
-def _render(tokenizer, messages: list[dict], row: _Row, add_generation_prompt: bool = False) -> str:
+def _render(tokenizer, messages: list[dict], row: Row, add_generation_prompt: bool = False) -> str:
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as err:  # jinja's TemplateError, or raise_exception() inside the template
@@ -185,7 +185,7 @@ def _last_user(messages: list[dict]) -> str:
     return next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"])
 
 
-def _encode_conversation(tokenizer, msgs: list[dict], opts: FormatOptions, row: _Row) -> Encoded:
+def encode_conversation(tokenizer, msgs: list[dict], opts: FormatOptions, row: Row) -> Encoded:
     replies = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
     if not replies:
         row.fail("has no assistant message: nothing to learn", "add the assistant's reply")
@@ -216,10 +216,10 @@ def _encode_conversation(tokenizer, msgs: list[dict], opts: FormatOptions, row: 
     return result
 
 
-def _encode_prompt_completion(tokenizer, prompt, completion, opts: FormatOptions, row: _Row, fmt: str) -> Encoded:
+def _encode_prompt_completion(tokenizer, prompt, completion, opts: FormatOptions, row: Row, fmt: str) -> Encoded:
     if fmt == "conversational_prompt_completion":
-        p = _messages(prompt, row, opts.prompt_field)
-        c = _messages(completion, row, opts.completion_field)
+        p = validate_messages(prompt, row, opts.prompt_field)
+        c = validate_messages(completion, row, opts.completion_field)
         text, before = _render(tokenizer, p + c, row), _render(tokenizer, p, row, add_generation_prompt=True)
         if not text.startswith(before):
             row.fail("the chat template renders the prompt differently alone than before its completion",
@@ -240,15 +240,15 @@ def _encode_prompt_completion(tokenizer, prompt, completion, opts: FormatOptions
 
 def encode_rows(ds, tokenizer, fmt: str, opts: FormatOptions, max_len: int, where: str, spec: str):
     """Tokenized samples ({input_ids, labels} + `_gen` for generation) of a non-text source, and its report."""
-    row = _Row(where, spec)
+    row = Row(where, spec)
     report = SourceReport(spec, fmt, trains_what(fmt, opts))
     if fmt == "conversational":
         sharegpt = opts.messages_field not in ds.column_names
         column = ds["conversations" if sharegpt else opts.messages_field]
 
         def encode(i: int) -> Encoded:
-            messages = _messages(bounded(column[i], max_len), row, opts.messages_field, sharegpt)
-            return _encode_conversation(tokenizer, messages, opts, row)
+            messages = validate_messages(bounded(column[i], max_len), row, opts.messages_field, sharegpt)
+            return encode_conversation(tokenizer, messages, opts, row)
     else:
         prompts, completions = ds[opts.prompt_field], ds[opts.completion_field]
 

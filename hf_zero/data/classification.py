@@ -6,75 +6,24 @@ label so every class keeps its share in both:
   repeated stories (same headline) removed first so no story sits on both sides of the split.
 - `builtin:digits/train`, `builtin:digits/validation`: scikit-learn's 1,797 bundled 8x8 handwritten digits,
   upscaled to the image processor's size; training images get a random affine augmentation.
-Local jsonl/json/csv/parquet files work for text, with `text_field` and `label_field` columns.
+Local jsonl/json/csv/parquet files work for text, with `text_field` and `label_field` columns. `args` below: the
+recipe's ClassificationArguments (hf_zero/plan/arguments.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from transformers import TrainingArguments
+from dataclasses import dataclass
 
 from hf_zero.core.errors import UserError
 from hf_zero.data.chat import bounded
 from hf_zero.data.images import ImageSource
 from hf_zero.data.stages import load_source
 
-__all__ = ["ClassificationArguments", "ClassificationData", "BUILTIN_CLASSIFICATION", "get_data_kind",
+__all__ = ["ClassificationData", "BUILTIN_CLASSIFICATION", "get_data_kind",
            "check_classification_data", "label_ids", "load_classification_data", "split_indices"]
 
 BUILTIN_CLASSIFICATION = {"bbc": "text", "digits": "image"}
 _SPLITS = ("train", "validation")
-
-
-@dataclass
-class ClassificationArguments(TrainingArguments):
-    """recipes/classify.py's arguments: every TrainingArguments field, then the data (the stages come from the
-    YAML's `stages:` list, e.g. data: builtin:bbc/train)."""
-
-    max_seq_length: int = field(
-        default=128, metadata={"help": "Tokens per text sample unless a stage sets its own; evaluation uses this."})
-    text_field: str = field(default="text", metadata={"help": "Column holding the text in local data files."})
-    label_field: str = field(default="label",
-                             metadata={"help": "Column holding the label (int or name) in local files."})
-    eval_data: str | None = field(
-        default=None, metadata={"help": "Held-out data evaluated at each stage end; default: the validation split of "
-                                        "the first stage's built-in data "
-                                        "(builtin:bbc/train -> builtin:bbc/validation)."})
-    validation_fraction: float = field(
-        default=0.2, metadata={"help": "Share of a built-in data set held out as its validation split."})
-    split_seed: int = field(
-        default=0, metadata={"help": "Seed of the built-in train/validation split; apart from --seed, so the held-out "
-                                     "set stays the same when the training seed changes."})
-    max_eval_samples: int | None = field(
-        default=None, metadata={"help": "Evaluate on at most this many held-out samples (quick runs); default: all."})
-    augment: bool = field(
-        default=True,
-        metadata={"help": "Random rotation/shift/scale of training images (never of evaluation images)."})
-    global_batch_size: int | None = field(
-        default=None,
-        metadata={"help": "Fix the global batch: gradient accumulation = global / (micro batch x world size)."})
-    fresh_start: bool = field(default=False,
-                              metadata={"help": "Ignore checkpoints in output_dir and start from step 0."})
-    allow_changes: list[str] | None = field(
-        default=None,
-        metadata={"help": "Settings a resume may change (comma- or space-separated, e.g. learning_rate,seed,stages): "
-                          "the new values apply from the checkpoint's step. Without it any difference is refused."})
-
-    @staticmethod
-    def clean_values(values: dict) -> None:
-        """Checked as soon as the YAML and flags are read (parse_recipe_args), so `hf-zero check` reports it too."""
-        fraction, seq = values.get("validation_fraction", 0.2), values.get("max_seq_length", 128)
-        if not 0 < fraction < 1:
-            raise UserError("validation_fraction", f"must be between 0 and 1, got {fraction}", "e.g. 0.2")
-        if seq < 8:
-            raise UserError("max_seq_length", f"{seq} tokens is too short to classify", "e.g. 128")
-        if values.get("max_eval_samples") is not None and values["max_eval_samples"] < 1:
-            raise UserError("max_eval_samples", "must be positive", "remove it to evaluate on the whole split")
-
-    def __post_init__(self):
-        self.clean_values(vars(self))
-        super().__post_init__()
 
 
 def _parse_builtin(spec: str, where: str) -> tuple[str, str] | None:
@@ -87,7 +36,7 @@ def _parse_builtin(spec: str, where: str) -> tuple[str, str] | None:
     return name, split
 
 
-def get_data_kind(stages, args: ClassificationArguments) -> str:
+def get_data_kind(stages, args) -> str:
     """"text" or "image", the same for every source of every stage and the evaluation data."""
     specs = [(f"stages[{s.name}].data[{j}]", d) for s in stages for j, d in enumerate(s.data)]
     specs += [("eval_data", args.eval_data)] if args.eval_data else []
@@ -148,7 +97,7 @@ def _load_digits() -> tuple[list, list[int], list[str]]:
     return list(images), digits.target.tolist(), [str(i) for i in range(10)]
 
 
-def _eval_spec(stages, args: ClassificationArguments) -> str:
+def _eval_spec(stages, args) -> str:
     """The held-out data: `eval_data`, else the validation split of the first stage's built-in data."""
     if args.eval_data is not None:
         return args.eval_data
@@ -159,7 +108,7 @@ def _eval_spec(stages, args: ClassificationArguments) -> str:
     return f"builtin:{first[0]}/validation"
 
 
-def check_classification_data(stages, args: ClassificationArguments) -> str:
+def check_classification_data(stages, args) -> str:
     """`hf-zero check`'s data check for recipes/classify.py (its CHECK_DATA): every source readable with its
     columns, one data kind, held-out data present; one line with the samples per stage."""
     kind = get_data_kind(stages, args)
@@ -183,7 +132,7 @@ def check_classification_data(stages, args: ClassificationArguments) -> str:
 _BUILTIN_CACHE: dict = {}
 
 
-def _builtin(name: str, split: str, args: ClassificationArguments):
+def _builtin(name: str, split: str, args):
     key = (name, args.validation_fraction, args.split_seed)
     if key not in _BUILTIN_CACHE:
         items, labels, names = _load_bbc() if name == "bbc" else _load_digits()
@@ -193,7 +142,7 @@ def _builtin(name: str, split: str, args: ClassificationArguments):
     return [items[i] for i in idx], [labels[i] for i in idx], names
 
 
-def _load_local(spec: str, args: ClassificationArguments, where: str):
+def _load_local(spec: str, args, where: str):
     ds = load_source(spec, where)
     for col, flag in ((args.text_field, "text_field"), (args.label_field, "label_field")):
         if col not in ds.column_names:
@@ -226,7 +175,7 @@ def _to_ids(labels: list, names: list[str], where: str) -> list[int]:
     return ids
 
 
-def label_ids(raw: dict, args: ClassificationArguments) -> tuple[list[str], dict[str, list[int]]]:
+def label_ids(raw: dict, args) -> tuple[list[str], dict[str, list[int]]]:
     """The classes and every source's labels as class ids, or the one line for a label outside them: the same
     function for `hf-zero check` and the run. `raw`: where -> (items, labels, names or None)."""
     names = next((r[2] for r in raw.values() if r[2]), None)
@@ -239,7 +188,7 @@ def label_ids(raw: dict, args: ClassificationArguments) -> tuple[list[str], dict
     return names, {where: _to_ids(r[1], names, where) for where, r in raw.items()}
 
 
-def load_classification_data(stages, args: ClassificationArguments, processing, kind: str,
+def load_classification_data(stages, args, processing, kind: str,
                              seed: int) -> ClassificationData:
     """Every stage's training sources and the evaluation samples, with one label numbering for all of them.
 

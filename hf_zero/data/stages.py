@@ -286,7 +286,7 @@ def check_stage_files(stage: Stage, eval_samples: int, light: bool = False) -> l
     rows = [_source_rows(spec, f"stages[{stage.name}].data[{j}]", light) for j, spec in enumerate(stage.data)]
     for j, spec in enumerate(stage.eval_data or []):
         _source_rows(spec, f"stages[{stage.name}].eval_data[{j}]", light)
-    check_held_out(stage, rows, eval_samples if stage.objective != "dpo" else 0)  # a dpo stage holds none out
+    check_held_out(stage, rows, eval_samples)
     return rows
 
 
@@ -312,9 +312,8 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
         sources.append(samples)
         reports.append(report)
     check_objective(stage, reports)
-    if stage.objective == "dpo":  # no held-out slice and no packing for preference rows yet (docs/preference.md)
-        number_rows(sources)
-        return StageData(sources, [], reports, [])
+    if stage.objective == "dpo":  # held-out pairs as any stage's held-out slice; no packing (docs/preference.md)
+        return _preference_data(stage, sources, reports, tokenizer, max_len, opts, eval_samples, seed)
     _check_mix(stage, reports)
     held_out = []
     if stage.eval_data:
@@ -332,6 +331,23 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
         pools = [[s for src in sources for s in src]] if stage.weights is None else sources
         sources = [pack_documents(s, max_len, tokenizer.pad_token_id) for s in pools]
     return StageData(sources, held_out, reports, eval_prompts)
+
+
+def _preference_data(stage: Stage, sources: list, reports: list, tokenizer, max_len: int, opts, eval_samples: int,
+                     seed: int) -> StageData:
+    """A dpo stage's rows: its held-out pairs from its eval_data (preference rows) or drawn from its sources as any
+    stage's, numbered after the training rows (hf_zero.train.preference measures their reward accuracy)."""
+    held_out = []
+    if stage.eval_data:
+        for j, spec in enumerate(stage.eval_data):
+            samples, report = _load_tokenized(spec, f"stages[{stage.name}].eval_data[{j}]", tokenizer, max_len, opts)
+            check_objective(stage, [report])
+            held_out += samples
+        held_out = held_out[:eval_samples] if eval_samples else []
+    elif eval_samples:
+        held_out = hold_out(stage, sources, eval_samples, seed)
+    number_rows([*sources, held_out])
+    return StageData(sources, held_out, reports, [])
 
 
 def build_collator(tokenizer, packing: bool = False, model=None, preference: bool = False):

@@ -110,8 +110,12 @@ def describe_layers(model, config, text) -> LayerShape | None:
         attn_implementation=attn_implementation(config) or "sdpa")
 
 
-def _layer_bytes(ls: LayerShape, mode: str, seq: int, attn: str, full: bool, frozen_inputs: bool = False) -> float:
-    """Bytes one decoder layer saves for backward, per token; `frozen_inputs`: frozen linears save their input too."""
+def _layer_bytes(ls: LayerShape, mode: str, seq: int, attn: str, full: bool, frozen_inputs: bool = False,
+                 liger: bool = False) -> float:
+    """Bytes one decoder layer saves for backward, per token; `frozen_inputs`: frozen linears save their input too;
+    `liger`: Liger's RMSNorm saves its input (residual dtype) and a per-row rstd instead of the fp32 upcast and the
+    normalised output, and its SwiGLU saves gate and up, recomputing the activation in backward (2 e i, not 3 e i).
+    Checked on an H100: the 1.1B shape's peak fell by 4,815 MiB with them, this counts 4,752 MiB."""
     e = 4 if mode == "fp32" else 2  # matmuls and attention
     r = 2 if mode == "half" else 4  # residual stream and norm outputs
     h, q, i = ls.hidden, ls.q_dim, ls.intermediate
@@ -130,21 +134,21 @@ def _layer_bytes(ls: LayerShape, mode: str, seq: int, attn: str, full: bool, fro
                 saved, shared = saved + e * width, not own_casts
         return saved
 
-    norm = 4 * h + (r * h if full else 0)
+    norm = r * h if liger else 4 * h + (r * h if full else 0)
     if attn == "eager":
         core = 3 * e * q + (6 if e == 2 else 4) * ls.heads * seq
     elif attn == "flash_attention_2":
         core = e * (2 * q + 2 * ls.kv_dim)
     else:  # sdpa; flex and others are counted like it
         core = 4 * e * q + e * seq
-    mlp = (3 if ls.gated else 1) * e * i
+    mlp = (3 - liger if ls.gated else 1) * e * i
     return (2 * norm + inputs(h, "attn_in", ls.attn_in, False) + core + inputs(q, "attn_out", 1, True)
             + inputs(h, "mlp_in", ls.mlp_in, False) + mlp + inputs(i, "mlp_out", 1, True))
 
 
 def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, seq: int, checkpointing: bool,
                attn: str | None = None, full: bool = True, sp: int = 1, quantized: bool = False,
-               frozen_inputs: bool = False, fused_loss: bool = False) -> dict:
+               frozen_inputs: bool = False, fused_loss: bool = False, liger: bool = False) -> dict:
     """Bytes alive besides model states at each candidate peak of one training step (all tokens of a micro-batch):
     `frozen_inputs`: every linear saves its input, frozen or not, as ZeRO-3's does (LinearFunctionForZeroStage3,
     which zero.Init installs as torch.nn.functional.linear under memory_efficient_linear, DeepSpeed's default:
@@ -163,7 +167,7 @@ def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, s
     attn = attn or ls.attn_implementation
     tokens = micro * seq / sp
     e, r = (4, 4) if mode == "fp32" else (2, 2 if mode == "half" else 4)
-    layer = _layer_bytes(ls, mode, seq if sp == 1 else 0, attn, full, frozen_inputs) * tokens
+    layer = _layer_bytes(ls, mode, seq if sp == 1 else 0, attn, full, frozen_inputs, liger) * tokens
     a2a = 2 * e * (2 * ls.q_dim + 2 * ls.kv_dim) * tokens if sp > 1 else 0  # transient: one layer's at a time
     head = (4 * ls.hidden + (r * ls.hidden if full else 0)
             + (e * ls.hidden if ls.lm_head_trainable or frozen_inputs else 0)) * tokens

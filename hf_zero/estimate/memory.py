@@ -45,8 +45,9 @@ from hf_zero.core.files import human_bytes
 from hf_zero.estimate import fsdp as fsdp_memory
 from hf_zero.estimate.activations import ATTENTION, step_bytes
 from hf_zero.estimate.model_count import ModelCount, nf4_bytes
+from hf_zero.plan.liger import liger_installed
 from hf_zero.plan.profiles import PRECISIONS, list_profiles, load_profile
-from hf_zero.plan.world import world_of
+from hf_zero.plan.world import launch_shape
 
 __all__ = ["strategies_for", "STRATEGIES", "SPEED_ORDER", "QLORA_STRATEGIES", "estimate", "estimate_all", "recommend",
            "largest_micro_batch"]
@@ -161,7 +162,8 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
              prefetch_bucket_size=None, param_persistence_threshold=None, additional_buffer_factor: float = 1.5,
              use_deepspeed_estimators: bool = True, attn_implementation: str | None = None,
              grad_accumulation: int = 1, max_reuse_distance: float = 1e9, frozen_base: str | None = None,
-             sp_size: int = 1, fused_cross_entropy="auto", extra_activations: int = 0) -> dict:
+             sp_size: int = 1, fused_cross_entropy="auto", extra_activations: int = 0,
+             use_liger_kernel="auto", sequences_per_row: int = 1) -> dict:
     """Bytes per GPU rank, CPU bytes per node, NVMe bytes per node and checkpoint bytes for one strategy.
     `attn_implementation`: eager, sdpa or flash_attention_2 (default: the model's, as transformers picks it);
     `flash_attention=True` is the same as flash_attention_2. `frozen_base`: the precision frozen (LoRA base)
@@ -173,8 +175,13 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     dequantized to a 16-bit copy in forward and backward. `sp_size`: Ulysses sequence parallelism, each
     sequence's activations split over sp_size of the ranks (activations.step_bytes). `fused_cross_entropy`: the
     recipe's (auto, True, False); the loss without full logits where the run would use it (count.fused_loss).
+    `use_liger_kernel`: the recipe's (auto, True, False); Liger's norms and SwiGLU for a model type they patch
+    (count.liger), with `auto` only where liger-kernel is installed on this machine: counting savings a run
+    without it would not have is how an estimate ends in an out-of-memory.
     `extra_activations`: bytes per sample kept for backward outside the LLM's layers (a multimodal recipe's encoders
-    and projectors: hf_zero.train.composed_count), held through every phase of the step's forward and backward."""
+    and projectors: hf_zero.train.composed_count), held through every phase of the step's forward and backward.
+    `sequences_per_row`: 2 for a dpo stage, whose every row is its chosen and its rejected sequence in one batch
+    (hf_zero.data.preference), with full logits: the activations of 2 x micro_batch sequences."""
     attn = "flash_attention_2" if flash_attention else attn_implementation
     frozen_base = frozen_base or precision
     quantized = frozen_base == "nf4"
@@ -187,8 +194,9 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
         raise ValueError(f"bad {strategy=} / {precision=} / {convention=} / {micro_batch=} / {seq_len=} / "
                          f"{grad_accumulation=} / {attn=} / {frozen_base=}")
     gpn = int(gpus_per_node or 1)
+    # `world_size` without `nodes` (a bench's one machine, a test's paper table): machines of gpus_per_node each
     nodes = (1 if world_size is None else world_size // gpn) if nodes is None else int(nodes)
-    n = world_of(gpn, nodes)
+    n = launch_shape(nproc=gpn, nodes=max(nodes, 1)).world
     if gpn < 1 or nodes < 1 or world_size not in (None, n):
         raise ValueError(f"{world_size=} is not {gpus_per_node=} x {nodes=}")
     c, mixed = count, precision != "fp32"
@@ -238,10 +246,11 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
     frozen16 = f == 2 and c.trainable_params < c.total_params
     mode = "fp32" if not mixed else "autocast" if strategy == "ddp" and not frozen16 else "half"
     phases = {} if c.layer is None else step_bytes(
-        c.layer, c.num_layers, c.vocab_size, mode, micro_batch, seq_len, grad_checkpointing, attn,
+        c.layer, c.num_layers, c.vocab_size, mode, micro_batch * sequences_per_row, seq_len, grad_checkpointing, attn,
         full=c.trainable_params == c.total_params, sp=sp_size, quantized=quantized,
         frozen_inputs=strategy.startswith("zero3") and not quantized,  # bitsandbytes' 4-bit matmul is its own
-        fused_loss=fused_cross_entropy in count.fused_loss)
+        fused_loss=fused_cross_entropy in count.fused_loss and sequences_per_row == 1,  # a dpo batch: full logits
+        liger=count.liger and (use_liger_kernel is True or use_liger_kernel == "auto" and liger_installed()))
     phases = {name: act + dequantized + micro_batch * extra_activations for name, act in phases.items()}
     peaks = {name: resident + act + (grads_bwd if name == "recompute" else 0) for name, act in phases.items()}
     # FSDP2 reshards every group by the end of backward: nothing is gathered at its optimizer step.

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate.activations import describe_layers
 from hf_zero.estimate.fsdp import describe_shards
-from hf_zero.integrations.transformers import model_mapping
+from hf_zero.integrations.transformers import model_mapping, without_zero3_init
 from hf_zero.plan.fused_loss import config_problem
+from hf_zero.plan.liger import liger_model_types
 
 __all__ = ["ModelCount", "count_model", "nf4_bytes"]
 
@@ -33,6 +34,7 @@ class ModelCount:
     quantizable: tuple = ()  # elements of each linear weight a 4-bit base (QLoRA) quantizes: nf4_bytes
     embeddings: tuple = ()  # elements of the input and output embedding weights (one if tied)
     fused_loss: tuple = ()  # the fused_cross_entropy modes ("auto", True) under which the run uses the fused loss
+    liger: bool = False  # a model type Liger's kernels patch (plan.liger)
 
     def persistent_params(self, threshold: int) -> int:  # ZeRO-3 keeps params with numel <= threshold whole
         return sum(n for n in self.param_numels if n <= threshold)
@@ -56,7 +58,7 @@ def count_model(config_or_name, lora=None) -> ModelCount:
     a dict of LoraConfig fields (r, target_modules, lora_dropout, ...) or a LoraConfig; the real peft model is built
     on meta."""
     import torch
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if isinstance(config_or_name, torch.nn.Module):
@@ -66,8 +68,10 @@ def count_model(config_or_name, lora=None) -> ModelCount:
         if isinstance(config, str) or hasattr(config, "__fspath__"):
             name, config = str(config), get_model_config(str(config))
         # The model class itself, not from_config: inside a ZeRO-3 run from_config would partition it (zero.Init).
-        auto = AutoModelForCausalLM if type(config) in model_mapping(AutoModelForCausalLM) else AutoModel  # encoders
-        with torch.device("meta"):
+        auto = AutoModelForCausalLM if type(config) in model_mapping(AutoModelForCausalLM) else \
+            AutoModelForImageTextToText if type(config) in model_mapping(AutoModelForImageTextToText) else \
+            AutoModel  # encoders; a vision-language model with its LM head
+        with torch.device("meta"), without_zero3_init():  # a VLM's __init__ builds its parts with from_config
             known = type(config) in model_mapping(auto)
             model = model_mapping(auto)[type(config)](config) if known else auto.from_config(config)  # its ValueError
     causal = type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
@@ -94,7 +98,7 @@ def count_model(config_or_name, lora=None) -> ModelCount:
     fused = tuple(m for m in ("auto", True) if causal and type(head) is torch.nn.Linear
                   and config_problem(text, m) is None)
     return ModelCount(
-        fused_loss=fused,
+        fused_loss=fused, liger=getattr(text, "model_type", None) in liger_model_types(),
         total_params=sum(p.numel() for p in params), largest_layer_params=layer,
         trainable_params=sum(p.numel() for p in params if p.requires_grad), largest_trainable_layer_params=tlayer,
         num_layers=_attr(text, "num_hidden_layers", "n_layer", "num_layers"),

@@ -17,8 +17,8 @@ from hf_zero.estimate.memory import QLORA_STRATEGIES, estimate
 from hf_zero.estimate.model_count import count_model
 from hf_zero.estimate.recipe import RecipeMemory, sp_sizes
 from hf_zero.plan.profiles import gpu_count, load_profile
-from hf_zero.plan.reconcile import plan_batch
-from hf_zero.plan.world import world_of
+from hf_zero.plan.reconcile import resolve_batch
+from hf_zero.plan.world import launch_shape
 
 __all__ = ["HEADROOM", "plan", "candidates", "pick_profile"]
 
@@ -94,8 +94,10 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
     headroom it leaves and why; "profile": None and what would fit when nothing does. `choices`: (profile,
     strategy) pairs to try in order (default: candidates(world)); `only_own`: keep the recipe's micro-batch;
     `sp_size`: the choices' sequence-parallel size (the batch then counts world / sp_size data-parallel ranks)."""
-    batch = plan_batch(recipe.micro, recipe.accumulation, world_of(gpus_per_node, nodes), recipe.global_batch,
-                       sp=sp_size)
+    world = launch_shape(nproc=gpus_per_node, nodes=nodes).world
+    batch = resolve_batch({"per_device_train_batch_size": recipe.micro,
+                           "gradient_accumulation_steps": recipe.accumulation,
+                           "global_batch_size": recipe.global_batch}, world, sp=sp_size)
     per_rank = batch.global_batch // batch.dp  # the ranks that take their own micro-batches share the global batch
     recipe = replace(recipe, accumulation=batch.accumulation)
     try:
@@ -105,10 +107,12 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
         raise UserError("lora_target_modules", str(err).splitlines()[0], "name modules the model has") from None
     kw = dict(gpus_per_node=gpus_per_node, nodes=nodes, precision=precision, seq_len=recipe.seq_len,
               grad_checkpointing=recipe.gradient_checkpointing, attn_implementation=recipe.attn_implementation,
-              sp_size=sp_size, fused_cross_entropy=recipe.fused_cross_entropy)
+              sp_size=sp_size, fused_cross_entropy=recipe.fused_cross_entropy,
+              use_liger_kernel=recipe.use_liger_kernel,
+              sequences_per_row=recipe.sequences_per_row)  # a dpo stage's peak: chosen + rejected per row
     usable = int(gpu_memory_bytes * (1 - HEADROOM))
     any_profile = choices is None
-    choices = choices or candidates(world_of(gpus_per_node, nodes), recipe.lora is not None, recipe.load_in_4bit)
+    choices = choices or candidates(world, recipe.lora is not None, recipe.load_in_4bit)
     # Sequence parallelism (exact, its all-to-all on the GPUs' own links) before an offload or a 4-bit base
     cut = next((i for i, (name, _, *base) in enumerate(choices) if base or "offload" in name), len(choices))
     found = _first_fit(count, recipe, per_rank, kw, usable, cpu_memory_bytes, choices[:cut], only_own)
@@ -144,7 +148,7 @@ def _sequence_parallel_fit(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_
     none does, or SP cannot run).
     Smallest, because each doubling halves the data-parallel groups; the shipped zero3_sp runs its own sp_size,
     another needs a copy of it with that parallelism_config_sp_size (the command names it)."""
-    world = world_of(gpus_per_node, nodes)
+    world = launch_shape(nproc=gpus_per_node, nodes=nodes).world
     if world < 2 or recipe.load_in_4bit:
         return None
     shipped = load_profile("zero3_sp")

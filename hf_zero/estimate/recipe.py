@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 from hf_zero.core.errors import UserError
 from hf_zero.data.model_names import get_model_config
+from hf_zero.data.stages import check_stage_files
 from hf_zero.estimate.memory import estimate
 from hf_zero.plan.parse import parse_recipe_args
-from hf_zero.plan.reconcile import plan_batch
+from hf_zero.plan.reconcile import resolve_batch
 from hf_zero.plan.sequence_parallel import verify_sequence_parallel
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
 
@@ -39,6 +40,9 @@ class RecipeMemory:
     load_in_4bit: bool = False  # QLoRA: the frozen base in 4 bits
     stages: tuple = ()  # (name, max_seq_length) of each stage, in order
     fused_cross_entropy: object = "auto"  # the recipe's: auto, True or False (the loss without full logits)
+    use_liger_kernel: object = "auto"  # the recipe's: auto, True or False (Liger's norm and SwiGLU kernels)
+    sequences_per_row: int = 1  # 2 when the stage setting the peak is a dpo stage: its chosen + rejected sequences
+    preference: tuple = ()  # per dpo stage: (name, loss_type, rows of its reference; None: reference-free or unread)
 
 
 def lora_fields(model_args) -> dict | None:
@@ -55,10 +59,11 @@ def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
     types = recipe_argument_types(load_recipe(str(recipe_script(None, path))))
     model_args, *_, stages, training, _ = parse_recipe_args(types, ["--config", path, *overrides])
     seq = training["max_seq_length"]
-    longest = max(stages, key=lambda s: s.max_seq_length or seq, default=None)
+    # the peak's stage: the most tokens a row puts through the model (a dpo row: its chosen and rejected sequences)
+    longest = max(stages, key=lambda s: (s.max_seq_length or seq) * _sequences(s), default=None)
     micro, accum = training["per_device_train_batch_size"], training["gradient_accumulation_steps"]
     if training.get("global_batch_size"):  # one rank's share must divide it, as on any number of ranks
-        plan_batch(micro, accum, 1, training["global_batch_size"])
+        resolve_batch(training, 1)
     flags, rest = [], list(overrides)  # as given, for the `hf-zero train` line a recommendation prints
     while rest:
         key, _, value = rest.pop(0).removeprefix("--").partition("=")
@@ -73,7 +78,25 @@ def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
         attn_implementation=model_args.attn_implementation, path=path, flags=tuple(flags),
         load_in_4bit=bool(model_args.load_in_4bit and model_args.use_peft),
         stages=tuple((s.name, s.max_seq_length or seq) for s in stages),
-        fused_cross_entropy=training.get("fused_cross_entropy", "auto"))
+        fused_cross_entropy=training.get("fused_cross_entropy", "auto"),
+        use_liger_kernel=training.get("use_liger_kernel", "auto"),
+        sequences_per_row=_sequences(longest) if longest else 1,
+        preference=tuple((s.name, s.loss_type, None if s.loss_type == "simpo" else _reference_rows(s, training))
+                         for s in stages if s.objective == "dpo"))
+
+
+def _sequences(stage) -> int:
+    return 2 if stage.objective == "dpo" else 1
+
+
+def _reference_rows(stage, training: dict) -> int | None:
+    """The rows a dpo stage's reference cache holds: its data's rows (the held-out pairs drawn from them) and at
+    most eval_samples of its eval_data; None when its files cannot be read here."""
+    try:
+        rows = sum(check_stage_files(stage, 0, light=True))
+    except UserError:
+        return None
+    return rows + (training.get("eval_samples", 0) if stage.eval_data else 0)
 
 
 def sp_sizes(recipe: RecipeMemory, world: int) -> list[int]:

@@ -151,6 +151,11 @@ PATCHES: tuple[Reach, ...] = (
           "bitsandbytes repacks a 4-bit weight for its AVX512-BF16 kernel at an eval forward and breaks training's "
           "shapes and checkpoints: a trained model keeps its storage layout", BNB,
           "when bitsandbytes repacks only in inference mode"),
+    Reach("forward", "a vision-language model (transformers PreTrainedModel instance)",
+          ("integrations/transformers.py",),
+          "a batch without images still runs the vision tower on a blank image (x 0, the loss unchanged): under "
+          "ZeRO-3 and FSDP2 a rank that skipped it while another ran it would hang in the parameter gathering",
+          TRANSFORMERS, "when transformers' VLMs can run the vision tower on image-free batches"),
     Reach("sp_attn_implementation", "accelerate's ParallelismConfig.sp_handler", ("integrations/accelerate.py",),
           "Ulysses wraps the attention the model really uses (DeepSpeed compares the two names)",
           f"{ACCELERATE}, {DEEPSPEED}", "when accelerate reads the model's attention itself"),

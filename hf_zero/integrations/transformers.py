@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 __all__ = ["attn_implementation", "set_attn_implementation", "model_mapping", "no_split_modules",
-           "config_name_or_path", "compile_chat_template"]
+           "config_name_or_path", "compile_chat_template", "add_to_embeddings_without_images", "without_zero3_init"]
 
 
 def attn_implementation(config) -> str | None:
@@ -54,3 +54,43 @@ def compile_chat_template(template: str):
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     return _compile_jinja_template(template)
+
+
+def add_to_embeddings_without_images(model, extra) -> None:
+    """Every forward of `model` (a vision-language model instance) without `pixel_values` that computes a loss adds
+    `extra(model)` (hf_zero.train.vlm: the vision tower's output on a blank image, x 0) to the input embeddings,
+    right after they are computed: where an image batch runs the vision tower and scatters its output into them
+    (Qwen2-VL's and Idefics3's forward embed the tokens, then encode the images). So ZeRO-3's and FSDP2's gathering
+    meets the same modules in the same order on every rank, and backward takes the same path (the language model's
+    input needs a gradient in both); x + 0 is x, the loss is unchanged to the bit. The instance's forward is
+    replaced to know whether the batch has images (transformers' VLM forward skips the vision tower when it has
+    none, and takes no hook for it); can go when transformers' VLMs can run the vision tower on image-free
+    batches."""
+    original, state = model.forward, {}
+
+    def after_embeddings(module, args, output):
+        if state.pop("armed", False):
+            return output + extra(model).to(output.dtype)
+        return None
+
+    def forward(*args, **kwargs):
+        if "hooked" not in state:  # at the first forward: after the engine's own hooks (ZeRO-3 releases and
+            # prefetches in its post-forward hook; running the vision tower before it changes what it gathers)
+            state["hooked"] = model.get_input_embeddings().register_forward_hook(after_embeddings)
+        state["armed"] = kwargs.get("pixel_values") is None and kwargs.get("labels") is not None
+        try:
+            return original(*args, **kwargs)
+        finally:
+            state.pop("armed", None)
+
+    model.forward = forward
+
+
+def without_zero3_init():
+    """A context in which transformers builds models without deepspeed.zero.Init even where ZeRO-3 is armed (a
+    rank's TrainingArguments): for the meta-device models hf_zero counts, whose composite classes (vision-language
+    models) build their parts with from_config inside their own __init__. transformers.modeling_utils.set_zero3_state
+    is the flag transformers itself sets while zero.Init is active, to skip nested ones (transformers 5.23.0)."""
+    from transformers.modeling_utils import set_zero3_state
+
+    return set_zero3_state()

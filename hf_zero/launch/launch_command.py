@@ -13,7 +13,7 @@ from hf_zero.data.assets import prepare_run_assets
 from hf_zero.launch.interrupt import RESUME_ENV
 from hf_zero.plan.parse import pop_flag, recipe_assets
 from hf_zero.plan.profiles import PROFILE_ENV, accelerate_precision, load_profile, resolve_profile_path
-from hf_zero.plan.world import world_from_env, world_of
+from hf_zero.plan.world import launch_shape, world_from_env
 
 __all__ = ["build_launch_command", "ensure_launched", "prepare_assets"]
 
@@ -28,9 +28,10 @@ def build_launch_command(profile: str, script: str, script_args: list[str], npro
     cmd = [sys.executable, "-m", launcher, "--config_file", prof.path]
     if nodes is not None:
         cmd += ["--num_machines", str(nodes)]
-    if nproc is not None:
-        # accelerate counts processes over all machines; NPROC is per machine, as users think of GPUs.
-        cmd += ["--num_processes", str(world_of(nproc, nodes or prof.num_machines))]
+    if nproc is not None or nodes is not None:
+        # accelerate counts processes over all machines; NPROC is per machine, as users think of GPUs (and
+        # without it, the profile's per machine: the world the run plan resolves for these flags).
+        cmd += ["--num_processes", str(launch_shape(prof, nproc=nproc, nodes=nodes).world)]
     if machine_rank is not None:
         cmd += ["--machine_rank", str(machine_rank)]
     if main_ip:

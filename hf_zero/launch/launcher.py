@@ -32,6 +32,7 @@ from hf_zero.launch.interrupt import RESUME_ENV, status_line, where_it_stands
 from hf_zero.launch.parent_watch import LAUNCHER_PID_ENV
 from hf_zero.plan.profiles import load_profile, with_precision
 from hf_zero.plan.run_plan import PLAN_ENV, RunPlan, plan_for_launch
+from hf_zero.plan.world import launch_shape
 
 __all__ = ["main"]
 
@@ -139,9 +140,8 @@ def _resolve_plan(args, folder: Path) -> Path | None:
     if not args.config_file or not args.training_script.endswith(".py"):
         return None  # not a recipe under a profile: the ranks resolve it themselves, as under `accelerate launch`
     profile = with_precision(load_profile(args.config_file), args.mixed_precision)
-    nodes = args.num_machines or profile.num_machines
-    world = args.num_processes or profile.num_processes
-    path = plan_for_launch(profile, args.training_script, args.training_script_args, world, nodes, folder)
+    shape = launch_shape(profile, world=args.num_processes, nodes=args.num_machines)
+    path = plan_for_launch(profile, args.training_script, args.training_script_args, shape.world, shape.nodes, folder)
     os.environ[PLAN_ENV] = str(path)
     return path
 

@@ -20,8 +20,9 @@ from hf_zero.core.validate import at_least
 from hf_zero.launch.launch_command import build_launch_command
 from hf_zero.plan.parse import load_yaml_config, pop_flag
 from hf_zero.plan.profiles import load_profile
+from hf_zero.plan.run_plan import resolve_plan
 from hf_zero.plan.shipped import recipe_script
-from hf_zero.plan.world import per_machine_of, world_of
+from hf_zero.plan.world import launch_shape
 
 __all__ = ["build_sbatch_script"]
 
@@ -90,7 +91,8 @@ def build_sbatch_script(args, extra: list[str], command_line: str = "") -> str:
     recipe = recipe_script(args.recipe, args.config).expanduser().resolve()
     if not recipe.is_file():
         raise UserError("--recipe", f"{recipe} does not exist", "pass a recipe script, e.g. recipes/curriculum.py")
-    nproc = args.nproc_per_node or args.gpus_per_node or per_machine_of(profile.num_processes, profile.num_machines)
+    nproc = launch_shape(profile, nproc=args.nproc_per_node or args.gpus_per_node or None,
+                         nodes=args.nodes).per_machine
     if args.gpus_per_node and nproc > args.gpus_per_node:
         raise UserError("--nproc-per-node", f"{nproc} processes for {args.gpus_per_node} GPUs per node",
                         "use at most one process per GPU")
@@ -105,10 +107,12 @@ def build_sbatch_script(args, extra: list[str], command_line: str = "") -> str:
     launcher = launch[:-1]  # the recipe comes last; the per-node flags must precede it
     launcher[0] = args.python
     recipe_args = ["--config", str(config), "--output_dir", str(output_dir), *checkpointing, *extra]
+    # the plan every node's launcher will resolve for this line (hf_zero.plan.run_plan), checked here, before sbatch
+    plan = resolve_plan(profile, str(recipe), recipe_args, nproc=nproc, nodes=args.nodes, precision=args.precision,
+                        gpus=args.gpus_per_node, env={})
     # The node's rank and the main host are known only inside the allocation: expanded by the task's own shell.
     task = (f'exec {shlex.join(launcher)} --machine_rank "$SLURM_NODEID" --main_process_ip "$MAIN_IP" '
             f"{shlex.join([str(recipe), *recipe_args])}")
-    world = world_of(nproc, args.nodes)
     sbatch = {"job-name": args.job_name, "nodes": args.nodes, "ntasks-per-node": 1,
               "gpus-per-node": args.gpus_per_node or None, "cpus-per-task": args.cpus_per_task,
               "partition": args.partition, "account": args.account, "time": args.time}
@@ -116,7 +120,8 @@ def build_sbatch_script(args, extra: list[str], command_line: str = "") -> str:
     lines = [
         "#!/bin/bash",
         f"# Written by: {_comment(command_line or 'hf-zero slurm')}",
-        f"# {args.nodes} node(s) x {nproc} process(es) = {world} ranks, profile {_comment(profile.name)}.",
+        f"# {plan.nodes} node(s) x {nproc} process(es) = {plan.world} ranks, profile {_comment(profile.name)}.",
+        f"# batch: {plan.batch.line()} | precision: {plan.precision}",
         "# Requeue-safe: a requeued job (scontrol requeue, node failure, preemption) reruns this script and the",
         f"# recipe resumes from the latest checkpoint in {_comment(output_dir)}.",
         *(f"#SBATCH --{k}={v}" for k, v in sbatch.items() if v is not None),

@@ -13,12 +13,15 @@ import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
+from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import write_text_atomic
 from hf_zero.data.cache import get_cache_dir
 from hf_zero.data.chat import FormatOptions, detect_format, trains_what
 from hf_zero.data.model_names import get_model_config
 from hf_zero.data.preference import TRAINS, is_preference
+from hf_zero.data.stages import load_source
+from hf_zero.data.vlm import is_vlm_config
 from hf_zero.plan.parse import HF_ZERO_TRAINING_DEFAULTS
 from hf_zero.plan.shipped import DEFAULT_CONFIG
 
@@ -57,7 +60,6 @@ def _local_path(spec: str, flag: str) -> str:
 
 def inspect_data(spec: str, flag: str = "--data") -> DataSource:
     """The data read and its format detected the way a stage reads them; one line naming `flag` when it cannot be."""
-    from hf_zero.data.stages import load_source
 
     spec = _local_path(spec, flag)
     ds = load_source(spec, flag)
@@ -99,11 +101,12 @@ def _shown(text: str) -> str:
 
 
 def one_stage_yaml(model: str, stages: list[list[DataSource]], note: list[str] = (),
-                   output_dir: str | None = None) -> str:
+                   output_dir: str | None = None, recipe: str | None = None) -> str:
     """The recipe YAML, commented: one stage per list of sources (one stage when given one list). `note`: comment
     lines about this machine (the profile it would use), which parsing ignores. `output_dir`: the run's folder,
-    `{first}` standing for the first stage's name (default runs/{first}, where `hf-zero train --data` runs)."""
-    from hf_zero.core.config import CurriculumArguments, ModelArguments
+    `{first}` standing for the first stage's name (default runs/{first}, where `hf-zero train --data` runs).
+    `recipe`: a shipped recipe other than the curriculum one (`vlm` for a vision-language model)."""
+    from hf_zero.plan.arguments import CurriculumArguments, ModelArguments
 
     # Beyond the dataclasses' defaults: LoRA (an adapter of a few MB, the usual first fine-tune), a pass over the data.
     lora = {"use_peft": True, "lora_r": ModelArguments.lora_r, "lora_alpha": ModelArguments.lora_alpha}
@@ -115,6 +118,8 @@ def one_stage_yaml(model: str, stages: list[list[DataSource]], note: list[str] =
              "# `hf-zero train --model M --data F` builds and runs the same one. Edit and grow it: more stages,",
              "# any key of docs/reference/recipe-keys.md; run it with `hf-zero train --config THIS_FILE`.",
              *[f"# {part}" for line in note for part in textwrap.wrap(line, 114)], "",
+             *([f"recipe: {recipe}     # a vision-language model: images in the chat rows (docs/vlm.md)", ""]
+               if recipe else []),
              "# Model: LoRA adapters on a frozen base (use_peft: false trains every weight)",
              f"model_name_or_path: {_value(model)}",
              *[f"{k}: {_value(v)}" for k, v in lora.items()], "",
@@ -129,6 +134,8 @@ def one_stage_yaml(model: str, stages: list[list[DataSource]], note: list[str] =
         specs = [s.spec for s in sources]
         lines.append(f"    data: {_value(specs[0]) if len(specs) == 1 else '[' + ', '.join(map(_value, specs)) + ']'}")
         lines.append("    epochs: 1          # passes over the data (or steps: N)")
+        if recipe == "vlm":
+            lines.append("    # train: [projector, lora]   # parts: vision_tower, projector, lora (default: lora)")
         if all(s.trains == TRAINS for s in sources):  # preference rows: DPO against the model at the stage's start
             lines += ["    objective: dpo     # docs/preference.md", "    beta: 0.1",
                       "    loss_type: sigmoid  # or ipo, or simpo (reference-free)"]
@@ -156,7 +163,6 @@ def _check_parses(text: str) -> None:
     """Each stage built as the recipe builds it: the YAML this module writes must parse."""
     import yaml
 
-    from hf_zero.core.config import Stage
 
     for item in yaml.safe_load(text)["stages"]:
         Stage(**item)
@@ -177,6 +183,7 @@ def data_recipe_flags(model: str | None, data: list[str] | None, stages: list[st
     for spec in stages or []:
         _local_path(spec, "--stages")
     check_model(model)
+    recipe = "vlm" if is_vlm_config(get_model_config(model)) else None
     if Path(model).expanduser().exists():  # a local folder: absolute, as the data (the YAML may live anywhere)
         model = os.path.abspath(Path(model).expanduser())
 
@@ -188,7 +195,7 @@ def data_recipe_flags(model: str | None, data: list[str] | None, stages: list[st
         return DataSource(relative, source.format, source.rows, source.trains)
 
     groups = ([[read(d, "--data") for d in data]] if data else []) + [[read(s, "--stages")] for s in stages or []]
-    return one_stage_yaml(model, groups, note, output_dir)
+    return one_stage_yaml(model, groups, note, output_dir, recipe)
 
 
 def write_data_recipe(text: str) -> Path:

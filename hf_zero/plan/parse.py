@@ -1,5 +1,5 @@
 """Reading a recipe: `--config recipe.yaml` sets defaults, command-line flags override them, `HfArgumentParser`
-fills the recipe's argument classes (core/config.py), and an unknown key in either is a one-line error naming the
+fills the recipe's argument classes (plan/arguments.py), and an unknown key in either is a one-line error naming the
 key (with the closest known key). The YAML's `stages:` list is the one nested value; it is read into `Stage`
 objects with the same strictness. Light to import (no transformers until a recipe is parsed): the launcher and
 `hf-zero slurm` read YAMLs and flags with it.
@@ -12,19 +12,16 @@ import re
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import yaml
 
+from hf_zero.core.config import Stage
 from hf_zero.core.distributed import dist_timeout
 from hf_zero.core.errors import UserError
 from hf_zero.core.once import once, read_text
 from hf_zero.core.validate import at_line, check_values, check_yaml_types, resolve_recipe_paths, yaml_lines
 from hf_zero.core.yaml_safe import load_yaml
 from hf_zero.integrations.parsers import parser_actions, set_action_types
-
-if TYPE_CHECKING:  # core/config.py imports transformers: only when a stage is built
-    from hf_zero.core.config import Stage
 
 __all__ = ["HF_ZERO_TRAINING_DEFAULTS", "load_yaml_config", "build_stage", "parse_stages", "parse_recipe_args",
            "recipe_fields", "pop_flag", "recipe_assets"]
@@ -89,7 +86,6 @@ def _read_yaml_config(path: str) -> dict:
 
 def build_stage(item: dict, i: int, where: str | None, lines: dict | None = None) -> Stage:
     """Stage(**item), its mistakes located: `(in recipe.yaml line 7)`."""
-    from hf_zero.core.config import Stage
     for key, fix in (("name", "give each stage a name"), ("data", "give each stage its data files")):
         if item.get(key) in (None, "", []):  # else Stage() says "__init__() missing 1 required positional argument"
             raise UserError(f"stages[{i}].{key}", f"missing {at_line(where, lines, f'stages[{i}]')}", fix)
@@ -112,7 +108,6 @@ def _yaml_spellings(item: dict) -> dict:
     PyYAML (YAML 1.1 wants a dot), is the number; `train: lora`, one item, is the list of it."""
     import typing
 
-    from hf_zero.core.config import Stage
 
     hints = typing.get_type_hints(Stage)
     out = dict(item)
@@ -131,7 +126,6 @@ def parse_stages(raw, where: str, lines: dict | None = None) -> list[Stage]:
         return []
     if not isinstance(raw, list) or not raw:
         raise UserError("stages", f"must be a non-empty list in {where}", "see recipes/configs/tiny_curriculum.yaml")
-    from hf_zero.core.config import Stage
 
     known = [f.name for f in fields(Stage)]
     stages, seen = [], set()
@@ -269,7 +263,7 @@ def pop_flag(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
 
 def recipe_assets(argv: list[str]) -> tuple[str, list[str]]:
     """(model, data sources) a recipe's `--config YAML` + flags name, read as the recipe will read them."""
-    from hf_zero.core.config import ModelArguments  # imports transformers: only when a recipe is read
+    from hf_zero.plan.arguments import ModelArguments  # imports transformers: only when a recipe is read
 
     config, rest = pop_flag(list(argv), "--config")
     values = load_yaml_config(config) if config else {}

@@ -9,6 +9,9 @@ reconciliation decided (precision flags, accumulation, the DeepSpeed dict), the 
   what is the recipe's own (data, model, stages).
 - A plain `accelerate launch` (the bench, a Slurm job, a user's own command) has no hf_zero launcher: each rank
   resolves the same plan with the same function from what accelerate put in its environment.
+- Every command that shows a run before it starts (`hf-zero check`, `estimate --config`, `slurm`, `preview`, the
+  bench) resolves it with `resolve_plan`, the same function the launcher's `plan_for_launch` calls, and reads world,
+  machines, batch and precision from it.
 Once the run starts (not for a finished run asked to train again), rank 0 writes it as `<output_dir>/run_plan.json`.
 Checkpoint metadata and summary.json copy `record()`; nothing else derives these values.
 """
@@ -23,12 +26,12 @@ from pathlib import Path
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import write_text_atomic
 from hf_zero.plan.parse import parse_recipe_args
-from hf_zero.plan.profiles import Profile, gpu_count, profile_from_env
-from hf_zero.plan.reconcile import BatchPlan, reconcile_training_kwargs
+from hf_zero.plan.profiles import Profile, gpu_count, profile_from_env, with_precision
+from hf_zero.plan.reconcile import BatchPlan, reconcile_training_kwargs, resolve_batch
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types
-from hf_zero.plan.world import nodes_from_env, world_from_env
+from hf_zero.plan.world import launch_shape, nodes_from_env, world_from_env
 
-__all__ = ["PLAN_ENV", "PLAN_NAME", "RunPlan", "resolve_run", "plan_for_launch", "plan_in_worker"]
+__all__ = ["PLAN_ENV", "PLAN_NAME", "RunPlan", "resolve_run", "resolve_plan", "plan_for_launch", "plan_in_worker"]
 
 PLAN_ENV = "HF_ZERO_RUN_PLAN"
 PLAN_NAME = "run_plan.json"
@@ -94,17 +97,42 @@ class RunPlan:
 
 
 def resolve_run(profile: Profile, parsed: tuple, training_kwargs: dict, *, world: int, nodes: int, gpus: int,
-                recipe: str, config: str | None, argv) -> tuple[RunPlan, dict]:
-    """The one resolver: the plan, and the TrainingArguments kwargs (the recipe's, with the plan's decisions)."""
+                recipe: str, config: str | None, argv, decide: bool = True, env=None) -> tuple[RunPlan, dict]:
+    """The one resolver: the plan, and the TrainingArguments kwargs (the recipe's, with the plan's decisions).
+    `decide` False: the plan as a command shows it before any rank starts (world, machines, batch, precision),
+    without the decisions only the ranks need (the DeepSpeed dict, use_cpu, Liger), whose own mistakes
+    `hf-zero check` reports under their own checks. `env`: where a plain `accelerate launch` says the profile's
+    accumulation (default: this process's environment)."""
     profile = replace(profile, num_processes=world, num_machines=nodes)
-    kwargs, batch = reconcile_training_kwargs(
-        training_kwargs, profile, world, has_gpu=gpus > 0, global_batch=training_kwargs.get("global_batch_size"),
-        model_args=next((a for a in parsed if hasattr(a, "model_name_or_path")), None),
-    )
+    if decide:
+        kwargs, batch = reconcile_training_kwargs(
+            training_kwargs, profile, world, has_gpu=gpus > 0, global_batch=training_kwargs.get("global_batch_size"),
+            model_args=next((a for a in parsed if hasattr(a, "model_name_or_path")), None), env=env,
+        )
+    else:
+        kwargs, batch = dict(training_kwargs), resolve_batch(training_kwargs, world, profile, env=env)
     decided = {k: v for k, v in kwargs.items() if k not in training_kwargs or training_kwargs[k] != v}
     plan = RunPlan(profile=profile, batch=batch, nodes=nodes, gpus=gpus, training=decided,
-                   output_dir=str(kwargs["output_dir"]), recipe=Path(recipe).stem, config=config, argv=tuple(argv))
+                   output_dir=str(kwargs.get("output_dir") or ""), recipe=Path(recipe).stem, config=config,
+                   argv=tuple(argv))
     return plan, kwargs
+
+
+def resolve_plan(profile: Profile, script: str, argv, *, nproc: int | None = None, nodes: int | None = None,
+                 world: int | None = None, hosts=None, precision: str | None = None, gpus: int | None = None,
+                 parsed: tuple | None = None, decide: bool = False, env=None) -> RunPlan:
+    """Recipe (`script` with its `argv`: --config YAML and flags) + profile + a command's launch flags -> the plan,
+    as `hf-zero train`'s launcher resolves it (launch_shape for the ranks, with_precision for `--precision`).
+    `parsed`: (recipe dataclasses, TrainingArguments kwargs, config) when the command has parsed them already."""
+    shape = launch_shape(profile, nproc=nproc, nodes=nodes, world=world, hosts=hosts)
+    if parsed is None:
+        instances, _, training_kwargs, config = _parse(script, list(argv))
+    else:
+        instances, training_kwargs, config = parsed
+    plan, _ = resolve_run(with_precision(profile, precision), tuple(instances), training_kwargs, world=shape.world,
+                          nodes=shape.nodes, gpus=gpu_count() if gpus is None else gpus, recipe=script,
+                          config=config, argv=argv, decide=decide, env=env)
+    return plan
 
 
 def _parse(script: str, argv: list[str], types: tuple | None = None):

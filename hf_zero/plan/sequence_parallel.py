@@ -119,7 +119,7 @@ def verify_recipe_sp(sp: int, world: int, model_args, training_kwargs: dict, sta
 def verify_recipe_kind(sp: int, arguments_class) -> None:
     """Ulysses splits token sequences with per-token labels: the causal-LM recipe's. A classifier's one label per
     sample would fail inside DeepSpeed's batch adapter after the launch."""
-    from hf_zero.core.config import CurriculumArguments
+    from hf_zero.plan.arguments import CurriculumArguments
 
     if sp > 1 and not issubclass(arguments_class, CurriculumArguments):
         raise UserError("profile", "sequence parallelism (parallelism_config_sp_size > 1) runs the causal-LM recipe "

@@ -100,6 +100,6 @@ def _exec_recipe(script: str):
 def recipe_argument_types(recipe_module) -> tuple:
     """The dataclasses a recipe parses, the last one its TrainingArguments subclass (its ARGUMENT_TYPES; the
     curriculum recipe's when it declares none)."""
-    from hf_zero.core.config import CurriculumArguments, ModelArguments
+    from hf_zero.plan.arguments import CurriculumArguments, ModelArguments
 
     return tuple(getattr(recipe_module, "ARGUMENT_TYPES", (ModelArguments, CurriculumArguments)))

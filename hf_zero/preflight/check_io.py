@@ -16,9 +16,11 @@ from hf_zero.checkpoint.compare import (
 )
 from hf_zero.checkpoint.resume import check_profile_switch
 from hf_zero.checkpoint.store import list_checkpoints, read_metadata, validate_checkpoint
+from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError, flag_hint
 from hf_zero.core.validate import yaml_lines
 from hf_zero.data.chat import FormatOptions
+from hf_zero.data.curriculum import build_schedule
 from hf_zero.data.model_names import (
     get_model_config,
     get_tokenizer,
@@ -27,6 +29,7 @@ from hf_zero.data.model_names import (
     tokenizer_size,
     weight_module_names,
 )
+from hf_zero.data.stages import check_stage_files, load_stage_data
 from hf_zero.estimate.memory import estimate
 from hf_zero.plan.parse import build_stage
 from hf_zero.plan.profiles import gpu_count
@@ -41,7 +44,7 @@ from hf_zero.preflight.check_rules import (
 )
 
 
-def _model(st):
+def model_check(st):
     if not st.curriculum:
         return None
     model_args = st.parsed[0]
@@ -107,9 +110,7 @@ def _lora_targets(model_args) -> None:
                     "name modules the model has")
 
 
-def _data(st):
-    from hf_zero.core.config import Stage
-    from hf_zero.data.stages import check_stage_files, load_stage_data
+def data_check(st):
     if not st.curriculum or st.check_data is not None:  # a recipe's own checker wins (the multimodal recipe's)
         return _recipe_data(st)
     stages = st.raw.get("stages")
@@ -159,16 +160,15 @@ def _recipe_data(st):
     return st.check_data(st.parsed[-2], st.recipe_values, **({"model_args": st.parsed[0]} if wants else {}))
 
 
-def _offload(st):
+def offload_check(st):
     nvme = None
     if st.count is not None and "nvme" in (st.profile.offload_optimizer, st.profile.offload_param):
-        nvme = estimate(st.count, strategy_of(st.profile), gpus_per_node=st.nproc, nodes=st.machines,
+        nvme = estimate(st.count, strategy_of(st.profile), gpus_per_node=st.nproc, nodes=st.shape.nodes,
                         precision=st.profile.precision)["nvme_bytes"]
     return verify_offload(st.profile, nvme, build_cpu_adam=not st.light)
 
 
-def _output(st):
-    from hf_zero.data.curriculum import build_schedule
+def output_check(st):
     *instances, stages, training = st.parsed
     where = st.args.output_dir or training["output_dir"]
     switch = None

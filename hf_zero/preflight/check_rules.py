@@ -14,6 +14,7 @@ from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.core.ops import build_ops
 from hf_zero.data.model_names import get_model_config
+from hf_zero.data.vlm import vlm_lora_targets
 from hf_zero.estimate.memory import estimate
 from hf_zero.estimate.model_count import count_model
 from hf_zero.integrations.parsers import group_dests
@@ -21,7 +22,7 @@ from hf_zero.plan.fsdp import verify_fsdp
 from hf_zero.plan.hostfile import find_machine_rank, read_hostfile
 from hf_zero.plan.profiles import gpu_count, precision_name
 from hf_zero.plan.quantization import verify_quantization
-from hf_zero.plan.reconcile import _profile_precision
+from hf_zero.plan.reconcile import profile_precision
 from hf_zero.plan.sequence_parallel import verify_recipe_sp
 from hf_zero.plan.world import per_machine_from_env, world_from_env
 
@@ -84,7 +85,7 @@ def verify_devices(profile, nproc: int, gpus: int) -> str:
 def verify_precision(profile, precision: str, recipe_kwargs: dict, gpus: int, real_gpus: bool) -> str:
     """The profile owns precision; the recipe may not contradict it; the hardware must support it."""
     if recipe_kwargs:
-        _profile_precision(profile, recipe_kwargs)  # a recipe saying bf16/fp16 against the profile: both named
+        profile_precision(profile, recipe_kwargs)  # a recipe saying bf16/fp16 against the profile: both named
     name = precision_name(precision)
     if gpus == 0:
         if name == "fp16":
@@ -205,8 +206,11 @@ def count_for(model_args):
     lora = None
     if model_args.use_peft:
         lora = {"r": model_args.lora_r, "target_modules": model_args.lora_target_modules}
+    config = get_model_config(model_args.model_name_or_path)
+    if lora is not None:  # a VLM's default targets are hf_zero's (peft has none for them)
+        lora["target_modules"] = vlm_lora_targets(config, lora["target_modules"])
     try:
-        return count_model(get_model_config(model_args.model_name_or_path), lora=lora)
+        return count_model(config, lora=lora)
     except ValueError as err:  # peft: target modules not in the model
         raise UserError("lora_target_modules", str(err).splitlines()[0], "name modules the model has") from None
 

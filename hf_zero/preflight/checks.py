@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
 from hf_zero.core.validate import resolve_recipe_paths
 from hf_zero.data.model_names import get_model_config
@@ -21,10 +22,10 @@ from hf_zero.plan.fsdp import verify_fsdp
 from hf_zero.plan.hostfile import read_hostfile
 from hf_zero.plan.parse import load_yaml_config, parse_recipe_args, recipe_fields
 from hf_zero.plan.profiles import gpu_count, load_profile, with_precision
-from hf_zero.plan.reconcile import check_profile_accumulation, plan_batch
+from hf_zero.plan.run_plan import resolve_plan
 from hf_zero.plan.sequence_parallel import verify_recipe_kind, verify_recipe_sp
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types
-from hf_zero.plan.world import per_machine_of, world_of
+from hf_zero.plan.world import launch_shape
 from hf_zero.preflight.check_rules import (
     verify_devices,
     verify_hostfile,
@@ -61,20 +62,22 @@ class _State:
         self.types = recipe_argument_types(recipe)
         self.check_data = getattr(recipe, "CHECK_DATA", None)  # a recipe's own data checker (curriculum: built in)
         self.tokenizer = self.count = self.pool_sizes = self.batch = None
+        self.plan = None  # hf_zero.plan.run_plan.RunPlan, once the batch check has resolved it
         self.hosts = None
         if args.hostfile:  # as `hf-zero train --hostfile` does; a bad file is the hostfile check's to report
             with contextlib.suppress(UserError), contextlib.redirect_stdout(sys.stderr):
                 self.hosts = read_hostfile(args.hostfile)
 
     @property
-    def machines(self) -> int:
-        return len(self.hosts) if self.hosts else self.profile.num_machines
+    def shape(self):
+        """Ranks and machines as `hf-zero train` launches them for these flags (`--nproc`, `--hostfile`, and
+        train's `--nodes`)."""
+        return launch_shape(self.profile, nproc=self.args.nproc, nodes=getattr(self.args, "nodes", None),
+                            hosts=self.hosts)
 
     @property
     def nproc(self) -> int:
-        if self.args.nproc or self.hosts:
-            return self.args.nproc or self.hosts[0][1]
-        return per_machine_of(self.profile.num_processes, self.profile.num_machines)
+        return self.shape.per_machine
 
     def value(self, key, default=None):
         if self.parsed is None:
@@ -93,7 +96,7 @@ class _State:
     @property
     def curriculum(self) -> bool:
         """The model and data checks know the curriculum recipe's loaders; other recipes bring their own."""
-        from hf_zero.core.config import CurriculumArguments
+        from hf_zero.plan.arguments import CurriculumArguments
 
         return issubclass(self.types[-1], CurriculumArguments)
 
@@ -115,7 +118,6 @@ def _parse(st, yaml_values: dict, extra: list):
 def _recipe(st):
     import difflib
 
-    from hf_zero.core.config import Stage
     config = st.args.config
     raw = load_yaml_config(config)
     st.raw = resolve_recipe_paths(raw, config)
@@ -148,13 +150,13 @@ def _recipe(st):
 
 
 def _batch(st):
-    accum = st.value("gradient_accumulation_steps")
-    accum = int(1 if accum is None else accum)
-    check_profile_accumulation(st.profile, accum, env={})
-    world = world_of(st.nproc, st.machines)
-    micro = st.value("per_device_train_batch_size")
-    sp = st.profile.sp_size
-    st.batch = plan_batch(int(1 if micro is None else micro), accum, world, st.value("global_batch_size"), sp=sp)
+    # the run plan as `hf-zero train`'s launcher resolves it (hf_zero.plan.run_plan), from the values parsed above;
+    # env={}: this shell's ACCELERATE_* variables are not the launch's
+    *instances, _, training = st.parsed
+    st.plan = resolve_plan(st.profile, st.args.recipe, ["--config", st.args.config, *st.args.extra],
+                           nproc=st.args.nproc, nodes=st.shape.nodes, hosts=st.hosts, gpus=st.args.gpus,
+                           parsed=(instances, training, st.args.config), env={})
+    st.batch, world, sp = st.plan.batch, st.plan.world, st.profile.sp_size
     if sp > 1 and st.parsed:
         verify_recipe_kind(sp, st.types[-1])
         model = next((a for a in st.parsed if hasattr(a, "model_name_or_path")), None)
@@ -176,7 +178,7 @@ def _precision(st):
 def _launch(st):
     flags = "".join(f" --{k} {v}" for k, v in (("nproc", st.args.nproc), ("hostfile", st.args.hostfile)) if v)
     return verify_launch(st.profile, dict(os.environ), st.args.config, in_recipe=False, hosts=st.hosts,
-                         world=world_of(st.nproc, st.machines), flags=flags)
+                         world=st.shape.world, flags=flags)
 
 
 def _hostfile(st):
@@ -184,7 +186,12 @@ def _hostfile(st):
         "deepspeed_hostfile"), st.nproc)
 
 
-from hf_zero.preflight.check_io import _data, _model, _offload, _output  # noqa: E402  (after _State, which they use)
+from hf_zero.preflight.check_io import (  # noqa: E402  (after _State, which they use)
+    data_check,
+    model_check,
+    offload_check,
+    output_check,
+)
 
 
 def _fsdp(st):
@@ -199,9 +206,10 @@ def _fsdp(st):
 # check -> (function, what it needs from earlier checks)
 _TABLE = {"profile": (_profile, ()), "recipe": (_recipe, ()), "batch": (_batch, ("profile", "parsed")),
           "devices": (_devices, ("profile",)), "precision": (_precision, ("profile",)),
-          "launch": (_launch, ("profile",)), "hostfile": (_hostfile, ("profile",)), "model": (_model, ("parsed",)),
-          "data": (_data, ("raw",)), "offload": (_offload, ("profile",)), "fsdp": (_fsdp, ("profile", "parsed")),
-          "output": (_output, ("profile", "whole"))}
+          "launch": (_launch, ("profile",)), "hostfile": (_hostfile, ("profile",)),
+          "model": (model_check, ("parsed",)), "data": (data_check, ("raw",)),
+          "offload": (offload_check, ("profile",)), "fsdp": (_fsdp, ("profile", "parsed")),
+          "output": (output_check, ("profile", "whole"))}
 # The output folder is compared with the settings as they will run: never with a fallback's (no flags, no stages)
 _WHO = {"profile": "the profile", "parsed": "the recipe", "raw": "the recipe", "count": "the model",
         "whole": "the recipe"}

@@ -13,12 +13,12 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from hf_zero.core.config import ModelArguments
 from hf_zero.core.distributed import waiting_for
 from hf_zero.core.errors import UserError
 from hf_zero.data.model_names import get_tokenizer, resolve_model_path
 from hf_zero.integrations.torch import batch_norm_base
 from hf_zero.integrations.transformers import model_mapping, set_attn_implementation
+from hf_zero.plan.arguments import ModelArguments
 from hf_zero.train.model import apply_lora, base_dtype, trainable_in_fp32
 from hf_zero.train.trainer import stage_table
 

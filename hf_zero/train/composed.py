@@ -162,10 +162,20 @@ class ComposedModel(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, labels=None, keep_ranks_in_step: bool = True, **kwargs):
         media = {m: (kwargs.pop(f"{m}_values", None), kwargs.pop(f"{m}_rows", None)) for m in self.specs}
+        embeds, in_step = self.embed(input_ids, media, keep_ranks_in_step)
+        out = self.llm(inputs_embeds=embeds, attention_mask=attention_mask, labels=labels, **kwargs)
+        if in_step is not None and getattr(out, "loss", None) is not None:
+            out.loss = out.loss + in_step.to(out.loss.dtype)
+        return out
+
+    def embed(self, input_ids, media: dict, keep_ranks_in_step: bool = False):
+        """(the LLM's input embeddings with every placeholder run filled by its projected item, the 0 x dummy
+        outputs to add to the loss or None). `media`: {modality: (values, rows)}, a modality left out or with no
+        items is text only."""
         embeds = self.llm.get_input_embeddings()(input_ids)
         in_step = None
         for m, spec in self.specs.items():
-            values, rows = media[m]
+            values, rows = media.get(m, (None, None))
             if values is None or values.shape[0] == 0:
                 if bool((input_ids == self.placeholder_ids[m]).any()):
                     raise ValueError(f"the batch has {m} placeholders but no {m}_values (a Trainer with "
@@ -183,10 +193,7 @@ class ComposedModel(nn.Module):
                                  "is not hf_zero.data.multimodal.MultimodalCollator?)")
             # masked_scatter fills the positions in reading order: row by row, the order the collator stacks items.
             embeds = embeds.masked_scatter(at.unsqueeze(-1), feats.reshape(-1, feats.shape[-1]).to(embeds.dtype))
-        out = self.llm(inputs_embeds=embeds, attention_mask=attention_mask, labels=labels, **kwargs)
-        if in_step is not None and getattr(out, "loss", None) is not None:
-            out.loss = out.loss + in_step.to(out.loss.dtype)
-        return out
+        return embeds, in_step
 
     # ------------------------------------------------------------------ one folder: config + safetensors
 

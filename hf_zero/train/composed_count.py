@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_zero.core.config import CurriculumArguments
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.data.chat import FormatOptions
 from hf_zero.data.chat_template import added_template_tokens, prepare_chat_template, train_embeddings
 from hf_zero.data.model_names import get_model_config, get_tokenizer
 from hf_zero.data.multimodal import add_placeholders, check_multimodal_data, load_multimodal_stage
+from hf_zero.plan.arguments import CurriculumArguments
 from hf_zero.plan.parse import parse_recipe_args, recipe_fields
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
 from hf_zero.train.composed import ComposedModel, build_encoders, encode

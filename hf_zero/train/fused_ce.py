@@ -25,7 +25,7 @@ from hf_zero.integrations.torch import forward_replaced, printed_class_name
 from hf_zero.plan.fused_loss import chunk_tokens, config_problem
 
 __all__ = ["ChunkedLinearCrossEntropy", "FusedCrossEntropyMixin", "plan_fused_head", "chunk_tokens",
-           "linear_cross_entropy", "shifted_targets"]
+           "linear_cross_entropy", "shifted_targets", "loss_in_head"]
 
 
 
@@ -118,7 +118,7 @@ def shifted_targets(inputs: dict) -> torch.Tensor:
 
 
 @contextmanager
-def _loss_in_head(head, targets, denom):
+def loss_in_head(head, targets, denom):
     """For one forward, `head(hidden)` returns the loss instead of the logits."""
 
     def forward(hidden):
@@ -172,7 +172,7 @@ class FusedCrossEntropyMixin:
         scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
         denom = num_items_in_batch if scaled else (targets != IGNORE).sum()
         rest = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-        with _loss_in_head(self.fused_head, targets, denom):
+        with loss_in_head(self.fused_head, targets, denom):
             loss = model(**rest).logits
         if self.args.average_tokens_across_devices and scaled:
             # as Trainer.compute_loss: num_items_in_batch counted the tokens of every rank

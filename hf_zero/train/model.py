@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from hf_zero.core import startup
-from hf_zero.core.config import ModelArguments
 from hf_zero.core.console import say
 from hf_zero.core.distributed import waiting_for
 from hf_zero.core.errors import UserError
@@ -11,6 +10,7 @@ from hf_zero.data.chat_template import added_template_tokens, grow_embeddings, t
 from hf_zero.data.model_names import BASE_PATH_ATTR, get_model_config, hub_model_id, resolve_model_path
 from hf_zero.estimate.measure import count_parameters
 from hf_zero.integrations.bitsandbytes import keep_4bit_layout_on_cpu
+from hf_zero.plan.arguments import ModelArguments
 from hf_zero.plan.profiles import TORCH_DTYPES
 from hf_zero.plan.quantization import quantization_config
 

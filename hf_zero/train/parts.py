@@ -48,8 +48,12 @@ def part_sizes(model) -> dict[str, int]:
 class PartPlan:
     """Per stage, the factor on the stage's LR that each part's parameter groups take (0: frozen)."""
 
-    def __init__(self, stages, valid: list[str], base_lr: float):
+    def __init__(self, stages, valid: list[str], base_lr: float, default: list[str] | None = None,
+                 parts_of=None):
+        """`default`: what a stage without `train:` trains (every part unless given); `parts_of`: the model's
+        {part: [(name, parameter)]} (model_parts of a ComposedModel unless given: hf_zero.train.vlm's for a VLM)."""
         self.valid, self.names, self.base_lr = valid, [s.name for s in stages], base_lr
+        self.default, self.parts_of = default or valid, parts_of or model_parts
         self.factors = [self._stage(s) for s in stages]  # [{part: factor}] per stage
 
     def _expand(self, key, where: str) -> list[str]:
@@ -62,7 +66,7 @@ class PartPlan:
 
     def _stage(self, stage) -> dict:
         where = f"stages[{stage.name}]"
-        train = stage.train if stage.train is not None else list(self.valid)
+        train = stage.train if stage.train is not None else list(self.default)
         train = [train] if isinstance(train, str) else train
         if not isinstance(train, list) or not train:
             raise UserError(f"{where}.train", f"{train!r} is not a non-empty list of parts",
@@ -121,7 +125,7 @@ class PartsTrainer(CurriculumTrainer):
 
             decay = set(self.get_decay_parameter_names(self.model))
             groups = []
-            for part, params in model_parts(self.model).items():
+            for part, params in self.parts.parts_of(self.model).items():
                 if part not in self.parts.ever_trained:
                     continue
                 for wd in (True, False):

@@ -14,15 +14,19 @@ They are called unbound on a small view holding the attributes they read (`_DPOV
 are returned in TRL's `FusedCausalLMOutput`. Copying the losses instead would let them drift from TRL's silently;
 tests/train/test_preference.py runs TRL's DPOTrainer itself on the same rows and compares.
 
-Tested on one process (and by hand on 2 DDP ranks): every rank computes the reference of every row (no split and
-gather yet). docs/preference.md lists what is built.
+Each rank computes the reference of its own contiguous share of the rows (every rank the same number of batches:
+under ZeRO-3 and FSDP2 a forward is a collective), and the shares are gathered, so every rank holds the whole table
+and the cache is indexed by row, not by rank: a resume on another rank count reads it as it is. The held-out pairs
+(`eval_samples` of the stage, or its `eval_data`) are rows too, numbered after the training rows: their reference is
+in the same cache, and their reward accuracy is measured at the stage's start and end the same way (one share per
+rank, gathered), so it is over the whole held-out set whatever the rank count. docs/preference.md lists what is built.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import TrainerCallback
@@ -33,10 +37,11 @@ from hf_zero.core.errors import UserError
 from hf_zero.data.packing import IGNORE
 from hf_zero.data.preference import PREFERENCE_KEYS
 from hf_zero.integrations.trl import dpo_loss
+from hf_zero.train.preference_report import HELD_OUT, pair_rewards
 from hf_zero.train.reference_cache import ReferenceCache
 
-__all__ = ["PreferenceStage", "preference_stages", "sequence_outputs", "reference_logps", "PreferenceMixin",
-           "preference_summary", "METRICS"]
+__all__ = ["PreferenceStage", "preference_stages", "sequence_outputs", "reference_logps", "answer_logps", "share",
+           "PreferenceMixin", "METRICS"]
 
 # What a preference step logs, TRL's names: TensorBoard's train/rewards/accuracies, ..., the console's step line.
 METRICS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
@@ -47,20 +52,26 @@ METRICS = ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/r
 class PreferenceStage:
     index: int  # in the curriculum
     stage: Stage
-    samples: list[dict]  # every row of the stage, by `row`
+    samples: list[dict]  # every training row of the stage, by `row` (0 .. n-1)
+    held_out: list[dict] = field(default_factory=list)  # the held-out pairs, by `row` (n .. n+m-1)
 
     @property
     def reference_free(self) -> bool:
         return self.stage.loss_type == "simpo"
 
+    @property
+    def rows(self) -> list[dict]:
+        """Every row with a reference: the training rows, then the held-out pairs (position == `row`)."""
+        return self.samples + self.held_out
+
 
 def preference_stages(stages: list[Stage], stage_data: list) -> dict[int, PreferenceStage]:
-    """The curriculum's dpo stages by index, each with its rows in `row` order."""
+    """The curriculum's dpo stages by index, each with its rows and held-out pairs in `row` order."""
     out = {}
     for i, (stage, data) in enumerate(zip(stages, stage_data)):
         if stage.objective == "dpo":
             rows = sorted((s for src in data.sources for s in src), key=lambda s: s["row"])
-            out[i] = PreferenceStage(i, stage, rows)
+            out[i] = PreferenceStage(i, stage, rows, sorted(data.eval_samples, key=lambda s: s["row"]))
     return out
 
 
@@ -86,26 +97,52 @@ def _answer_labels(batch: dict) -> torch.Tensor:
     return batch["input_ids"].masked_fill(batch["completion_mask"] == 0, IGNORE)
 
 
-def reference_logps(model, samples: list[dict], batch_size: int, device, pad_token_id: int) -> torch.Tensor:
-    """(rows, 2): each row's chosen and rejected log-probability (summed over the answer), in eval mode, no grad."""
+def share(n: int, rank: int, world: int) -> tuple[int, int, int]:
+    """(start, end, per): the contiguous rows [start, end) of `n` a rank computes, `per` rows on every rank (the
+    last shares padded), so the gathered shares hold row i at position i."""
+    per = -(-n // world) if n else 0
+    return min(n, rank * per), min(n, (rank + 1) * per), per
+
+
+def answer_logps(model, samples: list[dict], batch_size: int, device, pad_token_id: int,
+                 accelerator=None) -> torch.Tensor:
+    """(rows, 4) float32: each row's chosen and rejected log-probability (summed over the answer) and the answers'
+    token counts, in eval mode, no grad. With `accelerator` on several ranks each rank computes its share of the
+    rows (`share`; padded by repeating a row, so every rank runs as many batches) and the shares are gathered."""
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
+    if not samples:  # the same on every rank: no collective to meet
+        return torch.zeros(0, 4)
+    world = accelerator.num_processes if accelerator is not None else 1
+    rank = accelerator.process_index if accelerator is not None else 0
+    start, end, per = share(len(samples), rank, world)
+    mine = samples[start:end]
+    mine = mine + [mine[-1] if mine else samples[0]] * (per - len(mine))  # padding, dropped below
     collate = DataCollatorForPreference(pad_token_id=pad_token_id)
-    out = torch.empty(len(samples), 2, dtype=torch.float32)
+    out = torch.zeros(per, 4, dtype=torch.float32)
     training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for start in range(0, len(samples), batch_size):
-                chunk = samples[start:start + batch_size]
+            for first in range(0, per, batch_size):
+                chunk = mine[first:first + batch_size]
                 batch = {k: v.to(device) for k, v in collate([{k: s[k] for k in PREFERENCE_KEYS}
                                                               for s in chunk]).items()}
-                logps = sequence_outputs(model, batch["input_ids"], batch["attention_mask"],
-                                         _answer_labels(batch)).log_probs.sum(1)
-                out[[s["row"] for s in chunk]] = torch.stack(logps.float().cpu().chunk(2), dim=1)
+                seq = sequence_outputs(model, batch["input_ids"], batch["attention_mask"], _answer_labels(batch))
+                logps, tokens = seq.log_probs.sum(1).float().cpu(), seq.label_mask.sum(1).float().cpu()
+                out[first:first + len(chunk)] = torch.stack([*logps.chunk(2), *tokens.chunk(2)], dim=1)
     finally:
         model.train(training)
-    return out
+    if world > 1:
+        out = accelerator.gather(out.to(device)).cpu()
+    return out[:len(samples)]
+
+
+def reference_logps(model, samples: list[dict], batch_size: int, device, pad_token_id: int,
+                    accelerator=None) -> torch.Tensor:
+    """(rows, 2): each row's chosen and rejected log-probability (summed over the answer); `samples` in `row`
+    order from 0; on several ranks each computes its share (answer_logps)."""
+    return answer_logps(model, samples, batch_size, device, pad_token_id, accelerator)[:, :2].contiguous()
 
 
 class _TRLModel:
@@ -140,10 +177,11 @@ class _CPOView:
         self.simpo_gamma, self.alpha, self.label_smoothing = stage.simpo_gamma, 0.0, 0.0
 
 
-class _ReferenceAtStart(TrainerCallback):
-    """A dpo stage's reference computed (or its cache checked against the weights) between steps, before the
-    stage's first batch: there every engine's parameters are at rest (inside a step, ZeRO-3's gather of a parameter
-    meets the engine's prefetched ones). A resume past the start loads the cache at its first batch instead."""
+class _StageEdges(TrainerCallback):
+    """At a dpo stage's start, its reference computed (or its cache checked against the weights) and its held-out
+    pairs' reward accuracy measured; at its end, that accuracy again. Between steps: there every engine's
+    parameters are at rest (inside a step, ZeRO-3's gather of a parameter meets the engine's prefetched ones). A
+    resume past the start loads the cache at its first batch instead."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -151,8 +189,13 @@ class _ReferenceAtStart(TrainerCallback):
     def _at(self, step: int) -> None:
         t = self.trainer
         for pstage in t.preference.values():
-            if not pstage.reference_free and t.schedule.spans[pstage.index].start_step == step:
-                t._stage_reference(pstage, t.model_wrapped)
+            span = t.schedule.spans[pstage.index]
+            if span.start_step == step:
+                if not pstage.reference_free:
+                    t._stage_reference(pstage, t.model_wrapped)
+                t._held_out_rewards(pstage, t.model_wrapped, "before")
+            elif span.end_step == step:
+                t._held_out_rewards(pstage, t.model_wrapped, "after")
 
     def on_train_begin(self, args, state, control, **kwargs):
         self._at(state.global_step)
@@ -173,24 +216,54 @@ class PreferenceMixin:
         self._pref_metrics: dict[str, list] = defaultdict(list)
         for pstage in self.preference.values():  # a cache of other rows stops the run before its first step
             ReferenceCache(self.args.output_dir, pstage).check_rows()
-        if any(not p.reference_free for p in self.preference.values()):
-            self.add_callback(_ReferenceAtStart(self))
+        if any(not p.reference_free or p.held_out for p in self.preference.values()):
+            self.add_callback(_StageEdges(self))
+
+    def _logps(self, model, samples: list[dict], reference: bool = False) -> torch.Tensor:
+        compute = reference_logps if reference else answer_logps
+        return compute(model, samples, self.args.per_device_eval_batch_size, self.args.device,
+                       self.processing_class.pad_token_id, self.accelerator)
 
     def _stage_reference(self, pstage: PreferenceStage, model) -> torch.Tensor:
+        """(training rows + held-out pairs, 2): the stage's reference; the held-out pairs in batches of their
+        own, as their rewards are measured."""
         if pstage.index not in self._reference:
             span = self.schedule.spans[pstage.index]
             start = time.perf_counter()
             cache = ReferenceCache(self.args.output_dir, pstage)
-            pad, batch, device = (self.processing_class.pad_token_id, self.args.per_device_eval_batch_size,
-                                  self.args.device)
             logps, how = cache.get(model, self.accelerator.unwrap_model(model),
                                    at_start=self.state.global_step == span.start_step,
-                                   compute=lambda: reference_logps(model, pstage.samples, batch, device, pad))
+                                   compute=lambda: torch.cat([self._logps(model, pstage.samples, True),
+                                                              self._logps(model, pstage.held_out, True)]))
             self._reference[pstage.index] = logps
             self.reference_status[pstage.stage.name] = how
-            say(f"[hf_zero] stage {pstage.stage.name}: reference log-probs of {len(pstage.samples)} rows {how} "
-                f"({time.perf_counter() - start:.1f}s), {cache.tensors}")
+            world = self.accelerator.num_processes
+            held = f" ({len(pstage.held_out)} of them held out)" if pstage.held_out else ""
+            most = sum(share(len(rows), 0, world)[2] for rows in (pstage.samples, pstage.held_out))
+            split = f" on {world} ranks, at most {most} rows each" if how == "computed" and world > 1 else ""
+            say(f"[hf_zero] stage {pstage.stage.name}: reference log-probs of {len(pstage.rows)} rows{held} {how}"
+                f"{split} ({time.perf_counter() - start:.1f}s), {cache.tensors}")
         return self._reference[pstage.index]
+
+    def _held_out_rewards(self, pstage: PreferenceStage, model, when: str) -> None:
+        """The held-out pairs' reward accuracy and mean margin (pair_rewards) over the whole held-out set, logged
+        (HELD_OUT keys, at the stage's first and last step) and said; once per step, also on resume."""
+        name = pstage.stage.name
+        keys = tuple(f"{k}/{name}" for k in HELD_OUT)
+        if not pstage.held_out or any(h.get("step") == self.state.global_step and keys[0] in h
+                                      for h in self.state.log_history):
+            return
+        reference = None if pstage.reference_free else self._stage_reference(pstage, model)[len(pstage.samples):]
+        if when == "before" and reference is not None:
+            logps = reference  # the policy is the reference: every reward is 0, no pair is won yet
+        else:
+            logps = self._logps(model, pstage.held_out)
+        accuracy, margin = pair_rewards(pstage.stage, logps, reference)
+        keep = self.control.should_log  # Trainer.log clears it: this step's own loss log would be dropped
+        self.log(dict(zip(keys, (accuracy, margin))))
+        self.control.should_log = keep
+        say(f"[hf_zero] stage {name}: held-out reward accuracy {accuracy:.2f}, margin {margin:.3f} over "
+            f"{len(pstage.held_out)} pairs ({when} the stage)")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if "pref_row" not in inputs:
@@ -230,22 +303,3 @@ class PreferenceMixin:
             logs.update({k: sum(v) / len(v) for k, v in self._pref_metrics.items() if v})
             self._pref_metrics.clear()
         super().log(logs, start_time)
-
-
-def preference_summary(log_history: list[dict], schedule, preference: dict, status: dict) -> dict:
-    """summary.json's `preference`: per dpo stage, its settings, the reference's fate and the reward accuracy and
-    margin at its first and last logging step."""
-    if not preference:
-        return {}
-    rows = []
-    for index, pstage in preference.items():
-        span = schedule.spans[index]
-        logs = [h for h in log_history if "rewards/accuracies" in h and span.start_step < h["step"] <= span.end_step]
-        rows.append({
-            "stage": pstage.stage.name, "loss_type": pstage.stage.loss_type, "beta": pstage.stage.beta,
-            "rows": len(pstage.samples), "reference": status.get(pstage.stage.name, "none (reference-free)"),
-            **{f"{name}_{at}": (logs[i][key] if logs else None) for name, key in
-               (("reward_accuracy", "rewards/accuracies"), ("reward_margin", "rewards/margins"))
-               for at, i in (("first", 0), ("last", -1))},
-        })
-    return {"preference": rows}

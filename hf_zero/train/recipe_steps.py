@@ -16,14 +16,14 @@ from hf_zero.checkpoint.safe_load import safe_checkpoint_loading
 from hf_zero.checkpoint.store import read_metadata
 from hf_zero.checkpoint.write import best_metric_default
 from hf_zero.core import startup
-from hf_zero.core.config import CurriculumArguments
 from hf_zero.core.console import say
 from hf_zero.core.errors import UserError
-from hf_zero.core.multimodal_args import MultimodalArguments
 from hf_zero.data.curriculum import build_sample_order, build_schedule
 from hf_zero.data.stages import check_stage_files
 from hf_zero.estimate.measure import MemoryMeasureCallback, measure_requested
 from hf_zero.launch.interrupt import raise_if_interrupted
+from hf_zero.plan.arguments import CurriculumArguments, MultimodalArguments
+from hf_zero.plan.vlm_args import VlmArguments
 from hf_zero.train.bench_probe import BenchProbeCallback, StartupCallback, bench_requested
 from hf_zero.train.loss_plot import LOSS_PLOT
 from hf_zero.train.run import RunContext, print_banner
@@ -41,12 +41,13 @@ def start(ctx: RunContext, fresh_start: bool, example: str) -> str | None:
     set_seed(ctx.training_args.seed)
     if not ctx.stages:
         raise UserError("stages", "the recipe has no stages", f"add a `stages:` list to the YAML, e.g. {example}")
-    if not isinstance(ctx.training_args, MultimodalArguments):  # a stage's parts would be silently ignored
+    if not isinstance(ctx.training_args, (MultimodalArguments, VlmArguments)):  # parts would be silently ignored
         for stage in ctx.stages:
             for key in ("train", "learning_rates"):
                 if getattr(stage, key) is not None:
-                    raise UserError(f"stages[{stage.name}].{key}", "says what trains per part of a composed model, "
-                                    "which only the multimodal recipe has", "remove it, or set `recipe: multimodal`")
+                    raise UserError(f"stages[{stage.name}].{key}", "says what trains per part of a composed model or "
+                                    "VLM, which only the multimodal and vlm recipes have",
+                                    "remove it, or set `recipe: multimodal` (or `recipe: vlm`)")
     if isinstance(ctx.training_args, CurriculumArguments):  # its data as the preflight read it, before any write
         for stage in ctx.stages:
             check_stage_files(stage, ctx.training_args.eval_samples)

@@ -1,6 +1,7 @@
 """A dpo stage's reference log-probabilities on disk: `<output_dir>/reference_logps/<stage>.safetensors` (rows x
-[chosen, rejected]) and `<stage>.json` beside it, with fingerprints of the rows and of the weights they were computed
-from, so a later run reuses the cache without recomputing it and refuses one made from other rows or another model
+[chosen, rejected]: the training rows, then the held-out pairs, by row whatever the rank count that computed them)
+and `<stage>.json` beside it, with fingerprints of the rows and of the weights they were computed from, so a later
+run reuses the cache without recomputing it and refuses one made from other rows or another model
 (hf_zero.train.preference computes it and says when)."""
 
 from __future__ import annotations
@@ -61,12 +62,12 @@ class ReferenceCache:
 
     def check_rows(self) -> str:
         """The rows' fingerprint; a cache made from other rows refused (before any step: the Trainer's start)."""
-        rows = fingerprint_rows(self.stage.samples)
+        rows = fingerprint_rows(self.stage.rows)
         if self.tensors.is_file() and self.meta.is_file():
             meta = json.loads(self.meta.read_text())
             if meta.get("rows") != rows:
                 self._refuse(f"made from other rows ({meta.get('count')} rows, fingerprint {meta.get('rows')}) than "
-                             f"stage {self.stage.stage.name}'s data ({len(self.stage.samples)} rows, fingerprint "
+                             f"stage {self.stage.stage.name}'s data ({len(self.stage.rows)} rows, fingerprint "
                              f"{rows})", f"delete {self.dir} to compute it again, or give the stage the data it was "
                              "made from")
         return rows
@@ -86,8 +87,8 @@ class ReferenceCache:
                 self._refuse(f"made from another model (weights fingerprint {meta.get('weights')}; the model at "
                              f"stage {name}'s start is {weights})", f"{delete}, or use another output_dir")
             logps = load_file(self.tensors)["logps"]
-            if logps.shape != (len(self.stage.samples), 2):
-                self._refuse(f"holds {tuple(logps.shape)} values for {len(self.stage.samples)} rows", delete)
+            if logps.shape != (len(self.stage.rows), 2):
+                self._refuse(f"holds {tuple(logps.shape)} values for {len(self.stage.rows)} rows", delete)
             return logps, "reused"
         if not at_start:
             self._refuse(f"missing: stage {name}'s reference is computed at its start, from the model as it was "
@@ -104,7 +105,8 @@ class ReferenceCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         for path, write in ((self.tensors, lambda p: save_file({"logps": logps.contiguous()}, str(p))),
                             (self.meta, lambda p: p.write_text(json.dumps({
-                                "stage": self.stage.stage.name, "count": len(self.stage.samples), "rows": rows,
+                                "stage": self.stage.stage.name, "count": len(self.stage.rows),
+                                "held_out": len(self.stage.held_out), "rows": rows,
                                 "weights": weights, "columns": ["chosen", "rejected"]}, indent=1)))):
             tmp = path.with_name(path.name + ".tmp")
             write(tmp)

@@ -27,7 +27,7 @@ from hf_zero.data.packing import IGNORE
 from hf_zero.integrations.accelerate import set_ulysses_attention
 from hf_zero.integrations.deepspeed import ulysses_group, ulysses_rank, ulysses_world_size
 from hf_zero.integrations.transformers import attn_implementation
-from hf_zero.train.fused_ce import _loss_in_head
+from hf_zero.train.fused_ce import loss_in_head
 
 __all__ = ["SequenceParallelMixin", "pad_batch", "sp_enabled", "sp_sample_order", "SpOrderedDataset"]
 
@@ -176,7 +176,7 @@ class SequenceParallelMixin:
         rest = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
         head = getattr(self, "fused_head", None)
         if head is not None:
-            with _loss_in_head(head, targets, 1):  # the sum over this rank's tokens
+            with loss_in_head(head, targets, 1):  # the sum over this rank's tokens
                 local = model(**rest).logits
         else:
             logits = model(**rest).logits

@@ -134,7 +134,7 @@ def test_archive_move_finishes_after_a_kill_at_every_step(tmp_path, monkeypatch,
         _finished_run(out, f"k{k}")
         want = {p.name for p in out.iterdir()}
         calls = {"n": 0}
-        real_rename, real_sync = os.rename, store._fsync_dir
+        real_rename, real_sync = os.rename, store.fsync_dir
 
         def killed_rename(src, dst, k=k):
             if calls["n"] == k:
@@ -147,12 +147,12 @@ def test_archive_move_finishes_after_a_kill_at_every_step(tmp_path, monkeypatch,
 
         monkeypatch.setattr(store.os, "rename", killed_rename)
         if k == steps:  # every entry moved; killed before the journal is removed
-            monkeypatch.setattr(store, "_fsync_dir", killed_sync)
+            monkeypatch.setattr(store, "fsync_dir", killed_sync)
         resume = out / "checkpoint-6" if how == "resume" else None
         with pytest.raises(SystemExit):
             _choose(_ctx(out, resume=resume), fresh_start=how == "fresh_start")
         monkeypatch.setattr(store.os, "rename", real_rename)
-        monkeypatch.setattr(store, "_fsync_dir", real_sync)
+        monkeypatch.setattr(store, "fsync_dir", real_sync)
         assert (out / ARCHIVE_JOURNAL).is_file()
         seen = {p.name for p in out.iterdir()} | {p.name for p in (out / "previous-run").glob("*")}
         assert want <= seen, f"kill after {k}: lost {want - seen}"

@@ -97,7 +97,8 @@ def test_allow_changes_learning_rate_that_no_stage_uses_is_refused():
 
 
 def _lay_out(tmp_path, steps: list[int], max_steps: int = -1, resumed: dict | None = None):
-    from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
+    from hf_zero.core.config import Stage
+    from hf_zero.plan.arguments import CurriculumArguments, ModelArguments
     from hf_zero.plan.parse import parse_recipe_args
     from hf_zero.train.recipe_steps import lay_out
 

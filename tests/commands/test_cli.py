@@ -140,7 +140,7 @@ def test_help_recipe_lists_the_recipes_fields(capsys):
 
     from transformers import TrainingArguments
 
-    from hf_zero.core.config import CurriculumArguments, ModelArguments
+    from hf_zero.plan.arguments import CurriculumArguments, ModelArguments
 
     assert main(["train", "--help-recipe"]) == 0
     out = capsys.readouterr().out

@@ -31,7 +31,8 @@ def test_preview_takes_model_and_data_as_train_does(capsys, chat_file):
     "ambiguous option: --model could match --model_name_or_path")."""
     assert main(["preview", "--model", "tiny-llama", "--data", str(chat_file), "-n", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("stage 'chat': 1 source(s), max_seq_length ")
+    plan, stage = out.splitlines()[:2]
+    assert plan.startswith("plan: profile cpu, ") and stage.startswith("stage 'chat': 1 source(s), max_seq_length ")
     assert "conversational, loss on answers only" in out and "9 training samples, 3 held out" in out
 
 

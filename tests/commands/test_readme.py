@@ -94,6 +94,9 @@ LAUNCHES = {c for c in COMMANDS if re.search(r"\b(make train|hf-zero train|accel
             and "--dry-run" not in c and "--help" not in c}
 # ... and those that read what a launch wrote (`hf-zero export runs/tiny_ckpt`): they run after it, in README order.
 WRITTEN = {run for c in LAUNCHES for run in re.findall(r"runs/\w+", c)}
+# a config without --output_dir writes runs/<its name> (hf_zero.plan's default output folder)
+WRITTEN |= {f"runs/{name}" for c in LAUNCHES if "--output_dir" not in c
+            for name in re.findall(r"--config \S*?(\w+)\.yaml", c)}
 LAUNCHES |= {c for c in COMMANDS if any(run in c for run in WRITTEN)}
 
 

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 from testing_utils import REPO, launch_recipe, read_summary, readme_command, run_cmd
 
-from hf_zero.core.config import ModelArguments, Stage
+from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
 from hf_zero.data.classification import (
-    ClassificationArguments,
     get_data_kind,
     load_classification_data,
     split_indices,
 )
 from hf_zero.data.images import ImageSource, random_affine
+from hf_zero.plan.arguments import ClassificationArguments, ModelArguments
 from hf_zero.plan.parse import parse_recipe_args
 
 CLASSIFY = REPO / "recipes" / "classify.py"

@@ -166,7 +166,7 @@ def test_waits_between_ranks_become_one_line(monkeypatch, raised, says):
 
 
 def test_timeout_reaches_the_trainer_and_the_recipe_can_set_it(monkeypatch):
-    from hf_zero.core.config import CurriculumArguments, ModelArguments
+    from hf_zero.plan.arguments import CurriculumArguments, ModelArguments
     from hf_zero.plan.parse import parse_recipe_args
 
     def timeout(*flags):

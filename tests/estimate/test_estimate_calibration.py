@@ -18,20 +18,21 @@ from testing_utils import REPO
 from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate.memory import estimate
 from hf_zero.estimate.model_count import count_model
-from hf_zero.train.fused_ce import _loss_in_head, shifted_targets
+from hf_zero.train.fused_ce import loss_in_head, shifted_targets
 
 DATA = REPO / "tests" / "data" / "calibration"
-# the H100 runs (transformers' loss: measured before the fused loss existed), then hf_zero as it runs today on an
-# H200 (`make bench-gpu`'s rows, the fused loss on): both through the same estimate
-RUNS = [json.loads(line) for name in ("h100-bf16-peak-memory.jsonl", "h200-bf16-peak-memory.jsonl")
+# the H100 runs (transformers' loss: measured before the fused loss existed), hf_zero on an H200 (`make bench-gpu`'s
+# rows, the fused loss on), then the H100 speed matrix's rows (Liger's kernels on and off): all through one estimate
+RUNS = [json.loads(line) for name in ("h100-bf16-peak-memory.jsonl", "h200-bf16-peak-memory.jsonl",
+                                       "h100-matrix-bf16-peak-memory.jsonl")
         for line in (DATA / name).read_text().splitlines() if line]
 STRATEGY = {"single_gpu": "ddp", "zero2": "zero2", "zero3": "zero3", "zero3_offload": "zero3_offload"}
 
 
 def calibration_estimate(run: dict) -> dict:
     """The estimate for one measured run, from its model config and settings (LoRA as hf_zero builds it)."""
-    from hf_zero.core.config import ModelArguments
     from hf_zero.estimate.recipe import lora_fields
+    from hf_zero.plan.arguments import ModelArguments
 
     lora = lora_fields(ModelArguments(use_peft=run["use_peft"], lora_r=run["lora_r"] or 16))
     count = count_model(get_model_config(str(DATA / "models" / run["model"])), lora=lora)
@@ -40,7 +41,9 @@ def calibration_estimate(run: dict) -> dict:
                     micro_batch=run["micro_batch"], seq_len=run["max_seq_length"],
                     grad_checkpointing=run["gradient_checkpointing"],
                     # measured before hf_zero loaded a LoRA base in 16 bits: its frozen base was fp32
-                    frozen_base=run.get("frozen_base", "fp32"), fused_cross_entropy=run["fused_cross_entropy"])
+                    frozen_base=run.get("frozen_base", "fp32"), fused_cross_entropy=run["fused_cross_entropy"],
+                    # measured before `use_liger_kernel: auto` (off then) unless the row says
+                    use_liger_kernel=run.get("use_liger_kernel", False))
 
 
 def calibration_table() -> str:
@@ -49,7 +52,7 @@ def calibration_table() -> str:
             "|---|---|---|---|---|---|---|---|"]
     for run in RUNS:
         est, got = calibration_estimate(run)["gpu_bytes_per_rank"]["total"], run["measured_peak_allocated_bytes"]
-        extra = ", ".join(x for x, on in (("LoRA r=16", run["use_peft"]),
+        extra = ", ".join(x for x, on in (("LoRA r=16", run["use_peft"]), ("Liger", run.get("use_liger_kernel")),
                                           ("checkpointing", run["gradient_checkpointing"])) if on) or "-"
         rows.append(f"| {run['name']} | {run['model']} | {run['profile']} | {run['micro_batch']} x "
                     f"{run['max_seq_length']} | {extra} | {est / 2**30:.2f} GiB | {got / 2**30:.2f} GiB | "
@@ -116,7 +119,7 @@ def _profiled_step_peak(config, autocast: bool, lora, checkpointing: bool, micro
     def step():
         with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
             if fused:  # FusedCrossEntropyMixin.compute_loss's path: lm_head returns the loss
-                with _loss_in_head(head, targets, (targets != -100).sum()):
+                with loss_in_head(head, targets, (targets != -100).sum()):
                     loss = model(input_ids=ids, position_ids=positions, use_cache=False).logits
             else:
                 loss = model(input_ids=ids, labels=ids, position_ids=positions, use_cache=False).loss
@@ -192,12 +195,15 @@ def test_fused_loss_step_peak_on_unseen_shapes(shape, autocast, lora, base):
     assert g["activations"] < standard  # and the full logits' bytes are what it saves
 
 
-def test_readme_gpu_table_is_the_h200_calibration_data():
-    """The README's "Measured on a GPU" rows: peak and estimate as this data and today's estimate give them."""
+def test_readme_gpu_table_is_the_h100_bench_data():
+    """The README's "Measured on a GPU" rows: peak and estimate as `make bench-gpu`'s H100 rows and today's estimate
+    give them (its peaks are the speed matrix's to the byte, so they are not counted twice in RUNS)."""
     import re
 
     readme = (REPO / "README.md").read_text()
-    for run in (r for r in RUNS if r["name"].startswith("h200_")):
+    bench = [json.loads(line) for line in (DATA / "h100-bench-1024.jsonl").read_text().splitlines() if line]
+    assert len(bench) == 3
+    for run in bench:
         est, got = calibration_estimate(run)["gpu_bytes_per_rank"]["total"], run["measured_peak_allocated_bytes"]
         sign = "+" if est >= got else "−"
         row = (rf"\| `{run['profile']}` \| {run['step_s_median']:.3f} \| [\d,]+ \| {got / 2**30:.1f} GiB \| "

@@ -294,3 +294,21 @@ def test_a_model_without_embeddings_is_counted():
 
     count = count_model(ResNetConfig(num_channels=1, embedding_size=8, hidden_sizes=[8], depths=[1], num_labels=10))
     assert count.total_params > 0 and count.embeddings == ()
+
+
+def test_liger_kernels_count_what_their_norms_and_swiglu_do_not_save(monkeypatch):
+    """Liger's RMSNorm keeps its input instead of the fp32 upcast and the normalised output (4h bytes per norm less
+    under autocast), its SwiGLU recomputes the activation (e i less): checked against an H100 in
+    test_estimate_calibration. `auto` counts them only where liger-kernel is installed, as the run uses them."""
+    import hf_zero.estimate.memory as memory
+    from hf_zero.data.model_names import get_model_config
+
+    count = count_model(get_model_config("benchmarks/models/llama-1b"))
+    kw = dict(world_size=1, precision="bf16", micro_batch=8, seq_len=1024)
+    act = {mode: estimate(count, "ddp", use_liger_kernel=mode, **kw)["gpu_bytes_per_rank"]["activations"]
+           for mode in (False, True)}
+    h, i, layers, tokens = 2048, 5632, 22, 8 * 1024
+    assert act[False] - act[True] == (2 * 4 * h + 2 * i) * layers * tokens
+    for installed, expect in ((False, act[False]), (True, act[True])):
+        monkeypatch.setattr(memory, "liger_installed", lambda installed=installed: installed)
+        assert estimate(count, "ddp", **kw)["gpu_bytes_per_rank"]["activations"] == expect

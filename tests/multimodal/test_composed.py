@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_zero.core.config import ModelArguments
 from hf_zero.core.errors import UserError
 from hf_zero.data.multimodal import MultimodalCollator, add_placeholders
+from hf_zero.plan.arguments import ModelArguments
 from hf_zero.train.composed import ADAPTER_DIR, ComposedModel, build_encoders
 from hf_zero.train.parts import PartPlan, model_parts, plan_parts
 
@@ -156,7 +156,8 @@ def test_encoders_by_import_path_refuse_in_one_line():
 
 
 def test_stage_parts_outside_the_multimodal_recipe_are_refused_not_ignored():
-    from hf_zero.core.config import CurriculumArguments, Stage
+    from hf_zero.core.config import Stage
+    from hf_zero.plan.arguments import CurriculumArguments
     from hf_zero.train.recipe_steps import start
 
     stages = [Stage(name="s", data=["x.jsonl"], steps=2, learning_rates={"projector": 1e-3})]

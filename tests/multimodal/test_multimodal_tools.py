@@ -31,11 +31,10 @@ def config_copy(dst, points_tokens=None):
 def built():
     """The composed model exactly as recipes/multimodal.py builds it (real weights, the cpu profile's LLM), its part
     sizes before plan_parts, and the plan."""
-    from hf_zero.core.config import ModelArguments
-    from hf_zero.core.multimodal_args import MultimodalArguments
     from hf_zero.data.chat_template import prepare_chat_template
     from hf_zero.data.model_names import get_tokenizer
     from hf_zero.data.multimodal import add_placeholders
+    from hf_zero.plan.arguments import ModelArguments, MultimodalArguments
     from hf_zero.plan.parse import parse_recipe_args
     from hf_zero.plan.profiles import load_profile
     from hf_zero.train.composed import ComposedModel, build_encoders

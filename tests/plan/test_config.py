@@ -6,8 +6,9 @@ import pytest
 from testing_utils import REPO, TINY
 from transformers import TrainingArguments
 
-from hf_zero.core.config import CurriculumArguments, ModelArguments, Stage
+from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
+from hf_zero.plan.arguments import CurriculumArguments, ModelArguments
 from hf_zero.plan.parse import parse_recipe_args, recipe_fields
 
 TYPES = (ModelArguments, CurriculumArguments)
@@ -132,10 +133,19 @@ _OTHER_RECIPES = {name: _classify_types for name in ("minilm_bbc.yaml", "digits_
 
 
 def _multimodal_types():
-    from hf_zero.core.config import ModelArguments
-    from hf_zero.core.multimodal_args import MultimodalArguments
+    from hf_zero.plan.arguments import ModelArguments, MultimodalArguments
 
     return ModelArguments, MultimodalArguments  # recipes/multimodal.py's ARGUMENT_TYPES
 
 
 _OTHER_RECIPES["tiny_multimodal.yaml"] = _multimodal_types
+
+
+def _vlm_types():
+    from hf_zero.plan.arguments import ModelArguments
+    from hf_zero.plan.vlm_args import VlmArguments
+
+    return ModelArguments, VlmArguments  # recipes/vlm.py's ARGUMENT_TYPES
+
+
+_OTHER_RECIPES["tiny_vlm.yaml"] = _vlm_types

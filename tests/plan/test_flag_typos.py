@@ -10,8 +10,8 @@ import yaml
 from testing_utils import TINY, check, failed, skipped
 
 from hf_zero.cli import main
-from hf_zero.core.config import CurriculumArguments, ModelArguments
 from hf_zero.core.errors import UserError
+from hf_zero.plan.arguments import CurriculumArguments, ModelArguments
 from hf_zero.plan.parse import parse_recipe_args
 
 

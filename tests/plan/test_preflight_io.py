@@ -60,7 +60,7 @@ CASES = ["non-UTF-8", "non-UTF-8 text", "empty", "blank lines", "malformed JSON"
 
 @pytest.mark.parametrize("case", CASES)
 def test_each_bad_data_file_is_refused_with_its_row(bad_files, case):
-    """load_source is what the preflight (check_io._data) and the ranks (stages.load_stage_data) both read with."""
+    """load_source is what the preflight (check_io.data_check) and the ranks (stages.load_stage_data) read with."""
     spec, words = bad_files[case]
     line = _refused(load_source, spec, "stages[s].data[0]")
     assert line.startswith("stages[s].data[0]: ") and words in line, line
@@ -107,7 +107,8 @@ def test_max_seq_length_above_the_models_positions():
 
 
 def test_classification_labels_checked_as_the_run_checks_them(tmp_path):
-    from hf_zero.data.classification import ClassificationArguments, check_classification_data
+    from hf_zero.data.classification import check_classification_data
+    from hf_zero.plan.arguments import ClassificationArguments
 
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"text": f"t{i}", "label": ["a", "b"][i % 2]}) + "\n" for i in range(8)))

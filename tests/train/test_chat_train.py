@@ -51,6 +51,7 @@ def same_reply_runs(tmp_path_factory):
     return runs
 
 
+@pytest.mark.recipe_run  # the recipe end to end in one process: make test, not make test-fast
 def test_assistant_only_loss_learns_the_reply_all_tokens_does_not(same_reply_runs):
     only, every = (read_summary(same_reply_runs[m]) for m in ("true", "false"))
     assert len(only["losses"]) == len(every["losses"]) == 48
@@ -59,6 +60,7 @@ def test_assistant_only_loss_learns_the_reply_all_tokens_does_not(same_reply_run
     assert every["losses"][-1] > 1.0  # random user text keeps the all-token loss high
 
 
+@pytest.mark.recipe_run  # the recipe end to end in one process: make test, not make test-fast
 def test_samples_show_the_learnt_reply(same_reply_runs):
     out = same_reply_runs["true"]
     rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
@@ -80,6 +82,7 @@ def test_samples_show_the_learnt_reply(same_reply_runs):
     assert acc.Scalars("eval/mean_loss")[-1].value == pytest.approx(s["eval_loss_after"])
 
 
+@pytest.mark.recipe_run  # the recipe end to end in one process: make test, not make test-fast
 def test_console_shows_the_answers_before_and_after(same_reply_runs):
     """Under a plain `python recipe`: hf_zero's lines only, exact match on the eval lines and the result."""
     out = same_reply_runs["true"]
@@ -93,6 +96,7 @@ def test_console_shows_the_answers_before_and_after(same_reply_runs):
     assert (out / "loss.png").stat().st_size > 10_000
 
 
+@pytest.mark.recipe_run  # the recipe end to end in one process: make test, not make test-fast
 def test_generate_answers_with_the_saved_template(same_reply_runs, capsys):
     final = same_reply_runs["true"] / "final"
     assert (final / "chat_template.jinja").is_file()

@@ -173,13 +173,13 @@ def test_auto_falls_back_with_a_reason_and_true_refuses(quiet_env, case, reason)
 
 @pytest.mark.parametrize("value,want", [("auto", "auto"), ("true", True), (False, False), ("False", False)])
 def test_yaml_and_flag_values(value, want):
-    from hf_zero.core.config import CurriculumArguments
+    from hf_zero.plan.arguments import CurriculumArguments
 
     assert CurriculumArguments(fused_cross_entropy=value).fused_cross_entropy == want
 
 
 def test_a_bad_value_is_one_line():
-    from hf_zero.core.config import CurriculumArguments
+    from hf_zero.plan.arguments import CurriculumArguments
 
     with pytest.raises(UserError, match="fused_cross_entropy: 'maybe' is not auto, true or false"):
         CurriculumArguments(fused_cross_entropy="maybe")

@@ -17,11 +17,11 @@ import torch
 from safetensors.torch import load_file
 from testing_utils import REPO, launch_recipe, read_summary
 
-from hf_zero.core.config import ModelArguments
 from hf_zero.estimate import fsdp as fsdp_memory
 from hf_zero.estimate.memory import estimate
 from hf_zero.estimate.model_count import count_model
 from hf_zero.estimate.recipe import lora_fields
+from hf_zero.plan.arguments import ModelArguments
 from hf_zero.plan.profiles import load_profile
 from hf_zero.train.model import base_precision, build_causal_lm, describe_weights, trainable_in_fp32
 

@@ -17,6 +17,7 @@ from testing_utils import RECIPE, REPO, launch_recipe, read_summary, run_cmd
 from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
 from hf_zero.data.model_names import get_tokenizer, resolve_model_path
+from hf_zero.data.preference import reference_cache_bytes
 from hf_zero.data.stages import build_collator, check_stage_files, load_stage_data
 from hf_zero.train.preference import PreferenceMixin, PreferenceStage, preference_stages
 from hf_zero.train.reference_cache import ReferenceCache
@@ -93,7 +94,6 @@ def test_columns_and_objective_must_agree(tmp_path):
     ({"objective": "dpo", "loss_type": "kto"}, "stages[s].loss_type: unknown loss type 'kto'"),
     ({"objective": "dpo", "beta": 0}, "stages[s].beta: must be a positive number"),
     ({"objective": "dpo", "simpo_gamma": 1.0}, "stages[s].simpo_gamma: only applies with loss_type: simpo"),
-    ({"objective": "dpo", "eval_data": "x.jsonl"}, "stages[s].eval_data: a dpo stage has no held-out evaluation"),
 ])
 def test_stage_keys_are_checked(keys, want):
     with pytest.raises(UserError) as err:
@@ -105,10 +105,21 @@ def test_defaults_and_rows_of_a_dpo_stage(tmp_path):
     stage = Stage(name="s", data="x.jsonl", steps=1, objective="dpo")
     assert (stage.beta, stage.loss_type, stage.simpo_gamma) == (0.1, "sigmoid", None)
     assert Stage(name="s", data="x.jsonl", steps=1, objective="dpo", loss_type="simpo").simpo_gamma == 0.5
-    data = load(tmp_path, plain_rows(6))
-    # every row trains (nothing held out), numbered in order; 6 rows pass the preflight's held-out rule
-    assert [s["row"] for s in data.sources[0]] == list(range(6)) and data.eval_samples == []
+    data = load(tmp_path, plain_rows(6))  # eval_samples 8: a quarter of the 6 rows is held out, as in any stage
+    # the training rows numbered in order, the held-out pair after them: the rows of the reference cache
+    assert [s["row"] for s in data.sources[0]] == list(range(5)) and [s["row"] for s in data.eval_samples] == [5]
     assert check_stage_files(dpo_stage(tmp_path / "pairs.jsonl"), eval_samples=32) == [6]
+    with pytest.raises(UserError, match="3 row.*too few to hold any out"):  # the preflight's held-out rule applies
+        check_stage_files(dpo_stage(write_rows(tmp_path / "three.jsonl", plain_rows(3))), eval_samples=32)
+    # eval_data: held-out pairs of their own (preference rows), numbered after the training rows
+    held = write_rows(tmp_path / "held.jsonl", plain_rows(3, seed=5))
+    data = load_stage_data(dpo_stage(tmp_path / "pairs.jsonl", eval_data=str(held)), get_tokenizer("tiny-llama"),
+                           64, "text", 2, 0)
+    assert [s["row"] for s in data.sources[0]] == list(range(6)) and [s["row"] for s in data.eval_samples] == [6, 7]
+    text = write_rows(tmp_path / "text.jsonl", [{"text": "some words here"}] * 8)
+    with pytest.raises(UserError, match="has no prompt/chosen/rejected rows"):
+        load_stage_data(dpo_stage(tmp_path / "pairs.jsonl", eval_data=str(text)), get_tokenizer("tiny-llama"),
+                        64, "text", 2, 0)
 
 
 def test_check_reads_the_preference_rows_as_the_run_does(tmp_path, capsys):
@@ -117,7 +128,8 @@ def test_check_reads_the_preference_rows_as_the_run_does(tmp_path, capsys):
     rows = preferred_rows(8)
     good = sft_dpo_recipe(tmp_path, write_rows(tmp_path / "pairs.jsonl", rows))
     assert main(["check", "--profile", "zero2", "--config", str(good)]) == 0
-    assert "ok data: 2 stage(s), training samples after tokenization: sft 196, pref 8 (preference)" in \
+    # 2 of the 8 pairs held out (eval_samples 4, at most a quarter of a source), as the run holds them out
+    assert "ok data: 2 stage(s), training samples after tokenization: sft 196, pref 6 (preference)" in \
         capsys.readouterr().out
     rows[6]["rejected"] = None
     write_rows(tmp_path / "pairs.jsonl", rows)
@@ -132,7 +144,7 @@ def test_preview_shows_each_row_as_its_chosen_and_rejected_sequence(tmp_path, ca
     config = sft_dpo_recipe(tmp_path, write_rows(tmp_path / "pairs.jsonl", preferred_rows(8)))
     assert main(["preview", "--config", str(config), "--stage", "pref", "-n", "1"]) == 0
     out = capsys.readouterr().out
-    assert "pairs.jsonl: preference, loss on chosen vs rejected" in out and "8 training samples, 0 held out" in out
+    assert "pairs.jsonl: preference, loss on chosen vs rejected" in out and "6 training samples, 2 held out" in out
     assert "sample 1 chosen (" in out and "Answer:[[ yes, that is right.<|endoftext|>]]" in out
     assert "sample 1 rejected (" in out and "Answer:[[ no idea.<|endoftext|>]]" in out
 
@@ -160,10 +172,13 @@ def test_init_makes_a_dpo_stage_of_preference_rows_and_its_lora_run_learns(tmp_p
     recipe_run = run_cmd([sys.executable, RECIPE, "--config", config, "--output_dir", tmp_path / "run",
                           "--disable_tqdm", "true"])
     s = read_summary(tmp_path / "run")
-    assert s["use_peft"] is True and s["total_steps"] == 4, recipe_run.stdout[-2000:]
+    # the init recipe's eval_samples (4) hold 4 pairs out: 12 rows train, 3 steps of 4
+    assert s["use_peft"] is True and s["total_steps"] == 3, recipe_run.stdout[-2000:]
     (pref,) = s["preference"]
     assert pref["reference"] == "computed" and abs(pref["reward_margin_first"]) < 1e-4
     assert pref["reward_accuracy_last"] == 1.0 and pref["reward_margin_last"] > pref["reward_margin_first"]
+    assert (pref["held_out_pairs"], pref["held_out_reward_accuracy_before"]) == (4, 0.0)
+    assert pref["held_out_reward_accuracy_after"] == 1.0
 
 
 # ---------------------------------------------------------------- TRL's DPOTrainer on the same rows
@@ -296,6 +311,8 @@ def test_cache_refuses_other_rows_and_another_model(tmp_path):
 
     cache = ReferenceCache(tmp_path, pstage)
     assert cache.get(ref, ref, at_start=True, compute=compute)[1] == "computed" and calls == [1]
+    written = sum(f.stat().st_size for f in (tmp_path / "reference_logps").iterdir())
+    assert abs(written - reference_cache_bytes(len(samples))) < 64, written  # what `hf-zero estimate` says
     assert cache.get(ref, ref, at_start=True, compute=compute)[1] == "reused" and calls == [1]
     assert cache.get(policy, policy, at_start=False, compute=compute)[1] == "reused"  # mid-stage: weights moved on
     with pytest.raises(UserError) as err:
@@ -349,18 +366,25 @@ def test_sft_then_dpo_in_one_run_raises_reward_accuracy(sft_dpo_run):
     s = read_summary(root / "run")
     assert [row["name"] for row in s["stages"]] == ["sft", "pref"] and s["total_steps"] == 8
     (pref,) = s["preference"]
+    # 4 of the 32 pairs held out (eval_samples 4), as any stage's held-out slice
     assert (pref["stage"], pref["loss_type"], pref["beta"], pref["rows"], pref["reference"]) == \
-        ("pref", "sigmoid", 0.5, 32, "computed")
+        ("pref", "sigmoid", 0.5, 28, "computed")
     # the first preference step: the policy is the reference, so nothing is preferred yet (a margin of rounding:
     # the reference's batches were padded differently)
     assert abs(pref["reward_margin_first"]) < 1e-4 and pref["reward_accuracy_first"] < 1.0
+    # the held-out pairs: no pair won at the stage's start (every reward 0), all of them at its end
+    assert pref["held_out_pairs"] == 4 and (pref["held_out_reward_accuracy_before"],
+                                           pref["held_out_reward_margin_before"]) == (0.0, 0.0)
+    assert pref["held_out_reward_accuracy_after"] == 1.0 and pref["held_out_reward_margin_after"] > 1.0
+    assert "held-out reward accuracy 0.00 -> 1.00 (4 pairs, stage pref); " in proc.stdout
+    assert "[hf_zero] stage pref: held-out reward accuracy 1.00, margin " in proc.stdout
     assert pref["reward_accuracy_last"] == 1.0 and pref["reward_margin_last"] > 1.0
     losses = s["losses"]
     assert losses[2] == pytest.approx(0.6931, abs=1e-3) and losses[-1] < 0.3  # log 2, then learnt
     history = json.loads((root / "run" / "log_history.json").read_text())
     assert all("rewards/accuracies" in h for h in history if "loss" in h and h["step"] > 2)
     assert not any("rewards/accuracies" in h for h in history if "loss" in h and h["step"] <= 2)
-    assert "stage pref: reference log-probs of 32 rows computed" in proc.stdout
+    assert "stage pref: reference log-probs of 32 rows (4 of them held out) computed (" in proc.stdout
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(next((root / "run").rglob("events.out.tfevents.*")).parent))
@@ -387,10 +411,12 @@ def test_a_resume_inside_the_stage_reuses_the_cache(sft_dpo_run, tmp_path):
     (out / "latest_checkpoint").write_text("checkpoint-5\n")
     before = (out / "reference_logps" / "pref.safetensors").read_bytes()
     proc = recipe(config, out)
-    assert "stage pref: reference log-probs of 32 rows reused" in proc.stdout
+    assert "stage pref: reference log-probs of 32 rows (4 of them held out) reused" in proc.stdout
     assert (out / "reference_logps" / "pref.safetensors").read_bytes() == before
     s, full = read_summary(out), read_summary(root / "run")
     assert s["resumed_from"].endswith("checkpoint-5") and s["preference"][0]["reference"] == "reused"
+    for key in ("held_out_reward_accuracy_before", "held_out_reward_accuracy_after", "held_out_reward_margin_after"):
+        assert s["preference"][0][key] == pytest.approx(full["preference"][0][key], abs=1e-5), key
     assert len(s["losses"]) == 8 and s["losses"] == pytest.approx(full["losses"], abs=1e-6)  # 6-8 trained again
 
 
@@ -403,7 +429,7 @@ def test_a_second_run_reuses_the_cache_and_other_rows_are_refused(sft_dpo_run, t
     shutil.copytree(cached, again / "reference_logps")
     before = (again / "reference_logps" / "pref.safetensors").read_bytes()
     proc = recipe(config, again)
-    assert "stage pref: reference log-probs of 32 rows reused" in proc.stdout
+    assert "stage pref: reference log-probs of 32 rows (4 of them held out) reused" in proc.stdout
     assert (again / "reference_logps" / "pref.safetensors").read_bytes() == before
     assert read_summary(again)["losses"] == pytest.approx(read_summary(root / "run")["losses"], abs=1e-6)
     assert read_summary(again)["preference"][0]["reference"] == "reused"
@@ -451,3 +477,125 @@ def test_every_profile_gives_the_same_preference_steps(profile_runs):
         assert s["preference"][0]["reward_accuracy_last"] == 1.0, profile
         logps = load_file(str(out / "reference_logps" / "pref.safetensors"))["logps"]
         torch.testing.assert_close(logps, ref, rtol=1e-5, atol=1e-4, msg=profile)
+
+
+# ---------------------------------------------------------------- the reference on 2 ranks: each its own rows
+
+SHARES = '''
+import json, sys
+import torch
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM
+from hf_zero.data.model_names import get_tokenizer, resolve_model_path
+from hf_zero.train.preference import answer_logps
+
+acc = Accelerator(cpu=True)
+tokenizer = get_tokenizer("tiny-llama")
+model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama"), dtype=torch.float32)
+if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+    model.resize_token_embeddings(len(tokenizer))
+forwarded = []
+model.register_forward_hook(lambda m, args, kw, out: forwarded.append(kw["input_ids"].shape[0]), with_kwargs=True)
+samples = json.loads(open(sys.argv[1]).read())
+logps = answer_logps(model, samples, 2, torch.device("cpu"), tokenizer.pad_token_id, acc)
+out = {"world": acc.num_processes, "sequences": sum(forwarded), "logps": logps.tolist()}
+open(f"{sys.argv[2]}.{acc.process_index}.json", "w").write(json.dumps(out))
+'''
+
+
+@pytest.mark.multiproc
+def test_two_ranks_each_compute_their_own_rows_and_gather_all(tmp_path):
+    """7 rows on 2 ranks: each rank forwards its share (4 rows, the second padded with a repeated row), and both
+    hold every row's log-probabilities, those of one process; the held-out reward accuracy from them is one
+    process's (every pair once, the padding dropped)."""
+    from hf_zero.train.preference import answer_logps
+    from hf_zero.train.preference_report import pair_rewards
+
+    tokenizer = get_tokenizer("tiny-llama")
+    stage = dpo_stage(write_rows(tmp_path / "pairs.jsonl", plain_rows(7)))
+    samples = preference_stages([stage], [load_stage_data(stage, tokenizer, 64, "text", 0, 0)])[0].samples
+    (tmp_path / "samples.json").write_text(json.dumps(samples))
+    (tmp_path / "shares.py").write_text(SHARES)
+    _, ref = tiny_models(tokenizer)  # the offline model built here, in one process, before the ranks read it
+    run_cmd([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", tmp_path / "shares.py",
+             tmp_path / "samples.json", tmp_path / "out"], timeout=600)
+    ranks = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert [r["sequences"] for r in ranks] == [2 * 4, 2 * 4]  # 4 rows each (chosen + rejected), not all 7
+    assert ranks[0]["logps"] == ranks[1]["logps"]
+    one = answer_logps(ref, samples, 2, torch.device("cpu"), tokenizer.pad_token_id)
+    gathered = torch.tensor(ranks[0]["logps"])
+    assert gathered.shape == (7, 4) and torch.equal(gathered[:, 2:], one[:, 2:])  # the answers' token counts
+    torch.testing.assert_close(gathered, one, rtol=1e-5, atol=1e-5)
+    policy = one.clone()
+    policy[:, 0] += torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 1.0, 1.0])  # 5 of 7 pairs won
+    for stage_ in (stage, dpo_stage(tmp_path / "pairs.jsonl", loss_type="simpo")):
+        assert pair_rewards(stage_, policy, gathered[:, :2]) == pytest.approx(pair_rewards(stage_, policy, one[:, :2]))
+    assert pair_rewards(stage, policy, one[:, :2])[0] == pytest.approx(5 / 7)
+
+
+# ---------------------------------------------------------------- hf-zero estimate of a dpo stage
+
+def test_estimate_counts_two_sequences_a_row_and_the_reference_cache(tmp_path, capsys):
+    """The dpo stage's activations are those of 2 x micro-batch sequences: twice the same recipe's with an SFT stage
+    of the same length (both with full logits, as a preference batch has); its cache's size on disk is printed."""
+    from hf_zero.cli import main
+
+    dpo = json.loads(sft_dpo_recipe(tmp_path, write_rows(tmp_path / "pairs.jsonl", preferred_rows(32))).read_text())
+    dpo["fused_cross_entropy"] = False
+    sft = copy.deepcopy(dpo)
+    sft["stages"][1] = {"name": "pref", "data": dpo["stages"][0]["data"], "steps": 6}
+    simpo = copy.deepcopy(dpo)
+    simpo["stages"][1]["loss_type"] = "simpo"
+
+    def estimate(cfg, name, *flags):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(json.dumps(cfg))
+        assert main(["estimate", "--config", str(path), "--profile", "zero2", *flags]) == 0
+        return capsys.readouterr().out
+
+    ours, theirs = (json.loads(estimate(c, n, "--json")) for c, n in ((dpo, "dpo"), (sft, "sft")))
+    act = [r["strategies"][0]["gpu_bytes_per_rank"]["activations"] for r in (ours, theirs)]
+    assert act[0] == 2 * act[1] and ours["inputs"]["sequences_per_row"] == 2, act
+    (pref,) = ours["inputs"]["preference"]
+    assert (pref["stage"], pref["reference_rows"], pref["cache_bytes"]) == ("pref", 32, reference_cache_bytes(32))
+    assert theirs["inputs"]["preference"] == []
+    text = estimate(dpo, "dpo")
+    assert "(stage pref, the most tokens a row: chosen + rejected;" in text
+    assert ("  stage pref (dpo, sigmoid): 2 sequences per row (chosen + rejected) with full logits, the peak counted "
+            f"so; reference log-probs cached on disk: {reference_cache_bytes(32)} B for 32 rows "
+            "(output_dir/reference_logps/pref.safetensors), no reference model in memory") in text
+    assert "stage pref (dpo, simpo): 2 sequences per row" in (text := estimate(simpo, "simpo"))
+    assert "reference-free: no reference log-probs" in text
+
+
+@pytest.mark.multiproc
+def test_a_dpo_stage_resumes_on_another_rank_count_and_profile(tmp_path):
+    """zero3 on 2 ranks (each computes the reference of half the rows), stopped after checkpoint-5 (3 steps into the
+    dpo stage) and resumed under fsdp2 on 1 rank: the cache is read as it is, not computed again, and the steps and
+    the held-out reward accuracy are the uninterrupted run's."""
+    config = sft_dpo_recipe(tmp_path, write_rows(tmp_path / "pairs.jsonl", preferred_rows()))
+    full = tmp_path / "zero3"
+    proc = launch_recipe("zero3", full, "--global_batch_size", "8", config=config)
+    # 28 training rows and 4 held-out pairs: 14 + 2 on each rank
+    assert ("reference log-probs of 32 rows (4 of them held out) computed on 2 ranks, at most 16 rows each"
+            in proc.stdout), proc.stdout[-3000:]
+    out = tmp_path / "fsdp2"
+    shutil.copytree(full, out)
+    for name in ("summary.json", "log_history.json"):
+        (out / name).unlink()
+    for extra in [p for p in out.glob("checkpoint-*") if p.name != "checkpoint-5"]:
+        shutil.rmtree(extra)
+    (out / "latest_checkpoint").write_text("checkpoint-5\n")
+    before = (out / "reference_logps" / "pref.safetensors").read_bytes()
+    resumed = launch_recipe("fsdp2", out, "--global_batch_size", "8", config=config, nproc=1)
+    assert "checkpoint-5: zero3 on 2 ranks -> fsdp2 on 1 rank" in resumed.stdout
+    assert "stage pref: reference log-probs of 32 rows (4 of them held out) reused" in resumed.stdout
+    assert (out / "reference_logps" / "pref.safetensors").read_bytes() == before
+    s, ref = read_summary(out), read_summary(full)
+    assert (s["world_size"], ref["world_size"]) == (1, 2) and s["resumed_from"].endswith("checkpoint-5")
+    assert s["losses"] == pytest.approx(ref["losses"], abs=1e-4)  # steps 6-8 trained again, on 1 rank
+    (pref,), (theirs,) = s["preference"], ref["preference"]
+    assert pref["reference"] == "reused" and theirs["held_out_reward_accuracy_after"] == 1.0
+    for key in ("held_out_reward_accuracy_before", "held_out_reward_accuracy_after", "held_out_reward_margin_after"):
+        assert pref[key] == pytest.approx(theirs[key], abs=1e-4), key

@@ -20,13 +20,13 @@ from testing_utils import GPU_NPROC as NPROC
 from testing_utils import GPU_RECIPE_YAML as RECIPE_YAML
 from testing_utils import REPO, SMOL_SHAPE, launch_recipe, read_summary, run_cmd, write_short_config
 
-from hf_zero.core.config import ModelArguments
 from hf_zero.core.errors import UserError
 from hf_zero.estimate.measure import count_parameters, measure_engine_bytes
 from hf_zero.estimate.memory import estimate
 from hf_zero.estimate.model_count import count_model, nf4_bytes
 from hf_zero.estimate.pick import plan
 from hf_zero.estimate.recipe import RecipeMemory, lora_fields
+from hf_zero.plan.arguments import ModelArguments
 from hf_zero.plan.profiles import gpu_count, load_profile
 from hf_zero.plan.quantization import quantization_config, verify_quantization
 from hf_zero.train.model import build_causal_lm, describe_weights, keep_4bit_layout_on_cpu

@@ -19,6 +19,7 @@ def single_run(tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.recipe_run  # the recipe end to end in one process: make test, not make test-fast
 def test_summary_and_stages(single_run):
     out, proc = single_run
     s = read_summary(out)
@@ -35,6 +36,7 @@ def test_summary_and_stages(single_run):
         assert line in proc.stdout
 
 
+@pytest.mark.recipe_run  # the recipe end to end in one process: make test, not make test-fast
 def test_final_model_loads_without_hf_zero(single_run):
     out, _ = single_run
     code = (
@@ -48,6 +50,7 @@ def test_final_model_loads_without_hf_zero(single_run):
     assert (out / "final" / "model.safetensors").stat().st_size > 100_000
 
 
+@pytest.mark.recipe_run  # the recipe end to end in one process: make test, not make test-fast
 def test_final_model_files_are_shareable(single_run):
     """Written like any file under the umask (safetensors' temporary files are private), with the model path."""
     import os
@@ -60,6 +63,7 @@ def test_final_model_files_are_shareable(single_run):
     assert s["model"] == "tiny-llama" and Path(s["model_path"]).is_dir()
 
 
+@pytest.mark.recipe_run  # the recipe end to end in one process: make test, not make test-fast
 def test_export_a_run_dir_picks_final_or_the_newest_checkpoint(single_run, tmp_path, capsys):
     """`hf-zero export RUN_DIR`: a finished run's final/, else its newest complete checkpoint-N, said in one line;
     neither: one line naming both."""
@@ -97,6 +101,7 @@ def test_export_a_run_dir_picks_final_or_the_newest_checkpoint(single_run, tmp_p
                               "no final/; ") and not (tmp_path / "nothing").exists()
 
 
+@pytest.mark.recipe_run  # the recipe end to end in one process: make test, not make test-fast
 def test_finished_run_under_make_suggests_args(single_run):
     """`make train` on a finished run: the way to train again is given in make's form."""
     out, _ = single_run
@@ -105,6 +110,7 @@ def test_finished_run_under_make_suggests_args(single_run):
     assert f"{out} holds a finished run" in proc.stdout and 'To train again: ARGS="--fresh_start true"' in proc.stdout
 
 
+@pytest.mark.recipe_run  # the recipe end to end in one process: make test, not make test-fast
 def test_tensorboard_logs_stage_and_eval(single_run):
     out, _ = single_run
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -120,6 +126,7 @@ def test_tensorboard_logs_stage_and_eval(single_run):
     assert stages == [0] * 5 + [1] * 5 + [2] * 5
 
 
+@pytest.mark.recipe_run  # the recipe end to end in one process: make test, not make test-fast
 def test_lr_follows_stage_schedule(single_run):
     out, _ = single_run
     hist = json.loads((out / "log_history.json").read_text())

@@ -76,8 +76,7 @@ def test_profile_sections_that_cannot_run(raw, words):
 
 
 def test_only_the_causal_lm_recipe_runs_under_sp():
-    from hf_zero.core.config import CurriculumArguments
-    from hf_zero.data.classification import ClassificationArguments
+    from hf_zero.plan.arguments import ClassificationArguments, CurriculumArguments
     from hf_zero.plan.sequence_parallel import verify_recipe_kind
 
     verify_recipe_kind(2, CurriculumArguments)
@@ -131,7 +130,7 @@ def test_checkpoint_training_args_with_sp_load_safely(tmp_path):
     """A checkpoint of an SP run records TrainingArguments.parallelism_config: hf_zero's allowlisted loader reads it
     (a resume, also on another rank count without SP)."""
     from hf_zero.checkpoint.safe_load import safe_load
-    from hf_zero.core.config import CurriculumArguments
+    from hf_zero.plan.arguments import CurriculumArguments
     from hf_zero.plan.sequence_parallel import parallelism_config
 
     torch.save(CurriculumArguments(output_dir=str(tmp_path), parallelism_config=parallelism_config(2), report_to=[]),

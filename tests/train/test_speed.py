@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from hf_zero.core.config import ModelArguments
 from hf_zero.core.errors import UserError
 from hf_zero.data.model_names import get_model_config
+from hf_zero.plan.arguments import ModelArguments
 from hf_zero.plan.deepspeed_config import zero3_speed_settings
 from hf_zero.plan.profiles import Profile, load_profile, one_rank_note
 from hf_zero.plan.reconcile import reconcile_training_kwargs
@@ -140,3 +140,47 @@ def test_torch_compile_keeps_the_losses(tmp_path, quiet_env):
         losses[compile_] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses[True]) == 3
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- what the H100 speed matrix made the default
+
+
+def test_zero3_on_one_gpu_keeps_every_parameter_whole():
+    """1.29x on an H100 at the same peak (hf_zero/plan/deepspeed_config.py); on 2 ranks and on CPU: unchanged."""
+    from hf_zero.plan.deepspeed_config import ONE_RANK_PERSISTENCE, build_deepspeed_config
+
+    config = get_model_config("tiny-llama")
+
+    def threshold(world, on_cpu):
+        zero = build_deepspeed_config(load_profile("zero3"), on_cpu=on_cpu, model_config=config, world=world)
+        return zero["zero_optimization"]["stage3_param_persistence_threshold"]
+
+    assert threshold(1, on_cpu=False) == ONE_RANK_PERSISTENCE
+    assert threshold(2, on_cpu=False) == threshold(1, on_cpu=True) == 10 * config.hidden_size
+
+
+@pytest.mark.parametrize("value, expect", [("auto", "auto"), ("AUTO", "auto"), (True, True), ("false", False)])
+def test_use_liger_kernel_takes_auto_and_yaml_bools(value, expect):
+    from hf_zero.plan.arguments import CurriculumArguments
+
+    values = {"use_liger_kernel": value}
+    CurriculumArguments.clean_values(values)
+    assert values["use_liger_kernel"] == expect
+    with pytest.raises(UserError, match="use_liger_kernel: 'yes' is not auto, true or false"):
+        CurriculumArguments.clean_values({"use_liger_kernel": "yes"})
+
+
+@pytest.mark.parametrize("has_gpu, installed, model, expect", [
+    (True, True, "tiny-llama", True),  # llama: a type Liger patches
+    (True, False, "tiny-llama", False),  # no liger-kernel: off, no error (auto)
+    (False, True, "tiny-llama", False),  # CPU
+    (True, True, "minilm", False),  # a type Liger does not patch (BERT)
+])
+def test_liger_auto_is_on_only_where_it_runs(monkeypatch, capsys, has_gpu, installed, model, expect):
+    import hf_zero.plan.reconcile
+
+    monkeypatch.setattr(hf_zero.plan.reconcile, "liger_installed", lambda: installed)
+    kwargs, _ = reconcile_training_kwargs({"use_liger_kernel": "auto"}, Profile(name="single_gpu"), 1,
+                                          has_gpu, None, model_args=ModelArguments(model_name_or_path=model))
+    assert kwargs["use_liger_kernel"] is expect
+    assert "liger" not in capsys.readouterr().out.lower()  # auto decides quietly

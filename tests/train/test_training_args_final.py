@@ -11,7 +11,7 @@ from testing_utils import REPO, TINY
 from transformers import TrainingArguments
 
 from hf_zero.checkpoint.write import best_metric_default
-from hf_zero.core.config import CurriculumArguments, ModelArguments
+from hf_zero.plan.arguments import CurriculumArguments, ModelArguments
 from hf_zero.plan.parse import parse_recipe_args
 from hf_zero.train.recipe_steps import final_training_args
 

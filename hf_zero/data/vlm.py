@@ -1,0 +1,152 @@
+"""Stock vision-language models' data: the multimodal chat rows of hf_zero.data.multimodal (the same rows, checks and
+tokenization), with the model's own image token and processor.
+
+Each image item stands in the rendered conversation as the family's image token, which becomes the run its processor
+writes for that image (Qwen2-VL: `<|vision_start|>` + one `<|image_pad|>` per merged patch + `<|vision_end|>`, their
+count from the image's size after the processor's resizing; Idefics3/SmolVLM: `<fake_token_around_image>
+<global-img>` + `image_seq_len` x `<image>` per tile + the row/column markers). The collator runs the image processor
+on the batch's images in reading order, which is the order the model fills its image tokens in.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from hf_zero.core.errors import UserError
+from hf_zero.data.multimodal import ModalitySpec, MultimodalCollator
+
+__all__ = ["FAMILIES", "Family", "family_of", "VlmProcessing", "VlmCollator", "is_vlm_config", "default_targets",
+           "vlm_lora_targets"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What hf_zero knows of a family of stock VLMs: its image token and the module names of its parts."""
+
+    name: str
+    image_token: str
+    vision_tower: str  # dotted prefix of the vision tower's parameters (the projector's excluded)
+    projector: str  # the projector (Qwen2-VL's merger, Idefics3's connector)
+    language_model: tuple  # the language model's prefixes (its LM head included)
+
+
+_QWEN = Family("qwen2_vl", "<|image_pad|>", "model.visual.", "model.visual.merger.",
+               ("model.language_model.", "lm_head."))
+FAMILIES = {
+    "qwen2_vl": _QWEN,
+    "qwen2_5_vl": Family("qwen2_5_vl", **{k: getattr(_QWEN, k) for k in ("image_token", "vision_tower", "projector",
+                                                                         "language_model")}),
+    "idefics3": Family("idefics3", "<image>", "model.vision_model.", "model.connector.",
+                       ("model.text_model.", "lm_head.")),
+}
+
+
+def is_vlm_config(config) -> bool:
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    return model_type in FAMILIES
+
+
+def family_of(config, name: str) -> Family:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise UserError("model_name_or_path", f"{name} is a {model_type} model, not a vision-language model hf_zero "
+                        f"trains ({', '.join(FAMILIES)})", "use a Qwen2-VL, Qwen2.5-VL or Idefics3/SmolVLM model, "
+                        "or recipes/multimodal.py to compose an LLM with encoders")
+    return FAMILIES[model_type]
+
+
+def default_targets(family: Family) -> str:
+    """LoRA's targets when the recipe names none: the language model's attention and MLP projections (a regex, which
+    peft matches against full module names, so no vision tower module is caught by a shared name)."""
+    inner = re.escape(family.language_model[0].removeprefix("model."))  # the bare model's name (AutoModel's) too
+    return rf".*{inner}.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def vlm_lora_targets(config, targets):
+    """The targets LoRA gets for a model: the recipe's, else for a VLM default_targets (peft knows none for them)."""
+    return targets if targets or not is_vlm_config(config) else default_targets(FAMILIES[config.model_type])
+
+
+def _idefics3_image_text(rows: int, cols: int, seq: int) -> str:
+    """One image as Idefics3Processor writes it (its replace_image_token): each tile's `seq` image tokens after its
+    row/column marker, then the whole image's after `<global-img>`."""
+    fake, image, whole = "<fake_token_around_image>", "<image>", f"<global-img>{'<image>' * seq}"
+    if rows == 0 and cols == 0:
+        return f"{fake}{whole}{fake}"
+    tiles = "".join("".join(f"{fake}<row_{r + 1}_col_{c + 1}>{image * seq}" for c in range(cols)) + "\n"
+                    for r in range(rows))
+    return f"{tiles}\n{fake}{whole}{fake}"
+
+
+def _open_rgb(path: Path):
+    from PIL import Image
+
+    with Image.open(path) as img:
+        return img.convert("RGB")
+
+
+class VlmProcessing:
+    """The model's tokenizer and image processor, with the recipe's bound on image size (`image_max_pixels`)."""
+
+    def __init__(self, folder: str, tokenizer, max_pixels: int | None = None):
+        from transformers import AutoConfig, AutoImageProcessor
+
+        self.folder, self.config = folder, AutoConfig.from_pretrained(folder)
+        self.family = family_of(self.config, folder)
+        self.tokenizer = tokenizer
+        self.images = AutoImageProcessor.from_pretrained(folder)
+        self.kwargs = {}  # what every call of the image processor adds: the size bound
+        if max_pixels is not None:
+            if self.family.name == "idefics3":
+                tile = self.images.max_image_size["longest_edge"]
+                self.kwargs["size"] = {"longest_edge": max(tile, math.isqrt(max_pixels) // tile * tile)}
+            else:
+                low = min(self.images.size["shortest_edge"], max_pixels)
+                self.kwargs["size"] = {"shortest_edge": low, "longest_edge": max_pixels}
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.family.image_token)
+
+    def spec(self) -> dict:
+        """{"image": ModalitySpec} for hf_zero.data.multimodal: the family's image token, expanded per image."""
+        return {"image": ModalitySpec("image", (3, 16, 16), 1, token=self.family.image_token, expand=self.expand)}
+
+    def expand(self, path: Path) -> list[int]:
+        """The ids one image becomes in the text, as the family's processor writes them."""
+        img = _open_rgb(path)
+        if self.family.name == "idefics3":
+            out = self.images(images=[[img]], return_row_col_info=True, **self.kwargs)
+            vision = self.config.vision_config
+            seq = int((vision.image_size // vision.patch_size) ** 2 / self.config.scale_factor ** 2)
+            text = _idefics3_image_text(out["rows"][0][0], out["cols"][0][0], seq)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        grid = self.images(images=[img], return_tensors="pt", **self.kwargs)["image_grid_thw"][0]
+        tokens = int(grid.prod()) // self.images.merge_size ** 2
+        return [self.config.vision_start_token_id, *[self.image_token_id] * tokens, self.config.vision_end_token_id]
+
+    def pixels(self, rows: list[list[Path]], input_ids) -> dict:
+        """The image tensors of a batch (each row's image files, in reading order) as the model's forward takes it."""
+        if not any(rows):
+            return {}
+        if self.family.name == "idefics3":
+            out = self.images(images=[[_open_rgb(p) for p in row] for row in rows], return_tensors="pt",
+                              **self.kwargs)
+            return {"pixel_values": out["pixel_values"], "pixel_attention_mask": out["pixel_attention_mask"]}
+        out = self.images(images=[_open_rgb(p) for row in rows for p in row], return_tensors="pt", **self.kwargs)
+        # multimodal RoPE (Qwen2-VL's get_rope_index) finds each image's positions by this mask: 1 on image tokens
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
+                "mm_token_type_ids": (input_ids == self.image_token_id).long()}
+
+
+class VlmCollator(MultimodalCollator):
+    """hf_zero's multimodal collator for the text (padding, labels), and the model's own image tensors."""
+
+    def __init__(self, processing: VlmProcessing):
+        super().__init__(processing.tokenizer, {})
+        self.processing = processing
+
+    def __call__(self, samples: list[dict]) -> dict:
+        batch = super().__call__(samples)
+        rows = [[Path(p) for kind, p in s.get("media", ()) if kind == "image"] for s in samples]
+        return {**batch, **self.processing.pixels(rows, batch["input_ids"])}

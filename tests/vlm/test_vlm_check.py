@@ -1,0 +1,57 @@
+"""`hf-zero check` on a stock VLM's recipe: every image opened, per stage what trains, per part how many modules each
+LoRA target matched, and one warning line when a stage trains the vision tower but no target is in it."""
+
+from testing_utils import REPO, check
+
+CONFIG = REPO / "recipes" / "configs" / "tiny_vlm.yaml"
+
+
+def test_check_counts_each_lora_target_per_part(tmp_path, capsys):
+    rc, results = check(capsys, "--config", str(CONFIG), output_dir=tmp_path / "o")
+    ok, line = results["data"]
+    assert rc == 0 and ok is True, line
+    assert "align 60 rows, 60 files; tune 60 rows, 60 files" in line
+    assert "stage align trains projector; stage tune trains vision_tower, projector, lora" in line
+    # qkv is the Qwen2-VL vision blocks' fused attention input: the one target that reaches the vision tower
+    assert ("LoRA targets matched per part: vision_tower: q_proj 0, v_proj 0, qkv 1; projector: q_proj 0, v_proj 0, "
+            "qkv 0; language_model: q_proj 2, v_proj 2, qkv 0") in line
+
+
+def test_check_warns_when_the_vision_tower_trains_but_no_target_is_in_it(tmp_path, capsys):
+    from hf_zero.cli import main
+
+    rc = main(["check", "--config", str(CONFIG), "--output-dir", str(tmp_path / "o"), "--lora_target_modules",
+               "q_proj", "v_proj"])
+    captured = capsys.readouterr()
+    warnings = [ln for ln in captured.err.splitlines() if "warning" in ln]
+    assert rc == 0 and warnings == [
+        "[hf_zero] warning: lora_target_modules: no entry matched a vision tower module (its weights: fc1, fc2, "
+        "norm1, norm2, proj, qkv): the stages that train vision_tower train its full weights; add its names to adapt "
+        "it with LoRA"]
+    assert "vision_tower: q_proj 0, v_proj 0;" in captured.out
+
+
+def test_check_says_a_text_model_is_not_a_vlm_in_one_line(tmp_path, capsys):
+    _, results = check(capsys, "--config", str(CONFIG), "--model_name_or_path", "tiny-llama",
+                       output_dir=tmp_path / "o")
+    ok, line = results["data"]
+    assert ok is False and line.startswith("model_name_or_path: tiny-llama is a llama model, not a vision-language "
+                                           "model hf_zero trains (qwen2_vl, qwen2_5_vl, idefics3)"), line
+
+
+def test_check_refuses_a_bound_on_image_size_that_is_not_positive(tmp_path, capsys):
+    _, results = check(capsys, "--config", str(CONFIG), "--image_max_pixels", "0", output_dir=tmp_path / "o")
+    ok, line = results["recipe"]
+    assert ok is False and line.endswith("image_max_pixels: 0 is not a positive number of pixels; e.g. "
+                                         "image_max_pixels: 262144 (512 x 512)"), line
+
+
+def test_preview_shows_each_images_run_and_the_answer_it_trains(capsys):
+    from hf_zero.cli import main
+
+    assert main(["preview", "--config", str(CONFIG), "-n", "1", "--stage", "align"]) == 0
+    out = capsys.readouterr().out
+    assert "image <|image_pad|>, its count per image from the processor" in out
+    assert "<|image_pad|> x1 at positions 6-6: " in out and out.count("digits/00360.png") == 1
+    assert "<|vision_start|>{<|image_pad|> x1}<|vision_end|>What digit is this?<|im_end|>" in out
+    assert "[[6<|im_end|>]]" in out
