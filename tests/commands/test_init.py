@@ -198,7 +198,7 @@ def test_train_on_a_file_in_one_command_and_load_the_adapter_anywhere(capsys, re
     test_readme.py) trained; `hf-zero init`'s YAML is the recipe it ran (the same run settings: `--config` on it finds
     the run finished); the adapter and its merged export load with plain peft / transformers calls, offline, in a
     process without hf_zero."""
-    proc = readme_runs[readme_command("hf-zero train --model", "--data")]
+    proc = readme_runs[readme_command("hf-zero train --model tiny-llama", "--data")]
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     run = readme_checkout / "runs" / "my_chat"
     summary = read_summary(run)
