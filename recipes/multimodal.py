@@ -23,11 +23,10 @@ CHECK_DATA = check_multimodal
 def main(argv=None):
     from hf_zero.core.console import say
     from hf_zero.core.errors import UserError
-    from hf_zero.data.chat import FormatOptions
     from hf_zero.data.chat_template import prepare_chat_template
     from hf_zero.data.curriculum import CurriculumDataset
     from hf_zero.data.model_names import get_tokenizer, resolve_model_path
-    from hf_zero.data.multimodal import MultimodalCollator, add_placeholders, load_multimodal_stage
+    from hf_zero.data.multimodal import MultimodalCollator, add_placeholders
     from hf_zero.train import recipe_steps as steps
     from hf_zero.train.composed import ComposedModel, build_encoders, save_composed
     from hf_zero.train.model import build_causal_lm, count_parameters, describe_weights
@@ -49,13 +48,7 @@ def main(argv=None):
     placeholders = add_placeholders(tokenizer, built[1])
 
     # Data: every stage's rows tokenized, every referenced file opened once as the collator will open it.
-    stage_data = [load_multimodal_stage(s, tokenizer, built[1], placeholders, args.max_seq_length,
-                                        args.eval_samples, args.seed, FormatOptions.from_args(args))
-                  for s in ctx.stages]
-    eval_sets = {s.name: d.eval_samples for s, d in zip(ctx.stages, stage_data) if d.eval_samples}
-    schedule, order = steps.lay_out(ctx, [d.pool_size for d in stage_data],
-                                    [[len(src) for src in d.sources] for d in stage_data], has_eval=bool(eval_sets),
-                                    eval_on_start=bool(eval_sets), remove_unused_columns=False)  # <m>_values
+    stage_data, eval_sets, schedule, order = steps.lay_out_multimodal(ctx, tokenizer, built[1], placeholders)
     args = ctx.training_args
 
     # Model: the LLM as every hf_zero recipe builds it (LoRA on it alone), then the encoders and projectors.

@@ -18,7 +18,9 @@ from hf_zero.checkpoint.write import best_metric_default
 from hf_zero.core import startup
 from hf_zero.core.console import say
 from hf_zero.core.errors import UserError
+from hf_zero.data.chat import FormatOptions
 from hf_zero.data.curriculum import build_sample_order, build_schedule
+from hf_zero.data.multimodal import load_multimodal_stage
 from hf_zero.data.stages import check_stage_files
 from hf_zero.estimate.measure import MemoryMeasureCallback, measure_requested
 from hf_zero.launch.interrupt import raise_if_interrupted
@@ -29,7 +31,8 @@ from hf_zero.train.loss_plot import LOSS_PLOT
 from hf_zero.train.run import RunContext, print_banner
 from hf_zero.train.trainer import step_losses
 
-__all__ = ["start", "lay_out", "final_training_args", "attach_probes", "announce", "train", "summary_fields",
+__all__ = ["start", "lay_out", "lay_out_multimodal",
+           "final_training_args", "attach_probes", "announce", "train", "summary_fields",
            "loss_words", "exact_match_words", "next_steps"]
 
 
@@ -78,6 +81,20 @@ def lay_out(ctx: RunContext, pool_sizes: list[int], source_sizes: list[list[int]
     ctx.training_args = final_training_args(args, max_steps=min(cap or schedule.total_steps, schedule.total_steps),
                                             **best_metric_default(args, has_eval), **values)
     return schedule, order
+
+
+def lay_out_multimodal(ctx: RunContext, tokenizer, specs: dict, placeholders: dict):
+    """The multimodal and VLM recipes' data: every stage's rows tokenized (each referenced file opened once, as the
+    collator will open it), the held-out sets by stage, and `lay_out`'s schedule and order (the collator needs the
+    rows' media columns, so none is removed). Returns (stage_data, eval_sets, schedule, order)."""
+    args = ctx.training_args
+    stage_data = [load_multimodal_stage(s, tokenizer, specs, placeholders, args.max_seq_length, args.eval_samples,
+                                        args.seed, FormatOptions.from_args(args)) for s in ctx.stages]
+    eval_sets = {s.name: d.eval_samples for s, d in zip(ctx.stages, stage_data) if d.eval_samples}
+    schedule, order = lay_out(ctx, [d.pool_size for d in stage_data],
+                              [[len(src) for src in d.sources] for d in stage_data], has_eval=bool(eval_sets),
+                              eval_on_start=bool(eval_sets), remove_unused_columns=False)
+    return stage_data, eval_sets, schedule, order
 
 
 def final_training_args(args, **values):
