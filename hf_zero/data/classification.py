@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from hf_zero.core.errors import UserError
 from hf_zero.data.chat import bounded
 from hf_zero.data.images import ImageSource
-from hf_zero.data.stages import load_source
+from hf_zero.data.sources import load_source
 
 __all__ = ["ClassificationData", "BUILTIN_CLASSIFICATION", "get_data_kind",
            "check_classification_data", "label_ids", "load_classification_data", "split_indices"]

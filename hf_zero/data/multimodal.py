@@ -19,7 +19,8 @@ from pathlib import Path
 from hf_zero.core.errors import UserError
 from hf_zero.data.chat import IGNORE, FormatOptions, Row, SourceReport, encode_conversation, validate_messages
 from hf_zero.data.chat_template import prepare_chat_template
-from hf_zero.data.stages import StageData, hold_out, load_source, verify_data_file
+from hf_zero.data.sources import load_source, verify_data_file
+from hf_zero.data.stages import StageData, hold_out
 
 __all__ = ["ModalitySpec", "add_placeholders", "load_media", "encode_multimodal_rows", "load_multimodal_stage",
            "MultimodalCollator", "read_rows", "declared_specs", "check_multimodal_data"]

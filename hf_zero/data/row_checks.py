@@ -1,4 +1,4 @@
-"""What a data file's rows must agree on before datasets reads them (hf_zero.data.stages.verify_data_file runs
+"""What a data file's rows must agree on before datasets reads them (hf_zero.data.sources.verify_data_file runs
 these as it parses each row): one format per file, and CSV that parses strictly. Both were silent before: datasets
 gives every row every column, and pandas merges rows after an unterminated quote or shifts columns after an unquoted
 comma."""

@@ -20,7 +20,7 @@ from hf_zero.data.cache import get_cache_dir
 from hf_zero.data.chat import FormatOptions, detect_format, trains_what
 from hf_zero.data.model_names import get_model_config
 from hf_zero.data.preference import TRAINS, is_preference
-from hf_zero.data.stages import load_source
+from hf_zero.data.sources import load_source
 from hf_zero.data.vlm import is_vlm_config
 from hf_zero.plan.parse import HF_ZERO_TRAINING_DEFAULTS
 from hf_zero.plan.shipped import DEFAULT_CONFIG
@@ -30,7 +30,7 @@ __all__ = ["DataSource", "inspect_data", "check_model", "one_stage_yaml", "write
 
 _LOCAL_HINT = "give a .jsonl/.json/.csv/.parquet/.txt file, or a hub dataset id (online)"
 _EVAL_MAX = 50
-_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")  # what hf_zero.data.stages.load_source reads
+_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet", ".txt")  # what hf_zero.data.sources.load_source reads
 
 
 class DataSource(NamedTuple):

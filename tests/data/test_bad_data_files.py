@@ -11,7 +11,8 @@ import pytest
 
 from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
-from hf_zero.data.stages import check_stage_files, load_source, load_stage_data
+from hf_zero.data.sources import load_source
+from hf_zero.data.stages import check_stage_files, load_stage_data
 from hf_zero.plan.one_stage import data_recipe_flags
 
 

@@ -17,7 +17,8 @@ from testing_utils import PROFILES, RECIPE, REPO, TINY, run_cmd
 
 from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
-from hf_zero.data.stages import check_held_out, load_source
+from hf_zero.data.sources import load_source
+from hf_zero.data.stages import check_held_out
 from hf_zero.plan.parse import build_stage, parse_stages
 
 ERROR = "hf-zero: error:"
