@@ -66,12 +66,14 @@ def set_dist_timeout(seconds: int) -> None:
 
 
 @contextlib.contextmanager
-def waiting_for(what: str):
+def waiting_for(what: str, start_up_phase: bool = True):
     """Turn a collective that timed out (or lost its peer) inside the block into one line naming this rank and `what`
     it waited for. A lost peer is said only by rank 0: the rank that died has printed its own error. During
-    start-up, `what` is the phase the heartbeat names meanwhile."""
-    before = startup.current()
-    startup.phase(f"waiting for {what}")
+    start-up, `what` is the phase the heartbeat names meanwhile, unless `start_up_phase` is False: a block that
+    names its own phases inside (train(): the engine's set-up, the first batch) keeps them."""
+    before = startup.current() if start_up_phase else None
+    if start_up_phase:
+        startup.phase(f"waiting for {what}")
     try:
         yield
     except RuntimeError as err:  # gloo/NCCL raise RuntimeError (torch.distributed.DistError is one)

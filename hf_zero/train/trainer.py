@@ -134,7 +134,8 @@ class CurriculumTrainer(PreferenceMixin, HeldOutLossMixin, SequenceParallelMixin
             self.add_callback(Zero3UniversalFix(resume_from_checkpoint))
         if resume_from_checkpoint:
             self.add_callback(_ThisRunsSettings(self))  # after the fix above, which restores the saved groups
-        with waiting_for("the other ranks during training (a step's collectives, an evaluation or a checkpoint)"):
+        with waiting_for("the other ranks during training (a step's collectives, an evaluation or a checkpoint)",
+                         start_up_phase=False):
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def log(self, logs: dict, start_time=None) -> None:
