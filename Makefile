@@ -54,7 +54,8 @@ test: install
 	$(BIN)/python -m pytest $(PARALLEL) $(PYTEST_ARGS)
 
 # Everything that starts no process group (no launcher, no ranks): unit and in-process tests, before every commit;
-# less the tests that run a whole recipe in one process (marker `recipe_run`: `make test` runs them).
+# less the heavy ones in one process (marker `recipe_run`: a whole recipe, a measured training step, SmolLM2's
+# weights, a nested make; `make test` runs them).
 # tests/conftest.py fails a test here that starts one without the `multiproc` marker.
 test-fast: install
 	$(BIN)/python -m pytest -n $(if $(filter 0,$(XDIST)),1,$(XDIST)) --dist loadfile -m "not gpu and not slow and not multiproc and not recipe_run" $(PYTEST_ARGS)

@@ -36,6 +36,7 @@ def _both(cmd, monkeypatch, **kw):
     return warm, cold
 
 
+@pytest.mark.recipe_run
 def test_a_command_answers_as_its_own_interpreter(monkeypatch):
     warm, cold = _both(CHECK, monkeypatch)
     assert warm.returncode == cold.returncode == 0

@@ -19,7 +19,7 @@ from hf_zero.core.files import human_bytes
 
 __all__ = ["VERBOSE_ENV", "QUIET_ENV", "QUIET_WARNINGS", "QUIET_LOGGERS", "rank", "quiet_environment", "quiet_loggers",
            "setup_console", "verbose", "say", "progress_prints", "console_callback", "step_line", "eval_line",
-           "eta_text", "duration", "MEAN_LOSS", "EXACT_MATCH"]
+           "eta_text", "stage_time_left", "duration", "MEAN_LOSS", "EXACT_MATCH"]
 
 VERBOSE_ENV = "HF_ZERO_VERBOSE"
 
@@ -167,7 +167,7 @@ def step_line(logs: dict, step: int, max_steps: int, stage: str | None, timing: 
     if logs.get("mfu") is not None:
         parts.append(f"MFU {logs['mfu']:.2f}")
     if timing is not None:
-        parts.append(eta_text(*timing[:2], max_steps - step, *timing[2:]))
+        parts.append(eta_text(*timing[:2], max_steps - step, *timing[2:]))  # (elapsed, done, stepping[, left])
     return " | ".join(parts)
 
 
@@ -181,13 +181,39 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def eta_text(elapsed: float, steps_done: int, steps_left: int, stepping: float | None = None) -> str:
-    """Time spent and time left, at the mean step time so far: over `stepping`, the seconds since this process's
-    first step began (a resumed run counts from its own first step), else over `elapsed`. What ran before the first
-    step (the evaluation and the answers before training) is in neither the mean nor the steps left; the stage-end
-    evaluations and checkpoints are in the mean, as they will be in the steps left."""
-    left = (elapsed if stepping is None else stepping) / steps_done * steps_left if steps_done > 0 else None
+def eta_text(elapsed: float, steps_done: int, steps_left: int, stepping: float | None = None,
+             left: float | None = None) -> str:
+    """Time spent and time left: `left` where the caller knows it by stage (stage_time_left), else at the mean step
+    time so far: over `stepping`, the seconds since this process's first step began (a resumed run counts from its
+    own first step), else over `elapsed`. What ran before the first step (the evaluation and the answers before
+    training) is in neither the mean nor the steps left; the stage-end evaluations and checkpoints are in the mean,
+    as they will be in the steps left."""
+    if left is None and steps_done > 0:
+        left = (elapsed if stepping is None else stepping) / steps_done * steps_left
     return f"elapsed {duration(elapsed)} | left {duration(left) if left is not None else '?'}"
+
+
+def stage_time_left(measured: dict[int, tuple[float, int]], remaining: dict[int, int],
+                    tokens: tuple[float, ...] | None) -> float | None:
+    """Seconds left, stage by stage: `measured` {stage: (seconds, steps)} of the steps this process has run,
+    `remaining` {stage: steps} still to run. A stage's steps take its own mean step time once it has one; a stage
+    not started yet, the seconds per token of those that ran times its rows' mean tokens (`tokens`, per stage), as
+    a stage of longer rows takes longer a step (the mean over all steps would say 47 s where 4 minutes were left,
+    at the end of `make train`'s short-line stage); without token counts, the mean step time so far."""
+    runs = {i: (s, n) for i, (s, n) in measured.items() if n > 0}
+    if not runs:
+        return None
+    seconds, steps = sum(s for s, _ in runs.values()), sum(n for _, n in runs.values())
+    per_token = seconds / sum(tokens[i] * n for i, (_, n) in runs.items()) if tokens else None
+    left = 0.0
+    for stage, count in remaining.items():
+        if stage in runs:
+            left += count * runs[stage][0] / runs[stage][1]
+        elif per_token is not None:
+            left += count * tokens[stage] * per_token
+        else:
+            left += count * seconds / steps
+    return left
 
 
 _NOT_SHOWN = ("_runtime", "_samples_per_second", "_steps_per_second", "_perplexity")
@@ -219,9 +245,10 @@ def eval_line(metrics: dict, when: str, exact_match: tuple | None = None) -> str
     return f"eval {when}: " + " | ".join(shown)
 
 
-def console_callback(schedule=None, eval_sets: int = 1):
+def console_callback(schedule=None, eval_sets: int = 1, stage_tokens: tuple[float, ...] | None = None):
     """The Trainer's progress callback, replaced: see the module docstring. `eval_sets`: how many logs one
-    evaluation makes (each held-out set's, and the mean's; its line is printed when the last one is in)."""
+    evaluation makes (each held-out set's, and the mean's; its line is printed when the last one is in).
+    `stage_tokens`: each stage's mean tokens per row, for the time left (stage_time_left)."""
     from transformers import TrainerCallback
 
     class ConsoleCallback(TrainerCallback):
@@ -230,6 +257,7 @@ def console_callback(schedule=None, eval_sets: int = 1):
             # started: train() began; stepping: the first step began (what ran before it is no step's time)
             self.started, self.stepping, self.first_step, self.exact = None, None, 0, {}
             self.batches, self.batches_since, self.sets_done = 0, None, 0  # an evaluation before the first step
+            self.stage_seconds, self.step_ended = {}, None  # {stage: (seconds, steps)} this process ran
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.done = self.first_step = state.global_step
@@ -237,7 +265,7 @@ def console_callback(schedule=None, eval_sets: int = 1):
 
         def on_step_begin(self, args, state, control, **kwargs):
             if self.stepping is None:
-                self.stepping = time.monotonic()
+                self.stepping = self.step_ended = time.monotonic()
                 if state.is_world_process_zero and sys.stdout.isatty() and not args.disable_tqdm:
                     # from the first step on: its rate (and so its time left) counts no evaluation before it
                     from tqdm.auto import tqdm
@@ -267,6 +295,11 @@ def console_callback(schedule=None, eval_sets: int = 1):
             if self.bar is not None:
                 self.bar.update(state.global_step - self.done)
             self.done = state.global_step
+            if self.step_ended is not None:  # what ran after the previous step (a stage's evaluation) counts too
+                now, stage = time.monotonic(), self._stage_index(state.global_step - 1)
+                seconds, steps = self.stage_seconds.get(stage, (0.0, 0))
+                self.stage_seconds[stage] = (seconds + now - self.step_ended, steps + 1)
+                self.step_ended = now
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if not state.is_world_process_zero or not logs:
@@ -296,7 +329,7 @@ def console_callback(schedule=None, eval_sets: int = 1):
                 if self.bar is None and self.started is not None:  # a log file: no bar shows the time
                     now = time.monotonic()
                     timing = (now - self.started, state.global_step - self.first_step,
-                              now - (self.stepping or self.started))
+                              now - (self.stepping or self.started), self._left(state))
                 say(step_line(logs, state.global_step, state.max_steps, self._stage(logs.get("stage")), timing))
 
         def on_train_end(self, args, state, control, **kwargs):
@@ -316,6 +349,16 @@ def console_callback(schedule=None, eval_sets: int = 1):
             before = mean(start, list(now)) if now and all(n in start for n in now) else None
             prompts = sum(v.get("prompts", 0) for v in now.values()) or None
             return mean(now, list(now)), before, prompts
+
+        def _stage_index(self, step: int) -> int:
+            return schedule.stage_at(step).index if schedule is not None else 0
+
+        def _left(self, state) -> float | None:
+            spans = schedule.spans if schedule is not None else ()
+            remaining = {span.index: min(span.end_step, state.max_steps) - max(span.start_step, state.global_step)
+                         for span in spans} if spans else {0: state.max_steps - state.global_step}
+            return stage_time_left(self.stage_seconds, {i: n for i, n in remaining.items() if n > 0},
+                                   stage_tokens if spans else None)
 
         def _stage(self, index):
             if schedule is None or index is None:

@@ -124,3 +124,26 @@ class CurriculumDataset:
     def __getitem__(self, i: int) -> dict:
         stage, src, idx = self.order[i]
         return self.sources[stage][src][int(idx)]
+
+    def mean_tokens_per_stage(self, stages: int, sample: int = 256) -> tuple[float, ...] | None:
+        """Mean token ids per row of each stage's scheduled samples (up to `sample` of them, spread over the stage):
+        the console's time left weighs a stage not trained yet by them. None when a stage's rows carry no ids."""
+        means = []
+        for stage in range(stages):
+            where = np.flatnonzero(self.order[:, 0] == stage)
+            if not len(where):
+                return None
+            picked = where[np.linspace(0, len(where) - 1, min(sample, len(where))).astype(int)]
+            sizes = [_row_tokens(self[int(i)]) for i in picked]
+            if not all(sizes):
+                return None
+            means.append(float(np.mean(sizes)))
+        return tuple(means)
+
+
+def _row_tokens(row: dict) -> int:
+    """The token ids a row puts through the model: its input_ids, or a preference pair's prompt twice (before each
+    answer) and both answers (hf_zero.data.preference)."""
+    if "chosen_ids" in row:
+        return 2 * len(row.get("prompt_ids") or ()) + len(row["chosen_ids"]) + len(row.get("rejected_ids") or ())
+    return len(row.get("input_ids") or ())

@@ -53,7 +53,8 @@ class CurriculumTrainer(PreferenceMixin, HeldOutLossMixin, SequenceParallelMixin
             self.remove_callback(noisy)
         # Each held-out set logs its own losses, then evaluate() logs their mean.
         sets = len(self.eval_dataset) + 1 if isinstance(self.eval_dataset, dict) else 1
-        self.add_callback(console_callback(schedule, sets))  # before the stage-switch line: eval lines come first
+        tokens = getattr(self.train_dataset, "mean_tokens_per_stage", lambda n: None)(len(schedule.spans))
+        self.add_callback(console_callback(schedule, sets, tokens))  # before the stage-switch line: eval lines first
         self.add_callback(CurriculumCallback(schedule, has_eval=self.eval_dataset is not None, log=say))
         self.throughput = throughput_callback(self.model, plan.precision)
         self.add_callback(self.throughput)

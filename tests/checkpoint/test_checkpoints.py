@@ -406,10 +406,14 @@ def test_disk_full_stops_cleanly_and_earlier_checkpoints_resume(small_disk, tmp_
     proc = launch_recipe("zero3", out, *COMMON, *ROTATE[2:], "--save_total_limit", "1", config=config, check=False)
     assert proc.returncode != 0
     # Under plain accelerate launch the line is the root cause in torch elastic's failure report
-    # (hf_zero.launch.worker).
-    line = [ln for ln in proc.stderr.splitlines() if "hf-zero: error: disk: could not write checkpoint-" in ln
-            and "No space left on device" in ln]
-    assert len(line) == 1 and "checkpoint-6 and the checkpoints before it are complete" in line[0], proc.stderr[-2000:]
+    # (hf_zero.launch.worker). Each rank writes its own optimizer shard, so which rank meets the full disk first, and
+    # whether the other meets it too before the launcher stops it, is a race: torch's report then lists both ranks'
+    # lines (`hf-zero train` says one). Each says the same: checkpoint-9 failed, checkpoint-6 is complete.
+    lines = [ln for ln in proc.stderr.splitlines() if "hf-zero: error: disk: could not write checkpoint-" in ln
+             and "No space left on device" in ln]
+    assert 1 <= len(lines) <= 2, proc.stderr[-2000:]
+    assert all("could not write checkpoint-9 " in ln and "checkpoint-6 and the checkpoints before it are complete"
+               in ln for ln in lines), proc.stderr[-2000:]
     assert published(out) == [3, 6]
     assert_every_visible_checkpoint_complete(out)
     # Export a ZeRO-3 checkpoint of a full model: plain from_pretrained loads it, weights = the engine's gathered.

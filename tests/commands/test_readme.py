@@ -80,6 +80,8 @@ COMMANDS = [c for c in readme_commands() if c not in NOT_RUN_HERE]
 # Longer than the default suite allows (the chat demo and what reads its output, the full bench): run with -m slow
 # (`make test-all`), in README order.
 SLOW = {"make train CONFIG=recipes/configs/smollm2_chat.yaml"}
+# The multimodal demo (docs/multimodal.md: about 20 min here), its targets checked by _check_multimodal_demo
+SLOW |= {"make train CONFIG=recipes/configs/multimodal_demo.yaml"}
 SLOW |= {c for c in COMMANDS if "runs/smollm2_chat/" in c}
 # The full default bench (~12 min here), also run with its targets checked by tests/bench/test_bench.py's slow
 # test_make_bench_default; the default suite runs the quick bench through the same code (tests/bench/test_bench.py).
@@ -106,9 +108,15 @@ LAUNCHES |= {c for c in COMMANDS if any(run in c for run in WRITTEN)}
 DEFAULT = {c for c in LAUNCHES if "runs/tiny_ckpt" in c or "--profile zero3_sp" in c}
 
 
+# Heavy in one process (seconds each: SmolLM2's weights read or converted, a nested `make`, the docs build, a
+# multi-node dry run that starts the launcher's planning): `make test` runs them, `make test-fast` leaves them out.
+HEAVY = {c for c in COMMANDS if "smollm2" in c or c.startswith("make ") or "multinode" in c
+         or c.startswith("hf-zero init --model tiny-llama --data")}
+
+
 def _marks(cmd):
     return ([pytest.mark.slow] * (cmd in SLOW) + [pytest.mark.multiproc] * (cmd in LAUNCHES)
-            + [pytest.mark.extended] * (cmd in LAUNCHES - DEFAULT))
+            + [pytest.mark.extended] * (cmd in LAUNCHES - DEFAULT) + [pytest.mark.recipe_run] * (cmd in HEAVY))
 
 
 @pytest.mark.parametrize("cmd", [pytest.param(c, marks=_marks(c)) for c in COMMANDS])
@@ -232,6 +240,16 @@ def _check_long_context(proc, where):
     assert s["eval_loss_after"] < s["eval_loss_before"]
 
 
+def _check_multimodal_demo(proc, where):
+    """Issue 43's targets: shapes >= 0.9, digits >= 0.8, the text task after the last step within 0.1 of its value
+    at its own stage's end."""
+    s = json.loads((where / "runs" / "multimodal_demo" / "summary.json").read_text())
+    text, shapes, digits = s["stages"]
+    assert (s["profile"], s["world_size"]) == ("cpu", 2)
+    assert shapes["exact_match_after"] >= 0.9 and digits["exact_match_after"] >= 0.8, s["stages"]
+    assert text["exact_match_after"] >= text["exact_match"] - 0.1, s["stages"]
+
+
 def _check_multimodal_preview(proc, where):
     assert "    <points> x4 at positions 5-8: " in proc.stdout and "{<image> x5}What digit is this?" in proc.stdout
 
@@ -254,6 +272,7 @@ CHECKS = {
         _check_long_context_gpu,
     "make test-gpu": _check_test_gpu,
     "make train CONFIG=recipes/configs/smollm2_chat.yaml": _check_chat_demo,
+    "make train CONFIG=recipes/configs/multimodal_demo.yaml": _check_multimodal_demo,
     **{c: _check_generate for c in readme_commands() if c.startswith("hf-zero generate")},
     "hf-zero train --profile h100x8 --precision bf16 --config recipes/configs/smollm2_shakespeare.yaml --dry-run":
         _check_dry_run,

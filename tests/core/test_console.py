@@ -2,6 +2,7 @@
 
 import logging
 
+import numpy as np
 import pytest
 
 from hf_zero.core.console import (
@@ -163,7 +164,7 @@ def test_loss_plot_and_the_lines_after_the_result(tmp_path):
     assert exact_match_words(0.0, 0.75) == "exact match 0.00 -> 0.75; " and exact_match_words(None, None) == ""
 
 
-def _run_console(monkeypatch, events, schedule=SCHEDULE, eval_sets=3, max_steps=4):
+def _run_console(monkeypatch, events, schedule=SCHEDULE, eval_sets=3, max_steps=4, stage_tokens=None):
     """Feed a console callback (time, hook, step, logs) events with the clock at each event's time; its lines."""
     import io
     from contextlib import redirect_stdout
@@ -174,7 +175,7 @@ def _run_console(monkeypatch, events, schedule=SCHEDULE, eval_sets=3, max_steps=
     monkeypatch.setattr("hf_zero.core.console.time.monotonic", lambda: clock[0])
     args = TrainingArguments(output_dir="unused", disable_tqdm=True, report_to=[])
     state = TrainerState(max_steps=max_steps, global_step=0)
-    console = console_callback(schedule, eval_sets=eval_sets)
+    console = console_callback(schedule, eval_sets=eval_sets, stage_tokens=stage_tokens)
     out = io.StringIO()
     with redirect_stdout(out):
         for at, hook, step, logs in events:
@@ -194,6 +195,31 @@ def test_eta_leaves_out_what_ran_before_the_first_step(monkeypatch):
     one = CurriculumSchedule((StageSpan(0, "chat", 0, 6, 1e-3, 0, "cosine", 0.1),), global_batch=4)
     lines = _run_console(monkeypatch, events, one, eval_sets=1, max_steps=6)
     assert lines[-1].endswith("| elapsed 1m10s | left 50s"), lines
+
+
+def test_time_left_weighs_a_stage_of_longer_rows_by_its_tokens_then_by_its_own_steps(monkeypatch):
+    """`make train` said "left 47s" at the end of its short-line stage where 4 minutes were left: the later stages'
+    rows are longer. A stage not started yet takes the seconds per token so far times its rows' tokens; once it has
+    run a step, its own mean step time."""
+    events = [(0, "train_begin", 0, None), (0, "step_begin", 0, None), (5, "step_end", 1, None),
+              (10, "step_end", 2, None), (10, "log", 2, {"loss": 2.0, "stage": 0}),
+              (30, "step_end", 3, None), (30, "log", 3, {"loss": 2.0, "stage": 1})]
+    lines = _run_console(monkeypatch, events, stage_tokens=(10.0, 40.0))
+    # 2 steps of 10 tokens in 10 s: 0.5 s a token; the long stage's 2 steps of 40 tokens: 40 s (the mean: 10 s)
+    assert lines[0].endswith("| elapsed 10s | left 40s"), lines
+    assert lines[1].endswith("| elapsed 30s | left 20s"), lines  # its first step took 20 s
+    assert _run_console(monkeypatch, events[:5])[0].endswith("| left 10s")  # no token counts: the mean step
+
+
+def test_mean_tokens_per_stage_reads_the_scheduled_rows():
+    from hf_zero.data.curriculum import CurriculumDataset
+
+    short, long = [{"input_ids": [1] * 3}] * 4, [{"input_ids": [1] * 12}, {"input_ids": [1] * 20}]
+    pairs = [{"prompt_ids": [1] * 2, "chosen_ids": [1] * 3, "rejected_ids": [1] * 5}]
+    order = np.array([[0, 0, i % 4] for i in range(8)] + [[1, 0, i % 2] for i in range(8)] + [[2, 0, 0]] * 4)
+    data = CurriculumDataset([[short], [long], [pairs]], order)
+    assert data.mean_tokens_per_stage(3) == (3.0, 16.0, 12.0)  # a pair: the prompt twice and both answers
+    assert CurriculumDataset([[[{"pixel_values": [0.0]}]]], order[:1]).mean_tokens_per_stage(1) is None
 
 
 def test_exact_match_before_and_after_is_over_every_stage_with_prompts(monkeypatch):

@@ -150,6 +150,7 @@ def test_rows_of_the_bundled_text_are_at_least_95_percent_text(tmp_path):
     assert sum(plan.packed_text_tokens_per_step) > 2 * sum(plan.text_tokens_per_step)  # same steps, more text
 
 
+@pytest.mark.recipe_run
 def test_recipe_trains_with_packing(tmp_path):
     """One process, the tiny curriculum: packed rows for training (stage 3 packs per source: it has weights),
     unpacked held-out samples for evaluation, through the same collator."""

@@ -159,6 +159,7 @@ CASES = [("gqa", False, None, False, "fp32"), ("gqa", True, None, True, "fp32"),
          pytest.param("tied", True, LORA, True, "fp32", marks=SLOW)]
 
 
+@pytest.mark.recipe_run
 @pytest.mark.parametrize("shape,autocast,lora,checkpointing,base", CASES)
 def test_training_step_peak_on_unseen_shapes(shape, autocast, lora, checkpointing, base):
     from transformers import LlamaConfig
@@ -176,6 +177,7 @@ def test_training_step_peak_on_unseen_shapes(shape, autocast, lora, checkpointin
 
 @pytest.mark.parametrize("shape,autocast,lora,base", [("gqa", True, None, "fp32"), ("tied", False, LORA, "fp32"),
                                                       ("tied", True, LORA, "bf16")])
+@pytest.mark.recipe_run
 def test_fused_loss_step_peak_on_unseen_shapes(shape, autocast, lora, base):
     """The fused loss's term (no full logits; the hidden states' and, when it trains, lm_head's gradients; one
     chunk's logits) as a training step with it measures, as above."""

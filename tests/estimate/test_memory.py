@@ -262,6 +262,7 @@ print("RESULT" + json.dumps(results))
 """
 
 
+@pytest.mark.recipe_run
 def test_measured_engine_bytes_match_the_estimate():
     """One rank, fp32, ZeRO-1/2/3 with torch AdamW: estimate vs what the engine holds, within 10%.
 

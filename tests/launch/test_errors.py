@@ -255,6 +255,7 @@ def test_rerunning_a_finished_run_touches_nothing(finished):
     assert _snapshot(out) == before
 
 
+@pytest.mark.recipe_run
 def test_fresh_start_keeps_the_finished_run_aside(tmp_path, quiet_env):
     """One process, in-process-fast: a finished run, a re-run (nothing to do), then a fresh start."""
     out = tmp_path / "run"

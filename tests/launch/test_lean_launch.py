@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from testing_utils import REPO, TINY
 
 from hf_zero.launch.launch_command import prepare_assets
@@ -36,6 +37,7 @@ print("peft model:", trainer_utils._is_peft_model(model), trainer_utils._is_peft
 """
 
 
+@pytest.mark.recipe_run
 def test_train_launcher_imports_nothing_the_ranks_import(tmp_path):
     prepare_assets(["--config", str(TINY)])  # built once before (the first run builds them in this process)
     seen = tmp_path / "modules.json"
@@ -67,6 +69,7 @@ print("peft model:", trainer_utils._is_peft_model(model), isinstance(model, trai
 """
 
 
+@pytest.mark.recipe_run
 def test_a_full_fine_tunes_rank_imports_no_peft():
     proc = subprocess.run([sys.executable, "-c", _RANK_PROBE, str(REPO / "recipes" / "curriculum.py")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -178,6 +178,7 @@ def test_nvme_without_libaio_toolchain(capsys, monkeypatch):
     assert failed(res) == {"offload"} and "libaio" in res["offload"][1]
 
 
+@pytest.mark.recipe_run
 def test_cpu_adam_that_cannot_be_built(tmp_path):
     # A fresh extensions cache forces a build; a compiler that always fails makes it impossible.
     env = {"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": "/bin/false", "CC": "/bin/false"}
@@ -255,6 +256,7 @@ def test_output_dir_without_room_for_the_checkpoints_keeps_what_is_there(capsys,
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-4"]
 
 
+@pytest.mark.recipe_run
 def test_plain_python_on_a_multi_process_profile_says_what_to_run(tmp_path):
     env = {**os.environ, "HF_ZERO_PROFILE": "zero2"}
     for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):

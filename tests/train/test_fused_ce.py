@@ -195,6 +195,7 @@ def _peak(mode: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.recipe_run
 def test_large_vocabulary_peak_memory_is_a_fraction_of_the_standard_path():
     """A 2048-token step through a 32k-vocabulary head (logits: 256 MiB in fp32), in fresh processes: the standard
     loss's extra peak is several copies of the logits; the fused loss's stays near the gradients it keeps."""

@@ -53,6 +53,7 @@ def test_load_in_4bit_needs_lora_and_a_profile_without_nvme():
         assert verify_quantization(QLORA, _profile(name), 0).startswith("QLoRA: NF4 base")
 
 
+@pytest.mark.recipe_run
 def test_check_and_the_recipe_refuse_load_in_4bit_without_lora(tmp_path):
     from hf_zero.preflight.check_rules import check_launch_at_start
 
