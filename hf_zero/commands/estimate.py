@@ -259,7 +259,7 @@ def _sequence_parallel(recipe, count, world: int, usable, args, batch, kw) -> di
         return None
     rows = sp_by_stage(recipe, count, sizes, usable, micro_batch=batch.micro, grad_accumulation=batch.accumulation,
                        **{k: v for k, v in kw.items() if k not in ("seq_len", "sp_size", "sequences_per_row")})
-    longest = max(rows, key=lambda r: r["seq_len"])
+    longest = max(rows, key=lambda r: r["seq_len"] * r["sequences_per_row"])  # a dpo row: chosen + rejected
     return {"sizes": sizes, "stages": rows, "longest_stage": longest["stage"], "fitted": usable is not None,
             "recommended_sp_size": longest["fits_at_sp"], "config": recipe.path}
 
@@ -268,12 +268,14 @@ def _print_sequence_parallel(sp: dict, gpn: int, precision: str) -> None:
     sizes = [1, *sp["sizes"]]
     fitted = sp["fitted"]  # --gpu-memory given: which size fits each stage
     head = ["stage", "tokens", *(f"sp {s}" for s in sizes), *(["fits"] if fitted else [])]
-    rows = [[str(r["stage"]), str(r["seq_len"]), *(_human(r["peak_bytes"][s]) for s in sizes),
+    rows = [[str(r["stage"]), f"{r['seq_len']}" + (f" x{n}" if (n := r["sequences_per_row"]) > 1 else ""),
+             *(_human(r["peak_bytes"][s]) for s in sizes),
              *([{None: "none", 0: "without SP"}.get(r["fits_at_sp"], f"sp {r['fits_at_sp']}")] if fitted else [])]
             for r in sp["stages"]]
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     print("\nsequence parallelism (Ulysses, profile zero3_sp): ZeRO-3 peak/GPU per stage, each sequence split over "
-          "sp ranks (its activations / sp; the model states sharded over every rank)")
+          "sp ranks (its activations / sp; the model states sharded over every rank; x2: a dpo stage's chosen and "
+          "rejected sequences)")
     for r in [head, *rows]:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
     if not fitted:

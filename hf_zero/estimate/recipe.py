@@ -39,6 +39,7 @@ class RecipeMemory:
     flags: tuple = field(default=(), compare=False)  # overrides a train command must repeat
     load_in_4bit: bool = False  # QLoRA: the frozen base in 4 bits
     stages: tuple = ()  # (name, max_seq_length) of each stage, in order
+    stage_sequences: tuple = ()  # sequences per row of each stage, in order: 2 for a dpo stage (chosen + rejected)
     fused_cross_entropy: object = "auto"  # the recipe's: auto, True or False (the loss without full logits)
     use_liger_kernel: object = "auto"  # the recipe's: auto, True or False (Liger's norm and SwiGLU kernels)
     sequences_per_row: int = 1  # 2 when the stage setting the peak is a dpo stage: its chosen + rejected sequences
@@ -78,6 +79,7 @@ def read_recipe(path: str, overrides: list[str] | tuple = ()) -> RecipeMemory:
         attn_implementation=model_args.attn_implementation, path=path, flags=tuple(flags),
         load_in_4bit=bool(model_args.load_in_4bit and model_args.use_peft),
         stages=tuple((s.name, s.max_seq_length or seq) for s in stages),
+        stage_sequences=tuple(_sequences(s) for s in stages),
         fused_cross_entropy=training.get("fused_cross_entropy", "auto"),
         use_liger_kernel=training.get("use_liger_kernel", "auto"),
         sequences_per_row=_sequences(longest) if longest else 1,
@@ -119,10 +121,13 @@ def sp_by_stage(recipe: RecipeMemory, count, sizes: list[int], usable: int | Non
     that fits `usable` bytes (0: it fits without; None: none does, or no GPU memory was given). ZeRO-3 because
     the sequence-parallel profile (zero3_sp) is ZeRO-3: the model states stay sharded over every rank."""
     rows = []
-    for name, seq in recipe.stages or ((recipe.stage, recipe.seq_len),):
-        peaks = {sp: estimate(count, "zero3", **{**estimate_kw, "seq_len": seq, "sp_size": sp}
-                              )["gpu_bytes_per_rank"]["total"] for sp in (1, *sizes)}
+    stages = recipe.stages or ((recipe.stage, recipe.seq_len),)
+    sequences = recipe.stage_sequences or (recipe.sequences_per_row,) * len(stages)
+    for (name, seq), per_row in zip(stages, sequences):  # a dpo stage's row: its chosen and rejected sequences
+        peaks = {sp: estimate(count, "zero3", **{**estimate_kw, "seq_len": seq, "sp_size": sp,
+                                                  "sequences_per_row": per_row})["gpu_bytes_per_rank"]["total"]
+                 for sp in (1, *sizes)}
         fits = None if usable is None else next((sp for sp, b in peaks.items() if b <= usable), None)
-        rows.append({"stage": name, "seq_len": seq, "peak_bytes": peaks,
+        rows.append({"stage": name, "seq_len": seq, "sequences_per_row": per_row, "peak_bytes": peaks,
                      "fits_at_sp": None if fits is None else (0 if fits == 1 else fits)})
     return rows

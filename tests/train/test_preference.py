@@ -569,6 +569,28 @@ def test_estimate_counts_two_sequences_a_row_and_the_reference_cache(tmp_path, c
     assert "reference-free: no reference log-probs" in text
 
 
+def test_the_sequence_parallel_table_counts_a_dpo_rows_two_sequences(tmp_path, capsys):
+    """On 2 GPUs the per-stage Ulysses table weighs a dpo stage as the rest of the estimate does: its row puts
+    chosen and rejected through the model, so its peak is above an SFT stage's of the same length."""
+    from hf_zero.cli import main
+
+    dpo = json.loads(sft_dpo_recipe(tmp_path, write_rows(tmp_path / "pairs.jsonl", preferred_rows(32))).read_text())
+    dpo["fused_cross_entropy"] = False
+    sft = copy.deepcopy(dpo)
+    sft["stages"][1] = {"name": "pref", "data": dpo["stages"][0]["data"], "steps": 6}
+    tables = []
+    for cfg, name in ((dpo, "dpo"), (sft, "sft")):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(json.dumps(cfg))
+        assert main(["estimate", "--config", str(path), "--gpus-per-node", "2", "--json"]) == 0
+        tables.append({r["stage"]: r for r in json.loads(capsys.readouterr().out)["sequence_parallel"]["stages"]})
+    ours, theirs = tables
+    assert (ours["pref"]["sequences_per_row"], theirs["pref"]["sequences_per_row"]) == (2, 1)
+    assert all(ours["pref"]["peak_bytes"][sp] > theirs["pref"]["peak_bytes"][sp] for sp in ours["pref"]["peak_bytes"])
+    first = next(iter(ours))  # the SFT stage before it: the same either way
+    assert ours[first]["peak_bytes"] == theirs[first]["peak_bytes"]
+
+
 @pytest.mark.multiproc
 def test_a_dpo_stage_resumes_on_another_rank_count_and_profile(tmp_path):
     """zero3 on 2 ranks (each computes the reference of half the rows), stopped after checkpoint-5 (3 steps into the
