@@ -28,10 +28,12 @@ def main(argv=None):
     from hf_zero.data.model_names import get_tokenizer, resolve_model_path
     from hf_zero.data.multimodal import MultimodalCollator, add_placeholders
     from hf_zero.train import recipe_steps as steps
-    from hf_zero.train.composed import ComposedModel, build_encoders, save_composed
+    from hf_zero.train.composed import ComposedModel, build_encoders, freeze_unread_embeddings, save_composed
+    from hf_zero.train.composed_generate import answer_composed_prompts
     from hf_zero.train.model import build_causal_lm, count_parameters, describe_weights
     from hf_zero.train.parts import PartsTrainer, part_sizes, plan_parts
     from hf_zero.train.run import setup_run, write_summary
+    from hf_zero.train.samples import SampleCallback, exact_match_summary, with_stage_exact_match
     from hf_zero.train.trainer import eval_means, stage_table
 
     # Parse: YAML + flags, reconciled with the profile before any engine exists; the checkpoint to resume from.
@@ -53,6 +55,7 @@ def main(argv=None):
 
     # Model: the LLM as every hf_zero recipe builds it (LoRA on it alone), then the encoders and projectors.
     llm = build_causal_lm(model_args, tokenizer, ctx.profile)
+    freeze_unread_embeddings(llm, tokenizer, placeholders)  # the placeholders' rows are never read
     model = ComposedModel(llm, args.encoders, placeholders, built)
     sizes = part_sizes(model)  # before plan_parts freezes the parts that train in no stage
     parts = plan_parts(model, ctx.stages, args.learning_rate)
@@ -65,6 +68,11 @@ def main(argv=None):
         parts=parts,
     )
     steps.attach_probes(trainer, ctx, args.measure_memory)
+    # Held-out answers (greedy, by the composed model itself) before training, at each stage end and after the last.
+    prompts = {i: d.eval_prompts[: args.sample_prompts] for i, d in enumerate(stage_data) if d.eval_prompts}
+    if args.sample_prompts > 0 and prompts:
+        trainer.add_callback(SampleCallback(trainer, schedule, prompts, ctx.output_dir, args.sample_max_new_tokens,
+                                            generate=answer_composed_prompts))
     tokens = ", ".join(f"{m}: {s.tokens} tokens/item" for m, s in built[1].items())
     steps.announce(ctx, schedule, trainable, total, f"modalities: {tokens}", *parts.describe(sizes),
                    weights=describe_weights(model, ctx.profile))
@@ -78,12 +86,15 @@ def main(argv=None):
     before, after = eval_means(history, list(eval_sets))
     summary = write_summary(ctx, {
         **steps.summary_fields(model_args, trainable, total, schedule, result, history, resume, final_dir,
-                               before, after, stage_table(schedule, history)),
+                               before, after, with_stage_exact_match(stage_table(schedule, history), history)),
         "model_path": resolve_model_path(model_args.model_name_or_path),
         "modalities": {m: {"tokens": s.tokens, "input_shape": list(s.input_shape)} for m, s in built[1].items()},
         "parts": {name: {p: f for p, f in factors.items()} for name, factors in zip(parts.names, parts.factors)},
+        **(exact := exact_match_summary(history)),
     }, history)
     say(f"[hf_zero] done: {steps.loss_words(before, after, len(eval_sets))}"
+        + steps.exact_match_words(exact.get("exact_match_before"), exact.get("exact_match_after"),
+                                  exact.get("exact_match_prompts"))
         + (f"model in {final_dir}" if final_dir else "no model written (save_final_model: false)")
         + f", summary in {summary}")
 

@@ -18,6 +18,7 @@ from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.core.files import write_text_atomic
 from hf_zero.data.cache import build_once, entry_problem, get_cache_dir, model_folder_problem
 from hf_zero.data.model_names import get_tiny_llama_path, is_tiny, tiny_llama_folder
+from hf_zero.data.multimodal_demo import DEMO_VERSION, write_demo
 from hf_zero.data.smollm2 import SMOLLM2_HUB_ID, get_smollm2_path, smollm2_folder
 from hf_zero.data.tiny_vlm import get_tiny_vlm_path, is_tiny_vlm, tiny_vlm_folder
 
@@ -39,7 +40,10 @@ WHICH_PLAY_TITLES = {
 }
 # The instruction is the system turn (it replaces SmolLM2's default one): shorter samples, faster steps on a CPU.
 WHICH_PLAY_SYSTEM = "Which Shakespeare play is the user's passage from? Answer with the title only."
-BUILTIN_DATA = tuple(f"builtin:shakespeare/{name}" for name in (*CURRICULUM_STAGES, *WHICH_PLAY_SPLITS))
+# The multimodal demo's rows (hf_zero.data.multimodal_demo): shapes' point clouds and scikit-learn's digits.
+MULTIMODAL_DEMO_SPLITS = ("shapes", "shapes_test", "digits", "digits_test")
+BUILTIN_DATA = (*(f"builtin:shakespeare/{name}" for name in (*CURRICULUM_STAGES, *WHICH_PLAY_SPLITS)),
+                *(f"builtin:multimodal_demo/{name}" for name in MULTIMODAL_DEMO_SPLITS))
 _MAX_RECORDS = 3000
 
 
@@ -195,6 +199,8 @@ def resolve_data_path(spec: str) -> str:
     if spec not in BUILTIN_DATA:
         raise UserError("data", f"unknown built-in data set {spec!r}", f"use one of: {', '.join(BUILTIN_DATA)}")
     name = spec.rsplit("/", 1)[1]
+    if spec.startswith("builtin:multimodal_demo/"):
+        return str(prepare_multimodal_demo() / f"{name}.jsonl")
     if name in WHICH_PLAY_SPLITS:
         return str(prepare_which_play() / f"{name}.jsonl")
     return str(prepare_shakespeare_curriculum()[name])
@@ -204,6 +210,18 @@ def prepare_which_play() -> Path:
     """The chat demo's conversations (train and held-out splits), built once into the cache."""
     return build_once(get_cache_dir() / "data" / "shakespeare" / "which_play-v2", _write_which_play,
                       get_shakespeare_texts_dir(), verify=_which_play_problem)
+
+
+def prepare_multimodal_demo() -> Path:
+    """The multimodal demo's rows and their files, generated once into the cache (seeded: the same everywhere)."""
+    return build_once(get_cache_dir() / "data" / f"multimodal_demo-{DEMO_VERSION}", write_demo,
+                      verify=_multimodal_demo_problem)
+
+
+def _multimodal_demo_problem(folder: Path) -> str | None:
+    empty = [f"{s}.jsonl" for s in MULTIMODAL_DEMO_SPLITS
+             if not (folder / f"{s}.jsonl").is_file() or not (folder / f"{s}.jsonl").stat().st_size]
+    return f"it has no {', '.join(empty)}" if empty else None
 
 
 def _which_play_problem(folder: Path) -> str | None:
@@ -233,6 +251,9 @@ def _run_assets(model: str | None, data=()) -> dict:
     if any(spec in BUILTIN_DATA and spec.rsplit("/", 1)[1] in WHICH_PLAY_SPLITS for spec in data):
         found["which_play"] = (get_cache_dir() / "data" / "shakespeare" / "which_play-v2", prepare_which_play,
                                _which_play_problem)
+    if any(spec.startswith("builtin:multimodal_demo/") and spec in BUILTIN_DATA for spec in data):
+        found["multimodal_demo"] = (get_cache_dir() / "data" / f"multimodal_demo-{DEMO_VERSION}",
+                                    prepare_multimodal_demo, _multimodal_demo_problem)
     return found
 
 

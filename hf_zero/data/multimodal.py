@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
+from hf_zero.data.assets import resolve_data_path
 from hf_zero.data.chat import IGNORE, FormatOptions, Row, SourceReport, encode_conversation, validate_messages
 from hf_zero.data.chat_template import prepare_chat_template
 from hf_zero.data.sources import load_source, verify_data_file
@@ -130,7 +131,7 @@ def read_rows(spec: str, where: str, field: str) -> list:
     "3" beside contents that are lists of items came back as the number 3 (or as None)."""
     import json
 
-    path = Path(spec)
+    path = Path(resolve_data_path(spec))  # a built-in source: its prepared file, read as any file is
     if path.suffix not in (".jsonl", ".json"):
         ds = load_source(spec, where)
         if field not in ds.column_names:
@@ -191,27 +192,64 @@ def encode_multimodal_rows(conversations: list, tokenizer, specs: dict, placehol
                 continue
         report.lengths.append(len(ids))
         report.loss_tokens += sum(mask)
-        samples.append({"input_ids": ids, "labels": [t if m else IGNORE for t, m in zip(ids, mask)], "media": media})
+        samples.append({"input_ids": ids, "labels": [t if m else IGNORE for t, m in zip(ids, mask)], "media": media,
+                        "_gen": {"prompt": enc.prompt, "question": enc.question, "reference": enc.reference}})
     return samples, report
+
+
+def _prompts(samples: list[dict], tokenizer, specs: dict, placeholder_ids: dict) -> list[dict]:
+    """The held-out samples' generation prompts {prompt, question, reference, media, ids}: `ids` the rendered prompt
+    (up to the last reply) tokenized and each placeholder run expanded as the training rows' are; every sample loses
+    its `_gen` (the collator takes token lists and media only)."""
+    runs = {placeholder_ids[m]: specs[m] for m in specs}
+    prompts = []
+    for s in samples:
+        gen = s.pop("_gen", None)
+        if gen is None or gen["prompt"] is None or not isinstance(gen["reference"], str):
+            continue
+        items, ids = iter(s["media"]), []
+        for t in tokenizer(gen["prompt"], add_special_tokens=False)["input_ids"]:
+            spec = runs.get(t)
+            ids += [t] if spec is None else [t] * spec.tokens if spec.expand is None else \
+                list(spec.expand(Path(next(items)[1])))
+        prompts.append({**gen, "media": list(s["media"]), "ids": ids})
+    return prompts
 
 
 def load_multimodal_stage(stage, tokenizer, specs: dict, placeholder_ids: dict, default_max_len: int,
                           eval_samples: int, seed: int, opts: FormatOptions | None = None) -> StageData:
     """A stage's multimodal sources tokenized, a held-out slice drawn as hf_zero.data.stages draws it."""
     max_len = stage.max_seq_length or default_max_len
-    sources, reports = [], []
-    for j, spec in enumerate(stage.data):
-        where = f"stages[{stage.name}].data[{j}]"
-        opts = opts or FormatOptions()
+    opts = opts or FormatOptions()
+
+    def encoded(spec: str, where: str) -> tuple[list, object]:
         samples, report = encode_multimodal_rows(read_rows(spec, where, opts.messages_field), tokenizer, specs,
-                                                 placeholder_ids, max_len, where, spec, Path(spec).resolve().parent,
-                                                 opts)
+                                                 placeholder_ids, max_len, where, spec, _folder(spec), opts)
         if not samples:
             raise UserError(where, f"{spec} has no row left within max_seq_length", "raise max_seq_length")
+        return samples, report
+
+    sources, reports = [], []
+    for j, spec in enumerate(stage.data):
+        samples, report = encoded(spec, f"stages[{stage.name}].data[{j}]")
         sources.append(samples)
         reports.append(report)
-    held_out = hold_out(stage, sources, eval_samples, seed) if eval_samples else []
-    return StageData(sources, held_out, reports)
+    if stage.eval_data:  # the stage's own held-out rows, as hf_zero.data.stages takes them
+        held_out = [s for j, spec in enumerate(stage.eval_data)
+                    for s in encoded(spec, f"stages[{stage.name}].eval_data[{j}]")[0]]
+        held_out = held_out[:eval_samples] if eval_samples else []
+    else:
+        held_out = hold_out(stage, sources, eval_samples, seed) if eval_samples else []
+    prompts = _prompts(held_out, tokenizer, specs, placeholder_ids)
+    for samples in sources:
+        for s in samples:
+            s.pop("_gen", None)
+    return StageData(sources, held_out, reports, prompts)
+
+
+def _folder(spec: str) -> Path:
+    """The folder a source's item paths are relative to: its file's (a built-in source's prepared file's)."""
+    return Path(resolve_data_path(spec)).resolve().parent
 
 
 def declared_specs(encoders) -> dict:
@@ -245,7 +283,7 @@ def check_multimodal_data(stages, args, specs: dict | None = None) -> str:
         rows = files = 0
         for j, spec in enumerate(stage.data):
             where = f"stages[{stage.name}].data[{j}]"
-            row, folder = Row(where, spec), Path(spec).resolve().parent
+            row, folder = Row(where, spec), _folder(spec)
             for i, raw in enumerate(read_rows(spec, where, opts.messages_field)):
                 row.n, media = i + 1, []
                 if not isinstance(raw, list):

@@ -3,24 +3,33 @@ sphere, cylinder, cone, torus; random pose, scale and noise) as .npy files, scik
 and chat rows in TRL's multimodal form that point at them (paths relative to the rows' file).
 
     python -m hf_zero.data.multimodal_demo OUT_DIR [--shapes N] [--digits N] [--points P] [--seed S]
+
+The demo's data (recipes/configs/multimodal_demo.yaml: `builtin:multimodal_demo/shapes`, `.../shapes_test`,
+`.../digits`, `.../digits_test`) is `write_demo`'s, built once into the cache when a run first names it.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # numpy is imported where used: hf_zero.data.assets imports this module
 
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
-__all__ = ["SHAPES", "sample_shape", "write_shapes", "write_digits", "main"]
+__all__ = ["SHAPES", "sample_shape", "write_shapes", "write_digits", "write_demo", "DEMO_VERSION", "main"]
 
 SHAPES = ("cube", "sphere", "cylinder", "cone", "torus")
 SHAPE_QUESTION, DIGIT_QUESTION = "What shape is this?", "What digit is this?"
+DEMO_VERSION = "v1"  # the demo's cache folder: a change to write_demo's output gets a new one
+DEMO_TEST_PER_CLASS = 10  # held-out shapes per shape: 50 held-out rows, and as many held-out digits
 
 
 def _surface(shape: str, n: int, rng) -> np.ndarray:
     """n points on the unit-sized surface of `shape`, centred at the origin."""
+    import numpy as np
+
     if shape == "sphere":
         p = rng.normal(size=(n, 3))
         return p / np.linalg.norm(p, axis=1, keepdims=True)
@@ -49,6 +58,8 @@ def _surface(shape: str, n: int, rng) -> np.ndarray:
 
 def sample_shape(shape: str, n: int, rng) -> np.ndarray:
     """A random pose (rotation, scale, shift) and noise on the shape's surface: float32 (n, 3)."""
+    import numpy as np
+
     q, r = np.linalg.qr(rng.normal(size=(3, 3)))
     rotation = q * np.sign(np.diag(r))
     points = _surface(shape, n, rng) @ rotation.T * rng.uniform(0.5, 1.5) + rng.uniform(-0.5, 0.5, 3)
@@ -60,37 +71,52 @@ def _row(kind: str, file: str, question: str, answer: str) -> dict:
                          {"role": "assistant", "content": [{"type": "text", "text": answer}]}]}
 
 
-def write_shapes(out: Path, count: int, points: int = 256, seed: int = 0) -> Path:
-    """out/shapes/*.npy and out/shapes.jsonl ("What shape is this?" -> the shape's name), shapes in turn."""
+def write_shapes(out: Path, count: int, points: int = 256, seed: int = 0, name: str = "shapes") -> Path:
+    """out/<name>/*.npy and out/<name>.jsonl ("What shape is this?" -> the shape's name), shapes in turn."""
+    import numpy as np
+
     rng = np.random.default_rng(seed)
-    (out / "shapes").mkdir(parents=True, exist_ok=True)
+    (out / name).mkdir(parents=True, exist_ok=True)
     rows = []
     for i in range(count):
         shape = SHAPES[i % len(SHAPES)]
-        name = f"shapes/{i:05d}_{shape}.npy"
-        np.save(out / name, sample_shape(shape, points, rng))
-        rows.append(_row("points", name, SHAPE_QUESTION, shape))
-    path = out / "shapes.jsonl"
+        file = f"{name}/{i:05d}_{shape}.npy"
+        np.save(out / file, sample_shape(shape, points, rng))
+        rows.append(_row("points", file, SHAPE_QUESTION, shape))
+    path = out / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-def write_digits(out: Path, count: int, seed: int = 0) -> Path:
-    """out/digits/*.png (scikit-learn's 8x8 digits, drawn in a fixed random order) and out/digits.jsonl."""
+def write_digits(out: Path, count: int, seed: int = 0, name: str = "digits", skip: int = 0) -> Path:
+    """out/<name>/*.png (scikit-learn's 8x8 digits, drawn in a fixed random order, the first `skip` of it left out)
+    and out/<name>.jsonl."""
+    import numpy as np
     from PIL import Image
     from sklearn.datasets import load_digits
 
     digits = load_digits()
-    order = np.random.default_rng(seed).permutation(len(digits.target))[:count]
-    (out / "digits").mkdir(parents=True, exist_ok=True)
+    order = np.random.default_rng(seed).permutation(len(digits.target))[skip:skip + count]
+    (out / name).mkdir(parents=True, exist_ok=True)
     rows = []
     for i in order:
-        name = f"digits/{i:05d}.png"
-        Image.fromarray((digits.images[i] * (255.0 / 16.0)).round().astype(np.uint8)).save(out / name)
-        rows.append(_row("image", name, DIGIT_QUESTION, str(digits.target[i])))
-    path = out / "digits.jsonl"
+        file = f"{name}/{i:05d}.png"
+        Image.fromarray((digits.images[i] * (255.0 / 16.0)).round().astype(np.uint8)).save(out / file)
+        rows.append(_row("image", file, DIGIT_QUESTION, str(digits.target[i])))
+    path = out / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+def write_demo(out: Path, shapes: int = 1000, points: int = 256) -> None:
+    """The demo's four sources: `shapes` training point clouds and 50 held-out ones (another seed: other poses and
+    noise), scikit-learn's 1,797 digits as 50 held-out and 1,747 training images (no image in both)."""
+    out = Path(out)
+    write_shapes(out, shapes, points, seed=0)
+    write_shapes(out, DEMO_TEST_PER_CLASS * len(SHAPES), points, seed=1, name="shapes_test")
+    held_out = DEMO_TEST_PER_CLASS * len(SHAPES)
+    write_digits(out, held_out, name="digits_test")
+    write_digits(out, 1797 - held_out, skip=held_out)
 
 
 def main(argv=None) -> int:

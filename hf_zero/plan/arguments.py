@@ -166,6 +166,15 @@ class CurriculumArguments(RecipeArguments):
             if mode not in ("auto", True, False):
                 raise UserError(key, f"{value!r} is not auto, true or false", f"e.g. {key}: auto")
             values[key] = mode
+        # A negative count would slice the held-out prompts from the end (sample_prompts: -1 = all but one)
+        for key, least, example in (("sample_prompts", 0, "4 (0: none)"), ("sample_max_new_tokens", 1, "32")):
+            value = values.get(key)
+            try:
+                count = int(value) if value is not None and not isinstance(value, bool) else None
+            except (TypeError, ValueError):  # not a number: the argument parser's own message says so
+                continue
+            if count is not None and count < least:
+                raise UserError(key, f"must be {least} or more, got {value}", f"e.g. {key}: {example}")
 
     def __post_init__(self):
         values = {key: getattr(self, key) for key in _AUTO_KEYS}

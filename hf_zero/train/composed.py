@@ -30,11 +30,12 @@ from torch import nn
 
 from hf_zero.checkpoint.fsdp import gathered_state_dict
 from hf_zero.core.errors import UserError
+from hf_zero.data.chat_template import added_template_tokens
 from hf_zero.data.multimodal import ModalitySpec
 from hf_zero.integrations.transformers import no_split_modules
 
 __all__ = ["build_encoder", "build_encoders", "build_projector", "ComposedModel", "save_composed", "CONFIG_NAME",
-           "WEIGHTS_NAME", "ADAPTER_DIR"]
+           "WEIGHTS_NAME", "ADAPTER_DIR", "freeze_unread_embeddings"]
 
 CONFIG_NAME, WEIGHTS_NAME, ADAPTER_DIR = "composed_config.json", "model.safetensors", "llm_adapter"
 _ENCODER_KEYS = {"class", "kwargs", "hf_config", "input_shape", "projector"}
@@ -128,6 +129,21 @@ def build_projector(modality: str, cfg: dict | None, width: int, hidden_size: in
     if kind == "linear":
         return nn.Linear(width, hidden_size)
     return nn.Sequential(nn.Linear(width, inner), nn.GELU(), nn.Linear(inner, hidden_size))
+
+
+def freeze_unread_embeddings(llm, tokenizer, placeholder_ids: dict) -> bool:
+    """Under LoRA, a grown vocabulary makes the LLM's input embedding and LM head train (hf_zero.data.chat_template's
+    train_embeddings): a new token's row would otherwise keep its initial value. A composed model never reads its
+    placeholders' rows (`embed` fills their positions with projected items), so where the placeholders are the only
+    tokens added (a model with its own chat tokens: SmolLM2) the embeddings are frozen again; for SmolLM2-135M that
+    is 28M of 33M trainable parameters, their gradients, Adam moments and ZeRO's gradient traffic. True if frozen."""
+    others = set(tokenizer.convert_tokens_to_ids(added_template_tokens(tokenizer))) - set(placeholder_ids.values())
+    layers = [layer for layer in (llm.get_input_embeddings(), llm.get_output_embeddings()) if layer is not None]
+    if others or not hasattr(llm, "peft_config") or not any(layer.weight.requires_grad for layer in layers):
+        return False
+    for layer in layers:
+        layer.weight.requires_grad_(False)
+    return True
 
 
 class ComposedModel(nn.Module):

@@ -22,7 +22,7 @@ from hf_zero.data.multimodal import add_placeholders, check_multimodal_data, loa
 from hf_zero.plan.arguments import CurriculumArguments
 from hf_zero.plan.parse import parse_recipe_args, recipe_fields
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
-from hf_zero.train.composed import ComposedModel, build_encoders, encode
+from hf_zero.train.composed import ComposedModel, build_encoders, encode, freeze_unread_embeddings
 from hf_zero.train.model import lora_kwargs
 from hf_zero.train.parts import part_sizes, plan_parts
 
@@ -73,6 +73,7 @@ def composed_on_meta(model_args, encoders: dict, stages, learning_rate: float, c
             llm = get_peft_model(llm, LoraConfig(**lora_kwargs(model_args, "CAUSAL_LM")))
             if grown:
                 train_embeddings(llm)
+                freeze_unread_embeddings(llm, tokenizer, placeholders)  # as the recipe does
         model = ComposedModel(llm, encoders, placeholders, built)
     sizes = part_sizes(model)
     plan = plan_parts(model, stages, learning_rate)

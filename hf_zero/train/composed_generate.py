@@ -6,6 +6,13 @@ placeholder, then the text; each placeholder becomes its encoder's token count o
 projected encoder output, and the LLM generates greedily from those embeddings. Every file is opened as the training
 collator opens it (hf_zero.data.multimodal.load_media) before the weights are read, so a bad file or a modality the
 model has no encoder for is one line, not a traceback after a load.
+
+The same greedy loop (`greedy_answers`) answers a multimodal run's held-out prompts during training
+(hf_zero.train.samples with `answer_composed_prompts`). It calls the composed model itself at every step, not its
+LLM's `generate`: under FSDP2 the LLM's embeddings and head belong to the composed model's root shard group, which
+only the composed model's own forward gathers. Under ZeRO-3 and FSDP (`synced_gpus`) every rank runs every encoder
+on the first step (a dummy item where its batch has none) and keeps stepping until every rank has finished, so the
+collectives of every forward line up (as `generate(synced_gpus=True)` does for a text model).
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from hf_zero.data.model_names import get_tokenizer
 from hf_zero.data.multimodal import declared_specs, load_media
 from hf_zero.train.composed import ADAPTER_DIR, CONFIG_NAME, ComposedModel
 
-__all__ = ["composed_folder", "read_items", "composed_prompt_ids", "load_composed", "generate_composed"]
+__all__ = ["composed_folder", "read_items", "composed_prompt_ids", "load_composed", "generate_composed",
+           "greedy_answers", "answer_composed_prompts"]
 
 _WHAT = {"image": "an image file (PNG, JPEG, ...)"}  # any other modality: a .npy array
 
@@ -97,14 +105,91 @@ def load_composed(folder: Path):
 
 def generate_composed(model, tokenizer, ids: list[int], items: dict, max_new_tokens: int) -> str:
     """The greedy answer to a prompt's ids (composed_prompt_ids) with its items ({modality: array})."""
+    return greedy_answers(model, tokenizer, [(ids, list(items.items()))], max_new_tokens)[0]
+
+
+def answer_composed_prompts(model, tokenizer, prompts: list[dict], max_new_tokens: int, synced_gpus: bool = False,
+                            progress=None) -> list[str]:
+    """hf_zero.train.samples' `generate` for a composed model: held-out prompts {ids, media: [(modality, path)]}
+    (hf_zero.data.multimodal's), each item opened as the training collator opens it."""
+    specs = model.specs
+    rows = [(p["ids"], [(m, load_media(specs[m], Path(path))) for m, path in p["media"]]) for p in prompts]
+    return greedy_answers(model, tokenizer, rows, max_new_tokens, synced_gpus=synced_gpus, progress=progress)
+
+
+def greedy_answers(model, tokenizer, rows: list[tuple], max_new_tokens: int, synced_gpus: bool = False,
+                   batch_size: int = 8, progress=None) -> list[str]:
+    """Greedy answers of a composed model to rows (prompt ids with their placeholder runs, [(modality, array)] in
+    reading order), left-padded in batches, each stopping at EOS or the template's end of turn. The model's
+    train/eval mode is restored after; `progress(batches done, batches)` after each batch."""
+    import numpy as np
     import torch
 
-    input_ids = torch.tensor([ids])
-    media = {m: (torch.from_numpy(v[None]), torch.tensor([0])) for m, v in items.items()}
-    with torch.no_grad():
-        embeds, _ = model.embed(input_ids, media)
-        out = model.llm.generate(inputs_embeds=embeds, attention_mask=torch.ones_like(input_ids),
-                                 max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
-                                 top_k=None, eos_token_id=end_of_turn_ids(tokenizer),
-                                 pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0], skip_special_tokens=True).strip()  # from embeddings: only the new tokens
+    stop, pad = set(end_of_turn_ids(tokenizer)), tokenizer.pad_token_id
+    pad = tokenizer.eos_token_id if pad is None else pad
+    device = next(model.parameters()).device
+    was_training, answers = model.training, []
+    model.eval()
+    try:
+        with torch.no_grad():
+            for start in range(0, len(rows), batch_size):
+                batch = rows[start:start + batch_size]
+                longest = max(len(ids) for ids, _ in batch)
+                input_ids = torch.full((len(batch), longest), pad, dtype=torch.long)
+                mask = torch.zeros_like(input_ids)
+                for i, (ids, _) in enumerate(batch):
+                    input_ids[i, longest - len(ids):], mask[i, longest - len(ids):] = torch.tensor(ids), 1
+                media = {}
+                for m in model.specs:
+                    items = [(i, v) for i, (_, its) in enumerate(batch) for kind, v in its if kind == m]
+                    if items:
+                        media[f"{m}_values"] = torch.from_numpy(np.stack([v for _, v in items])).to(device)
+                        media[f"{m}_rows"] = torch.tensor([i for i, _ in items], device=device)
+                new = _decode(model, input_ids.to(device), mask.to(device), media, max_new_tokens, stop, pad,
+                              synced_gpus)
+                answers += [tokenizer.decode(t, skip_special_tokens=True).strip() for t in new]
+                if progress is not None:
+                    progress(start // batch_size + 1, -(-len(rows) // batch_size))
+    finally:
+        model.train(was_training)
+    return answers
+
+
+def _decode(model, input_ids, mask, media: dict, max_new_tokens: int, stop: set, pad: int, synced: bool) -> list:
+    """Each row's new tokens (without the one that stopped it), one forward of the composed model per token."""
+    import torch
+    import torch.distributed as dist
+
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # left padding: each row's own positions from 0
+    # The last position's logits only, where the LLM can (the whole prompt's would be vocabulary x tokens wide)
+    last = {"logits_to_keep": 1} if _keeps_logits(model) else {}
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                keep_ranks_in_step=synced, **media, **last)
+    done = torch.zeros(len(input_ids), dtype=torch.bool)
+    tokens = [[] for _ in range(len(input_ids))]
+    for step in range(max_new_tokens):
+        nxt = out.logits[:, -1].argmax(-1)
+        for i, t in enumerate(nxt.tolist()):
+            if not done[i]:
+                done[i] = t in stop
+                tokens[i] += [] if done[i] else [t]
+        finished = bool(done.all())
+        if synced:  # every rank steps until all have finished: each forward is a collective
+            left = torch.tensor([0.0 if finished else 1.0], device=out.logits.device)
+            dist.all_reduce(left)
+            finished = left.item() == 0.0
+        if finished or step == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+        feed = torch.where(done.to(nxt.device), torch.full_like(nxt, pad), nxt)[:, None]
+        out = model(input_ids=feed, attention_mask=mask, position_ids=positions, past_key_values=out.past_key_values,
+                    use_cache=True, keep_ranks_in_step=False)
+    return tokens
+
+
+def _keeps_logits(model) -> bool:
+    import inspect
+
+    llm = model.llm.get_base_model() if model.uses_lora else model.llm
+    return "logits_to_keep" in inspect.signature(llm.forward).parameters

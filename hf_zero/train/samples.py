@@ -8,7 +8,9 @@ to it) and TensorBoard (text), and their exact match with the data's reference a
 
 The prompts are shared out across ranks and the answers gathered on every rank. When the weights are sharded
 (ZeRO-3, FSDP) every forward pass is collective, so generation runs with `synced_gpus=True`: a rank that has
-finished keeps stepping until all have.
+finished keeps stepping until all have. A recipe whose model answers otherwise (a composed multimodal model:
+hf_zero.train.composed_generate.answer_composed_prompts) passes its own `generate`; the sharing, the scores and the
+logs stay these.
 """
 
 from __future__ import annotations
@@ -24,13 +26,24 @@ from hf_zero.core import startup
 from hf_zero.core.console import EXACT_MATCH, duration
 from hf_zero.train.generate import contains, exact_match, generate_answers
 
-__all__ = ["SampleCallback", "exact_match_summary"]
+__all__ = ["SampleCallback", "exact_match_summary", "with_stage_exact_match"]
+
+
+def _text_answers(model, tokenizer, prompts: list[dict], max_new_tokens: int, synced_gpus: bool, progress):
+    return generate_answers(model, tokenizer, [p["prompt"] for p in prompts], max_new_tokens, synced_gpus=synced_gpus,
+                            progress=progress)
 
 
 class SampleCallback(TrainerCallback):
-    def __init__(self, trainer, schedule, prompts: dict[int, list[dict]], out_dir, max_new_tokens: int):
+    """`prompts`: {stage index: [{prompt, question, reference, ...}]}; `generate(model, tokenizer, prompts,
+    max_new_tokens, synced_gpus, progress) -> answers`: how the model answers them (default: a causal LM's
+    `generate` on each rendered prompt)."""
+
+    def __init__(self, trainer, schedule, prompts: dict[int, list[dict]], out_dir, max_new_tokens: int,
+                 generate=None):
         self.trainer, self.schedule, self.prompts = trainer, schedule, prompts
         self.path, self.max_new_tokens = Path(out_dir) / "samples.jsonl", max_new_tokens
+        self.generate = generate or _text_answers
 
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step == 0:  # the "before"; a resumed run had it in its first life
@@ -62,7 +75,7 @@ class SampleCallback(TrainerCallback):
         rank = dist.get_rank() if dist.is_initialized() else 0
         share = math.ceil(len(asked) / world)
         # Every rank generates the same number of prompts (the last ones padded with repeats, answers dropped).
-        mine = [asked[min(i, len(asked) - 1)][2]["prompt"] for i in range(rank * share, (rank + 1) * share)]
+        mine = [asked[min(i, len(asked) - 1)][2] for i in range(rank * share, (rank + 1) * share)]
         synced = world > 1 and (is_deepspeed_zero3_enabled() or self.trainer.is_fsdp_enabled)
         began = time.monotonic()
 
@@ -70,8 +83,8 @@ class SampleCallback(TrainerCallback):
             left = (time.monotonic() - began) / done * (batches - done)
             startup.progress(f"batch {done}/{batches} of this rank's, about {duration(left)} left")
 
-        answers = generate_answers(self.trainer.model, self.trainer.processing_class, mine, self.max_new_tokens,
-                                   synced_gpus=synced, progress=progress)
+        answers = self.generate(self.trainer.model, self.trainer.processing_class, mine, self.max_new_tokens,
+                                synced, progress)
         if world > 1:
             gathered = [None] * world
             dist.all_gather_object(gathered, answers)
@@ -80,6 +93,8 @@ class SampleCallback(TrainerCallback):
         for (span, when, p), answer in zip(asked, answers):
             row = {"step": state.global_step, "stage": span.name, "when": when, "question": p["question"],
                    "answer": answer, "reference": p["reference"]}
+            if p.get("media"):  # a multimodal prompt's items: which image or array the answer is about
+                row["media"] = [str(path) for _, path in p["media"]]
             if p["reference"] is not None:
                 row["exact_match"] = exact_match(answer, p["reference"])
                 row["contains_reference"] = contains(answer, p["reference"])  # right, if not in the asked-for form
@@ -132,3 +147,23 @@ def exact_match_summary(log_history: list[dict]) -> dict:
     prompts = sum(v for k, v in counts.get(last, {}).items() if k.startswith("samples_") and k.endswith("_prompts"))
     return {"exact_match_before": sum(at[first].values()) / len(at[first]) if first == 0 else None,
             "exact_match_after": sum(at[last].values()) / len(at[last]), "exact_match_prompts": prompts or None}
+
+
+def with_stage_exact_match(stages: list[dict], log_history: list[dict]) -> list[dict]:
+    """Each stage row of summary.json's `stages` (hf_zero.train.trainer.stage_table) with its own prompts' exact
+    match as its held-out loss is given: `exact_match_before` (before the first step; None for a resumed run),
+    `exact_match` (at the stage's end) and `exact_match_after` (after the last step). A stage without prompts gets
+    none of these keys."""
+    logged = {}
+    for h in log_history:
+        for k, v in h.items():
+            if k.startswith("samples_") and k.endswith("_exact_match") and "step" in h:
+                logged.setdefault(k[len("samples_"):-len("_exact_match")], {})[h["step"]] = v
+    out = []
+    for row in stages:
+        at = logged.get(row["name"])
+        if at:
+            row = {**row, "exact_match_before": at.get(0), "exact_match": at.get(row["last_step"]),
+                   "exact_match_after": at[max(at)] if max(at) > 0 else None}
+        out.append(row)
+    return out
