@@ -206,7 +206,11 @@ def test_the_placeholders_alone_do_not_make_the_embeddings_train():
     assert not llm.get_output_embeddings().weight.requires_grad
 
 
-@pytest.mark.recipe_run  # SmolLM2's config and the demo's data built into the session's fresh cache
+# SmolLM2 and the demo's data built into the session's fresh cache (26 s): in the slow tier, beside the demo's own
+# run (tests/commands/test_readme.py), to keep `make test` within 15 minutes. The default suite parses the config
+# (tests/plan/test_config.py) and checks the embedding freeze
+# (test_the_placeholders_alone_do_not_make_the_embeddings_train).
+@pytest.mark.slow
 def test_the_demo_config_checks_with_its_generated_data_and_lora_alone_in_the_llm(tmp_path, capsys):
     from testing_utils import check
 
