@@ -26,9 +26,10 @@ from hf_zero.checkpoint.store import (
     write_json_atomic,
     write_manifest,
 )
-from hf_zero.core.console import MEAN_LOSS, say
+from hf_zero.core.console import say
 from hf_zero.core.disk import disk_error
 from hf_zero.core.files import human_bytes
+from hf_zero.core.progress import MEAN_LOSS
 from hf_zero.core.report import report_user_error
 from hf_zero.data.model_names import BASE_PATH_ATTR
 from hf_zero.estimate.measure import count_parameters

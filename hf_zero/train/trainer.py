@@ -13,8 +13,9 @@ from transformers import TrainerCallback
 from hf_zero.checkpoint.staging import StagedCheckpointMixin
 from hf_zero.checkpoint.write import CheckpointCallback
 from hf_zero.core import startup
-from hf_zero.core.console import MEAN_LOSS, console_callback, say
+from hf_zero.core.console import say
 from hf_zero.core.distributed import waiting_for
+from hf_zero.core.progress import MEAN_LOSS, console_callback
 from hf_zero.data.curriculum import CurriculumSchedule
 from hf_zero.integrations.accelerate import enable_fsdp_on_cpu
 from hf_zero.integrations.lean_import import import_trainer
@@ -49,7 +50,7 @@ class CurriculumTrainer(PreferenceMixin, HeldOutLossMixin, SequenceParallelMixin
         self.settings = settings  # what the run trains (checkpoint/compare.py): every checkpoint records it
         super().__init__(*args, **kwargs)
         self.add_callback(CheckpointCallback(has_eval=self.eval_dataset is not None))
-        for noisy in (ProgressCallback, PrinterCallback):  # raw dicts per step; hf_zero.core.console prints lines
+        for noisy in (ProgressCallback, PrinterCallback):  # raw dicts per step; hf_zero.core.progress prints lines
             self.remove_callback(noisy)
         # Each held-out set logs its own losses, then evaluate() logs their mean.
         sets = len(self.eval_dataset) + 1 if isinstance(self.eval_dataset, dict) else 1

@@ -5,18 +5,7 @@ import logging
 import numpy as np
 import pytest
 
-from hf_zero.core.console import (
-    EXACT_MATCH,
-    MEAN_LOSS,
-    QUIET_ENV,
-    VERBOSE_ENV,
-    console_callback,
-    duration,
-    eta_text,
-    eval_line,
-    quiet_environment,
-    step_line,
-)
+from hf_zero.core.console import QUIET_ENV, VERBOSE_ENV, quiet_environment
 from hf_zero.data.curriculum import CurriculumSchedule, StageSpan
 from hf_zero.train.loss_plot import plot_losses
 from hf_zero.train.recipe_steps import exact_match_words, next_steps
@@ -48,64 +37,6 @@ def test_stage_table_takes_each_stage_eval_at_its_own_end():
     assert (long["eval_loss_before"], long["eval_loss"], long["eval_loss_after"]) == (7.0, 6.0, 6.0)
     assert (short["first_loss"], short["last_loss"], long["first_loss"]) == (5.9, 5.5, 5.2)
     assert short["tokens_per_second"] == 200.0 and "mfu" not in short  # CPU logs carry no MFU
-
-
-def test_step_line_cpu_and_gpu():
-    logs = {"loss": 6.04999, "learning_rate": 0.00183, "tokens_per_second": 2113.6}
-    assert step_line(logs, 7, 15, "2/3 medium") == \
-        "step 7/15 | stage 2/3 medium | loss 6.0500 | lr 1.83e-03 | 2,114 tok/s"
-    gpu = {**logs, "peak_memory_bytes": 3 * 2**30 + 2**29, "mfu": 0.4123}
-    assert step_line(gpu, 7, 15, None).endswith("| 2,114 tok/s | peak mem 3.5 GiB | MFU 0.41")
-
-
-def test_eval_line_one_line_per_evaluation():
-    metrics = {"eval_short_loss": 5.0, "eval_short_perplexity": 148.4, "eval_short_runtime": 0.1,
-               "eval_long_loss": 6.0, "epoch": 0.5}
-    assert eval_line(metrics, "at step 2 (end of stage 'short')") == \
-        "eval at step 2 (end of stage 'short'): short 5.0000 | long 6.0000 | mean 5.5000"
-    assert eval_line({"eval_loss": 0.5, "eval_accuracy": 0.9}, "at step 30") == \
-        "eval at step 30: loss 0.5000 | accuracy 0.9000"
-
-
-def test_step_line_in_a_log_file_ends_with_time_spent_and_left():
-    logs = {"loss": 6.0, "learning_rate": 1e-3}
-    # 5 steps of this process's life in 10 s: 10 more steps take 20 s
-    assert step_line(logs, 5, 15, None, (10.0, 5)) == "step 5/15 | loss 6.0000 | lr 1.00e-03 | elapsed 10s | left 20s"
-    assert step_line(logs, 12, 15, None, (100.0, 2)).endswith("| elapsed 1m40s | left 2m30s")  # resumed at step 10
-    assert eta_text(0.4, 0, 10) == "elapsed 0s | left ?"
-    assert [duration(s) for s in (59.4, 187, 7500)] == ["59s", "3m07s", "2h05m"]
-
-
-def test_eval_line_shows_the_logged_mean_and_exact_match_before_and_after():
-    metrics = {"eval_short_loss": 5.0, "eval_long_loss": 6.0, MEAN_LOSS: 5.5, "eval_mean_perplexity": 244.7}
-    assert eval_line(metrics, "at step 4", (0.75, 0.25)) == \
-        "eval at step 4: short 5.0000 | long 6.0000 | mean 5.5000 | exact match 0.75 (before training 0.25)"
-    assert eval_line({"eval_chat_loss": 2.0, MEAN_LOSS: 2.0}, "before training", (0.0, None)) == \
-        "eval before training: chat 2.0000 | exact match 0.00"
-
-
-def test_console_callback_one_line_per_evaluation_with_its_exact_match(capsys):
-    """The logs in the order the Trainer makes them: the answers' exact match, each set's loss, then their mean."""
-    from transformers import TrainerState, TrainingArguments
-
-    args = TrainingArguments(output_dir="unused", disable_tqdm=True, report_to=[])
-    state = TrainerState(max_steps=4, global_step=0)
-    console = console_callback(SCHEDULE, eval_sets=3)
-    console.on_train_begin(args, state, None)
-    for step, exact, losses in ((0, 0.0, (6.0, 7.0)), (2, 0.5, (5.0, 6.5))):
-        state.global_step = step
-        if step:
-            console.on_log(args, state, None, logs={"loss": 5.5, "learning_rate": 1e-3, "stage": 0})
-        console.on_log(args, state, None, logs={"samples_short_exact_match": exact, EXACT_MATCH: exact})
-        console.on_log(args, state, None, logs={"eval_short_loss": losses[0]})
-        console.on_log(args, state, None, logs={"eval_long_loss": losses[1]})
-        console.on_log(args, state, None, logs={MEAN_LOSS: sum(losses) / 2})
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "eval before training: short 6.0000 | long 7.0000 | mean 6.5000 | exact match 0.00"
-    assert lines[1].startswith("step 2/4 | stage 1/2 short | loss 5.5000 | lr 1.00e-03 | elapsed ")
-    assert lines[2] == ("eval at step 2 (end of stage 'short'): short 5.0000 | long 6.5000 | mean 5.7500 | "
-                        "exact match 0.50 (before training 0.00)")
-    assert len(lines) == 3
 
 
 def test_quiet_environment_uses_the_libraries_switches():
@@ -164,53 +95,6 @@ def test_loss_plot_and_the_lines_after_the_result(tmp_path):
     assert exact_match_words(0.0, 0.75) == "exact match 0.00 -> 0.75; " and exact_match_words(None, None) == ""
 
 
-def _run_console(monkeypatch, events, schedule=SCHEDULE, eval_sets=3, max_steps=4, stage_tokens=None):
-    """Feed a console callback (time, hook, step, logs) events with the clock at each event's time; its lines."""
-    import io
-    from contextlib import redirect_stdout
-
-    from transformers import TrainerState, TrainingArguments
-
-    clock = [0.0]
-    monkeypatch.setattr("hf_zero.core.console.time.monotonic", lambda: clock[0])
-    args = TrainingArguments(output_dir="unused", disable_tqdm=True, report_to=[])
-    state = TrainerState(max_steps=max_steps, global_step=0)
-    console = console_callback(schedule, eval_sets=eval_sets, stage_tokens=stage_tokens)
-    out = io.StringIO()
-    with redirect_stdout(out):
-        for at, hook, step, logs in events:
-            clock[0], state.global_step = at, step
-            if hook == "log":
-                console.on_log(args, state, None, logs=logs)
-            else:
-                getattr(console, f"on_{hook}")(args, state, None)
-    return out.getvalue().splitlines()
-
-
-def test_eta_leaves_out_what_ran_before_the_first_step(monkeypatch):
-    """Issue 41 (2): a minute of evaluation and answers before step 1 is no step's time: 6 steps of 10 s each
-    leave 50 s after the first, not 5m50s (the old mean over the 70 s since train() began)."""
-    events = [(0, "train_begin", 0, None), (55, "log", 0, {"eval_chat_loss": 2.0}), (60, "step_begin", 0, None),
-              (70, "step_end", 1, None), (70, "log", 1, {"loss": 2.0, "learning_rate": 1e-3, "stage": 0})]
-    one = CurriculumSchedule((StageSpan(0, "chat", 0, 6, 1e-3, 0, "cosine", 0.1),), global_batch=4)
-    lines = _run_console(monkeypatch, events, one, eval_sets=1, max_steps=6)
-    assert lines[-1].endswith("| elapsed 1m10s | left 50s"), lines
-
-
-def test_time_left_weighs_a_stage_of_longer_rows_by_its_tokens_then_by_its_own_steps(monkeypatch):
-    """`make train` said "left 47s" at the end of its short-line stage where 4 minutes were left: the later stages'
-    rows are longer. A stage not started yet takes the seconds per token so far times its rows' tokens; once it has
-    run a step, its own mean step time."""
-    events = [(0, "train_begin", 0, None), (0, "step_begin", 0, None), (5, "step_end", 1, None),
-              (10, "step_end", 2, None), (10, "log", 2, {"loss": 2.0, "stage": 0}),
-              (30, "step_end", 3, None), (30, "log", 3, {"loss": 2.0, "stage": 1})]
-    lines = _run_console(monkeypatch, events, stage_tokens=(10.0, 40.0))
-    # 2 steps of 10 tokens in 10 s: 0.5 s a token; the long stage's 2 steps of 40 tokens: 40 s (the mean: 10 s)
-    assert lines[0].endswith("| elapsed 10s | left 40s"), lines
-    assert lines[1].endswith("| elapsed 30s | left 20s"), lines  # its first step took 20 s
-    assert _run_console(monkeypatch, events[:5])[0].endswith("| left 10s")  # no token counts: the mean step
-
-
 def test_mean_tokens_per_stage_reads_the_scheduled_rows():
     from hf_zero.data.curriculum import CurriculumDataset
 
@@ -220,25 +104,6 @@ def test_mean_tokens_per_stage_reads_the_scheduled_rows():
     data = CurriculumDataset([[short], [long], [pairs]], order)
     assert data.mean_tokens_per_stage(3) == (3.0, 16.0, 12.0)  # a pair: the prompt twice and both answers
     assert CurriculumDataset([[[{"pixel_values": [0.0]}]]], order[:1]).mean_tokens_per_stage(1) is None
-
-
-def test_exact_match_before_and_after_is_over_every_stage_with_prompts(monkeypatch):
-    """Issue 41 (3, 8): stage 1 plain text (no prompts), stage 2 chat: the "before" is the chat stage's, answered
-    before training; each line says how many prompts the number is over."""
-    before = {"samples_long_exact_match": 0.25, "samples_long_prompts": 4, EXACT_MATCH: 0.25}
-    after = {"samples_long_exact_match": 0.75, "samples_long_prompts": 4, EXACT_MATCH: 0.75}
-    events = [(0, "train_begin", 0, None), (1, "log", 0, before), (1, "log", 0, {"eval_short_loss": 6.0}),
-              (1, "log", 0, {"eval_long_loss": 7.0}), (1, "log", 0, {MEAN_LOSS: 6.5}),
-              (9, "log", 4, after), (9, "log", 4, {"eval_short_loss": 5.0}),
-              (9, "log", 4, {"eval_long_loss": 6.0}), (9, "log", 4, {MEAN_LOSS: 5.5})]
-    first, last = _run_console(monkeypatch, events)
-    assert first.endswith("| mean 6.5000 | exact match 0.25 of 4 prompts")
-    assert last.endswith("| mean 5.5000 | exact match 0.75 of 4 prompts (before training 0.25)")
-    from hf_zero.train.samples import exact_match_summary
-
-    history = [{**before, "step": 0}, {**after, "step": 4}]
-    assert exact_match_summary(history) == {"exact_match_before": 0.25, "exact_match_after": 0.75,
-                                            "exact_match_prompts": 4}
 
 
 def test_sampling_answers_every_stage_with_prompts_before_and_after(tmp_path, monkeypatch):
@@ -304,35 +169,3 @@ def test_try_it_shows_a_prompt_completion_runs_prompt_form(tmp_path):
     assert next_steps(out, out / "final", True, form=chat)[1].endswith('--prompt "..."')
 
 
-def test_the_evaluation_before_training_says_how_far_it_has_come(monkeypatch):
-    """Issue 41 (9): the heartbeat before step 1 said "evaluating before training" eight times over; it now says
-    which held-out set, which batch, and about how long the set has left."""
-    from hf_zero.core import startup
-
-    startup.start_clock({})  # a command's clock of its own (this process's phases begun afresh)
-    try:
-        startup.phase("evaluating before training")
-        batches = [(i, "prediction_step", 0, None) for i in (2, 4, 6)]
-        console_events = [(0, "train_begin", 0, None), *batches]
-        clock = [0.0]
-        monkeypatch.setattr("hf_zero.core.console.time.monotonic", lambda: clock[0])
-        from transformers import TrainerState, TrainingArguments
-
-        args = TrainingArguments(output_dir="unused", disable_tqdm=True, report_to=[])
-        state = TrainerState(max_steps=4, global_step=0)
-        console = console_callback(SCHEDULE, eval_sets=3)
-        for at, hook, _, _ in console_events:
-            clock[0] = at
-            if hook == "prediction_step":
-                console.on_prediction_step(args, state, None, eval_dataloader=list(range(10)))
-            else:
-                console.on_train_begin(args, state, None)
-        # batches 2 and 3 in 4 s: 7 more take about 14 s
-        assert startup.now_doing() == ("evaluating before training: held-out set 1/2, batch 3/10, about 14s left "
-                                       "for this set")
-        startup.phase("loading the first batch")
-        assert startup.now_doing() == "loading the first batch"
-        assert "evaluating before training" in dict(startup.phases())  # startup_s: the phase, whole
-    finally:
-        startup.finish()
-        startup.start_clock({})
