@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
-from hf_zero.data.assets import resolve_data_path
+from hf_zero.data.builtin import resolve_data_path
 from hf_zero.data.chat import IGNORE, FormatOptions, Row, SourceReport, encode_conversation, validate_messages
 from hf_zero.data.chat_template import prepare_chat_template
 from hf_zero.data.sources import load_source, verify_data_file

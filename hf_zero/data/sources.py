@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hf_zero.core.console import verbose
 from hf_zero.core.errors import UserError
-from hf_zero.data.assets import resolve_data_path
+from hf_zero.data.builtin import resolve_data_path
 from hf_zero.data.row_checks import RowKinds, verify_csv
 
 __all__ = ["load_source", "verify_data_file"]

@@ -9,7 +9,7 @@ from pathlib import Path
 from hf_zero.core import startup
 from hf_zero.core.config import Stage
 from hf_zero.core.errors import UserError
-from hf_zero.data.assets import resolve_data_path
+from hf_zero.data.builtin import resolve_data_path
 from hf_zero.data.chat import CHARS_PER_TOKEN, FormatOptions, SourceReport, detect_format, encode_rows
 from hf_zero.data.chat_template import prepare_chat_template
 from hf_zero.data.packing import PackedCollator, pack_documents

@@ -203,7 +203,7 @@ def _answer(proc) -> str:
 
 
 def _check_generate(proc, where):
-    from hf_zero.data.assets import WHICH_PLAY_TITLES
+    from hf_zero.data.builtin import WHICH_PLAY_TITLES
 
     if "--adapter runs/smollm2_chat/final" in proc.args:  # trained: a title, as asked
         assert _answer(proc) in WHICH_PLAY_TITLES.values(), _answer(proc)

