@@ -32,19 +32,26 @@ def throughput_callback(model, precision: str):
     class Throughput(TrainerCallback):
         def __init__(self):
             self.mark = self.tokens = None
-            self.busy = 0.0
+            self.busy, self.between = 0.0, False
             self.per_token = _flops_per_token(model)
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.mark, self.tokens = time.perf_counter(), state.num_input_tokens_seen
+            self.mark, self.tokens, self.between = time.perf_counter(), state.num_input_tokens_seen, True
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.between = False
 
         def on_step_end(self, args, state, control, **kwargs):
             now = time.perf_counter()
             self.busy += now - self.mark
-            self.mark = now
+            self.mark, self.between = now, True
 
-        def _skip(self, *args, **kwargs):  # time since the step end went to eval, saving or logging
-            self.mark = time.perf_counter()
+        def _skip(self, *args, **kwargs):
+            # Time since the step's end went to eval, saving or logging. A log inside a step (another callback's
+            # on_step_end before this one: a dpo stage's held-out rewards) is that step's time: resetting the clock
+            # there left a step of 0.2 ms, and the console said 6,113,750 tok/s.
+            if self.between:
+                self.mark = time.perf_counter()
 
         on_evaluate = on_save = on_log = _skip
 
