@@ -16,6 +16,7 @@ __all__ = ["Stage"]
 OBJECTIVES = ("sft", "dpo")
 LOSS_TYPES = ("sigmoid", "ipo", "simpo")  # of TRL's: DPOTrainer's sigmoid and ipo, CPOTrainer's simpo
 _DPO_DEFAULTS = {"beta": 0.1, "loss_type": "sigmoid", "simpo_gamma": 0.5}
+_PREFERENCE_KEYS = (*_DPO_DEFAULTS, "sft_weight")  # sft_weight: unset is no SFT term
 
 
 def check_objective_keys(stage: "Stage", where: str) -> None:
@@ -23,20 +24,24 @@ def check_objective_keys(stage: "Stage", where: str) -> None:
     if stage.objective not in (None, *OBJECTIVES):
         raise UserError(f"{where}.objective", f"unknown objective {stage.objective!r}", "use sft or dpo")
     if stage.objective != "dpo":
-        for key in _DPO_DEFAULTS:
+        for key in _PREFERENCE_KEYS:
             if getattr(stage, key) is not None:
                 raise UserError(f"{where}.{key}", "is a preference key, and the stage's objective is "
                                 f"{stage.objective or 'sft'}", "set `objective: dpo` on the stage, or remove the key")
         return
-    for key in ("beta", "simpo_gamma"):
+    for key in ("beta", "simpo_gamma", "sft_weight"):
         value = getattr(stage, key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise UserError(f"{where}.{key}", f"{value!r} is not a number", f"e.g. {key}: {_DPO_DEFAULTS[key]}")
+            raise UserError(f"{where}.{key}", f"{value!r} is not a number",
+                            f"e.g. {key}: {_DPO_DEFAULTS.get(key, 0.2)}")
     if stage.loss_type is not None and stage.loss_type not in LOSS_TYPES:
         raise UserError(f"{where}.loss_type", f"unknown loss type {stage.loss_type!r}", f"use one of "
                         f"{', '.join(LOSS_TYPES)}")
     if stage.simpo_gamma is not None and stage.loss_type != "simpo":
         raise UserError(f"{where}.simpo_gamma", "only applies with loss_type: simpo", "remove it, or loss_type: simpo")
+    if stage.sft_weight is not None and (stage.loss_type == "simpo" or stage.sft_weight < 0):
+        raise UserError(f"{where}.sft_weight", f"{stage.sft_weight!r}: a weight of 0 or more, with loss_type sigmoid "
+                        "or ipo", "e.g. sft_weight: 0.2, or remove it")
     for key, value in _DPO_DEFAULTS.items():
         if getattr(stage, key) is None and (key != "simpo_gamma" or stage.loss_type == "simpo"):
             setattr(stage, key, value)
@@ -96,6 +101,12 @@ class Stage:
     )
     simpo_gamma: float | None = field(
         default=None, metadata={"help": "dpo stages with loss_type simpo: the target reward margin; default 0.5."}
+    )
+    sft_weight: float | None = field(
+        default=None,
+        metadata={"help": "dpo stages with loss_type sigmoid or ipo: the weight of TRL's sft loss (the chosen "
+                          "answers' mean token NLL) added to the preference loss, as RPO does, so the chosen answers "
+                          "keep their likelihood; unset: no such term."}
     )
     train: list[str] | None = field(
         default=None,

@@ -161,6 +161,8 @@ class _DPOView:
     def __init__(self, trainer, stage: Stage, model):
         self.model, self.accelerator, self.args = model, trainer.accelerator, trainer.args  # model.training: mode
         self.beta, self.loss_types, self.loss_weights = stage.beta, [stage.loss_type], [1.0]
+        if stage.sft_weight:  # TRL's multi-loss form: the preference loss plus its sft term, weighted
+            self.loss_types, self.loss_weights = [stage.loss_type, "sft"], [1.0, float(stage.sft_weight)]
         self.precompute_ref_logps, self.ref_model, self.ld_alpha = True, None, None
         self.f_divergence_type, self.f_alpha_divergence_coef = "reverse_kl", 1.0
         self.label_smoothing, self.use_weighting = 0.0, False

@@ -43,6 +43,7 @@ def preference_summary(log_history: list[dict], schedule, preference: dict, stat
 
         rows.append({
             "stage": stage, "loss_type": pstage.stage.loss_type, "beta": pstage.stage.beta,
+            "sft_weight": pstage.stage.sft_weight,
             "rows": len(pstage.samples), "reference": status.get(stage, "none (reference-free)"),
             **{f"{name}_{at}": (logs[i][key] if logs else None) for name, key in
                (("reward_accuracy", "rewards/accuracies"), ("reward_margin", "rewards/margins"))

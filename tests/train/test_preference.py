@@ -94,6 +94,9 @@ def test_columns_and_objective_must_agree(tmp_path):
     ({"objective": "dpo", "loss_type": "kto"}, "stages[s].loss_type: unknown loss type 'kto'"),
     ({"objective": "dpo", "beta": 0}, "stages[s].beta: must be a positive number"),
     ({"objective": "dpo", "simpo_gamma": 1.0}, "stages[s].simpo_gamma: only applies with loss_type: simpo"),
+    ({"objective": "dpo", "loss_type": "simpo", "sft_weight": 0.2}, "stages[s].sft_weight: 0.2: a weight of 0 or more"),
+    ({"objective": "dpo", "sft_weight": -1}, "stages[s].sft_weight: -1: a weight of 0 or more"),
+    ({"sft_weight": 0.2}, "stages[s].sft_weight: is a preference key"),
 ])
 def test_stage_keys_are_checked(keys, want):
     with pytest.raises(UserError) as err:
@@ -222,27 +225,31 @@ class _OneStageTrainer(PreferenceMixin, _Rest):
         self.state = SimpleNamespace(global_step=0)
 
 
-def trl_dpo(policy, ref, rows, tokenizer, tmp_path, loss_type, beta):
+def trl_dpo(policy, ref, rows, tokenizer, tmp_path, loss_type, beta, sft_weight=None):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, loss_type=[loss_type], bf16=False, use_cpu=True,
+    losses = {"loss_type": [loss_type, "sft"], "loss_weights": [1.0, sft_weight]} if sft_weight else \
+        {"loss_type": [loss_type]}
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=beta, **losses, bf16=False, use_cpu=True,
                      per_device_train_batch_size=len(rows), precompute_ref_log_probs=True, report_to=[],
                      max_length=64, dataset_num_proc=None)
     return DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
                       processing_class=tokenizer)
 
 
-@pytest.mark.parametrize("form, loss_type, beta", [("plain", "sigmoid", 0.1), ("plain", "ipo", 0.3),
-                                                   ("chat", "sigmoid", 0.5)])
-def test_loss_and_metrics_equal_trls_dpo_trainer(tmp_path, form, loss_type, beta):
+@pytest.mark.parametrize("form, loss_type, beta, sft_weight", [
+    ("plain", "sigmoid", 0.1, None), ("plain", "ipo", 0.3, None), ("chat", "sigmoid", 0.5, None),
+    ("chat", "sigmoid", 0.1, 0.5)])  # sft_weight: TRL's loss_type [sigmoid, sft], loss_weights [1, 0.5]
+def test_loss_and_metrics_equal_trls_dpo_trainer(tmp_path, form, loss_type, beta, sft_weight):
     rows = plain_rows() if form == "plain" else chat_rows()
     tokenizer = get_tokenizer("tiny-llama")
-    stage = dpo_stage(write_rows(tmp_path / "pairs.jsonl", rows), loss_type=loss_type, beta=beta)
+    stage = dpo_stage(write_rows(tmp_path / "pairs.jsonl", rows), loss_type=loss_type, beta=beta,
+                      sft_weight=sft_weight)
     data = load_stage_data(stage, tokenizer, 64, "text", 0, 0)  # a chat source gives the tokenizer its template
     samples = preference_stages([stage], [data])[0].samples
     policy, ref = tiny_models(tokenizer)
-    theirs = trl_dpo(copy.deepcopy(policy), copy.deepcopy(ref), rows, tokenizer, tmp_path, loss_type, beta)
+    theirs = trl_dpo(copy.deepcopy(policy), copy.deepcopy(ref), rows, tokenizer, tmp_path, loss_type, beta, sft_weight)
     their_rows = [theirs.train_dataset[i] for i in range(len(rows))]
     assert [s["prompt_ids"] for s in samples] == [r["prompt_ids"] for r in their_rows]
     # tokenized as DPOTrainer tokenizes, and cut at max_seq_length as its collator cuts at max_length
@@ -260,6 +267,11 @@ def test_loss_and_metrics_equal_trls_dpo_trainer(tmp_path, form, loss_type, beta
     our_loss = ours.compute_loss(policy, our_batch).item()
     assert our_loss == pytest.approx(their_loss, abs=1e-5)
     assert abs(their_loss - {"sigmoid": 0.6931, "ipo": (1 / (2 * beta)) ** 2}[loss_type]) > 1e-3  # not trivial
+    if sft_weight:  # the sft term is in: the same pairs without it give another loss
+        alone = dpo_stage(tmp_path / "pairs.jsonl", loss_type=loss_type, beta=beta)
+        plain = _OneStageTrainer(ref, alone, samples, tokenizer, tmp_path / "alone")
+        plain._stage_reference(plain.preference[0], ref)
+        assert plain.compute_loss(policy, our_batch).item() < our_loss - 0.1
     for key in ("rewards/accuracies", "rewards/margins", "rewards/chosen", "logps/chosen", "logps/rejected"):
         assert ours._pref_metrics[key][0] == pytest.approx(their_metrics[key], rel=1e-5, abs=1e-5), key
 
