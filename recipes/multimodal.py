@@ -33,7 +33,7 @@ def main(argv=None):
     from hf_zero.train.model import build_causal_lm, count_parameters, describe_weights
     from hf_zero.train.parts import PartsTrainer, part_sizes, plan_parts
     from hf_zero.train.run import setup_run, write_summary
-    from hf_zero.train.samples import SampleCallback, exact_match_summary, with_stage_exact_match
+    from hf_zero.train.samples import SampleCallback, exact_match_summary
     from hf_zero.train.trainer import eval_means, stage_table
 
     # Parse: YAML + flags, reconciled with the profile before any engine exists; the checkpoint to resume from.
@@ -86,7 +86,7 @@ def main(argv=None):
     before, after = eval_means(history, list(eval_sets))
     summary = write_summary(ctx, {
         **steps.summary_fields(model_args, trainable, total, schedule, result, history, resume, final_dir,
-                               before, after, with_stage_exact_match(stage_table(schedule, history), history)),
+                               before, after, stage_table(schedule, history)),
         "model_path": resolve_model_path(model_args.model_name_or_path),
         "modalities": {m: {"tokens": s.tokens, "input_shape": list(s.input_shape)} for m, s in built[1].items()},
         "parts": {name: {p: f for p, f in factors.items()} for name, factors in zip(parts.names, parts.factors)},

@@ -285,8 +285,8 @@ def _guards():
 
         method = DPOTrainer._compute_loss
         read = set(re.findall(r"self\.(\w+)", inspect.getsource(method)))
-        view = _DPOView(SimpleNamespace(accelerator=None, args=None), SimpleNamespace(beta=0.1, loss_type="sigmoid"),
-                        None)
+        view = _DPOView(SimpleNamespace(accelerator=None, args=None),
+                        SimpleNamespace(beta=0.1, loss_type="sigmoid", sft_weight=None), None)
         return list(inspect.signature(method).parameters) == ["self", "model", "inputs", "return_outputs"] \
             and read <= set(vars(view))
 

@@ -8,7 +8,7 @@ The demo's data (recipes/configs/multimodal_demo.yaml: `builtin:multimodal_demo/
 `.../digits`, `.../digits_test`) is `write_demo`'s, built once into the cache when a run first names it.
 """
 
-from __future__ import annotations  # numpy is imported where used: hf_zero.data.assets imports this module
+from __future__ import annotations  # numpy is imported where used: hf_zero.data.builtin imports this module
 
 import argparse
 import json
@@ -22,7 +22,7 @@ __all__ = ["SHAPES", "sample_shape", "write_shapes", "write_digits", "write_demo
 
 SHAPES = ("cube", "sphere", "cylinder", "cone", "torus")
 SHAPE_QUESTION, DIGIT_QUESTION = "What shape is this?", "What digit is this?"
-DEMO_VERSION = "v1"  # the demo's cache folder: a change to write_demo's output gets a new one
+DEMO_VERSION = "v2"  # the demo's cache folder: a change to write_demo's output gets a new one (v2: slim cylinders)
 DEMO_TEST_PER_CLASS = 10  # held-out shapes per shape: 50 held-out rows, and as many held-out digits
 
 
@@ -45,9 +45,9 @@ def _surface(shape: str, n: int, rng) -> np.ndarray:
     theta = rng.uniform(0, 2 * np.pi, n)
     on_cap = rng.uniform(size=n) < 0.25  # the flat end(s)
     r_cap = np.sqrt(rng.uniform(size=n))  # uniform over a disk
-    if shape == "cylinder":
+    if shape == "cylinder":  # twice as long as it is wide: at height 2 and radius 1 its points lie as a cube's do
         z = np.where(on_cap, rng.choice([-1.0, 1.0], n), rng.uniform(-1, 1, n))
-        r = np.where(on_cap, r_cap, 1.0)
+        r = np.where(on_cap, 0.5 * r_cap, 0.5)
     elif shape == "cone":  # apex at z = 1, base of radius 1 at z = -1; uniform over the side's area
         t = np.sqrt(rng.uniform(size=n))
         z, r = np.where(on_cap, -1.0, 1 - 2 * t), np.where(on_cap, r_cap, t)

@@ -16,20 +16,39 @@ __all__ = ["PointNet", "TinyConvEncoder"]
 
 class PointNet(nn.Module):
     """PointNet-style: a shared MLP on every point, then max-pooling over the points (order does not matter), and
-    `tokens` output vectors read from the pooled feature."""
+    `tokens` output vectors read from the pooled feature.
 
-    def __init__(self, in_dim: int = 3, hidden: int = 64, width: int = 64, tokens: int = 4):
+    `canonical=True` first puts every cloud in a pose and size of its own: centred, scaled to a mean distance of 1
+    from its centre, turned onto its principal axes (each axis's sign set by the side its points lean to), and each
+    point given its distance from the centre as a fourth feature. A shape's pose and size say nothing about what it
+    is; PointNet learns an alignment (its T-Net) only from far more clouds than a demo trains on: from scratch, a
+    plain PointNet read the demo's five shapes at chance after 90 steps, where the canonical one learns them."""
+
+    def __init__(self, in_dim: int = 3, hidden: int = 64, width: int = 64, tokens: int = 4, canonical: bool = False):
         super().__init__()
-        self.tokens, self.width = tokens, width
-        self.point_mlp = nn.Sequential(nn.Linear(in_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
-                                       nn.Linear(hidden, hidden))
+        self.tokens, self.width, self.canonical = tokens, width, canonical
+        self.point_mlp = nn.Sequential(nn.Linear(in_dim + canonical, hidden), nn.GELU(), nn.Linear(hidden, hidden),
+                                       nn.GELU(), nn.Linear(hidden, hidden))
         self.head = nn.Linear(hidden, tokens * width)
 
     def forward(self, points: torch.Tensor) -> torch.Tensor:
         # Centred per item: a shape's position in space says nothing about what shape it is.
         points = points - points.mean(dim=1, keepdim=True)
+        if self.canonical:
+            points = _canonical_pose(points)
         pooled = self.point_mlp(points).max(dim=1).values
         return self.head(pooled).view(points.shape[0], self.tokens, self.width)
+
+
+def _canonical_pose(points: torch.Tensor) -> torch.Tensor:
+    """Centred clouds (B, N, 3) -> (B, N, 4): scaled, on their principal axes, with each point's distance."""
+    work = points.float()
+    work = work / work.norm(dim=2).mean(dim=1).clamp_min(1e-6)[:, None, None]
+    covariance = work.transpose(1, 2) @ work / work.shape[1]
+    _, axes = torch.linalg.eigh(covariance)  # ascending: the last axis is the longest
+    work = work @ axes
+    work = work * torch.where((work ** 3).mean(dim=1, keepdim=True) >= 0, 1.0, -1.0)
+    return torch.cat([work, work.norm(dim=2, keepdim=True)], dim=2).to(points.dtype)
 
 
 class TinyConvEncoder(nn.Module):

@@ -29,6 +29,7 @@ from hf_zero.plan.vlm_args import VlmArguments
 from hf_zero.train.bench_probe import BenchProbeCallback, StartupCallback, bench_requested
 from hf_zero.train.loss_plot import LOSS_PLOT
 from hf_zero.train.run import RunContext, print_banner
+from hf_zero.train.samples import with_stage_exact_match
 from hf_zero.train.trainer import step_losses
 
 __all__ = ["start", "lay_out", "lay_out_multimodal",
@@ -143,7 +144,8 @@ def train(trainer, resume: str | None):
 def summary_fields(model_args, trainable: int, total: int, schedule, result, history: list, resume: str | None,
                    final_dir, before: float | None, after: float | None, stages: list) -> dict:
     """What every recipe's summary.json records beside its own results (write_summary puts the run's plan first;
-    the recipe's own keys come after these, so every summary opens the same way)."""
+    the recipe's own keys come after these, so every summary opens the same way). Each stage row gets its own
+    held-out prompts' exact match (before, at its end, after) where it has prompts."""
     return {
         "model": model_args.model_name_or_path,
         "use_peft": model_args.use_peft,
@@ -157,7 +159,7 @@ def summary_fields(model_args, trainable: int, total: int, schedule, result, his
         "eval_perplexity_after": math.exp(after) if after is not None else None,
         "resumed_from": resume,
         "final_dir": str(final_dir) if final_dir else None,
-        "stages": stages,
+        "stages": with_stage_exact_match(stages, history),
         "losses": step_losses(history),
     }
 

@@ -218,6 +218,6 @@ def test_the_demo_config_checks_with_its_generated_data_and_lora_alone_in_the_ll
                         output_dir=tmp_path / "o")
     assert rc == 0, results
     line = results["data"][1]
-    assert "which_play 1000 rows, 0 files; shapes 2000 rows, 1000 files; digits 3747 rows, 2747 files" in line, line
+    assert "which_play 1000 rows, 0 files; shapes 1000 rows, 1000 files; digits 1747 rows, 1747 files" in line, line
     # the LoRA alone (4,884,480), not SmolLM2's 28M embedding rows beside it: only placeholders were added
     assert "stage which_play trains lora (4,884,480): 4,884,480 parameters" in line, line

@@ -94,7 +94,8 @@ def test_columns_and_objective_must_agree(tmp_path):
     ({"objective": "dpo", "loss_type": "kto"}, "stages[s].loss_type: unknown loss type 'kto'"),
     ({"objective": "dpo", "beta": 0}, "stages[s].beta: must be a positive number"),
     ({"objective": "dpo", "simpo_gamma": 1.0}, "stages[s].simpo_gamma: only applies with loss_type: simpo"),
-    ({"objective": "dpo", "loss_type": "simpo", "sft_weight": 0.2}, "stages[s].sft_weight: 0.2: a weight of 0 or more"),
+    ({"objective": "dpo", "loss_type": "simpo", "sft_weight": 0.2},
+     "stages[s].sft_weight: 0.2: a weight of 0 or more"),
     ({"objective": "dpo", "sft_weight": -1}, "stages[s].sft_weight: -1: a weight of 0 or more"),
     ({"sft_weight": 0.2}, "stages[s].sft_weight: is a preference key"),
 ])
