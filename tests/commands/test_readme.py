@@ -82,6 +82,8 @@ COMMANDS = [c for c in readme_commands() if c not in NOT_RUN_HERE]
 SLOW = {"make train CONFIG=recipes/configs/smollm2_chat.yaml"}
 # The multimodal demo (docs/multimodal.md: about 20 min here), its targets checked by _check_multimodal_demo
 SLOW |= {"make train CONFIG=recipes/configs/multimodal_demo.yaml"}
+# The preference demo (docs/preference.md), its targets checked by _check_dpo_demo
+SLOW |= {"make train CONFIG=recipes/configs/smollm2_chat_dpo.yaml"}
 SLOW |= {c for c in COMMANDS if "runs/smollm2_chat/" in c}
 # The full default bench (~12 min here), also run with its targets checked by tests/bench/test_bench.py's slow
 # test_make_bench_default; the default suite runs the quick bench through the same code (tests/bench/test_bench.py).
@@ -250,6 +252,22 @@ def _check_multimodal_demo(proc, where):
     assert text["exact_match_after"] >= text["exact_match"] - 0.1, s["stages"]
 
 
+def _check_dpo_demo(proc, where):
+    """Issue 45's targets: held-out reward accuracy >= 0.9 after the preference stage, and the SFT stage's exact match
+    after the last step no lower than at the SFT stage's end."""
+    s = json.loads((where / "runs" / "smollm2_chat_dpo" / "summary.json").read_text())
+    (pref,) = s["preference"]
+    sft = s["stages"][0]
+    assert (s["profile"], s["world_size"], pref["held_out_pairs"]) == ("cpu", 2, 50)
+    assert pref["held_out_reward_accuracy_after"] >= 0.9, pref
+    assert sft["exact_match_after"] >= sft["exact_match"], s["stages"]
+
+
+def _check_dpo_estimate(proc, where):
+    assert "stage prefer (dpo, sigmoid): 2 sequences per row (chosen + rejected)" in proc.stdout, proc.stdout
+    assert "no reference model in memory" in proc.stdout
+
+
 def _check_multimodal_preview(proc, where):
     assert "    <points> x4 at positions 5-8: " in proc.stdout and "{<image> x5}What digit is this?" in proc.stdout
 
@@ -273,6 +291,9 @@ CHECKS = {
     "make test-gpu": _check_test_gpu,
     "make train CONFIG=recipes/configs/smollm2_chat.yaml": _check_chat_demo,
     "make train CONFIG=recipes/configs/multimodal_demo.yaml": _check_multimodal_demo,
+    "make train CONFIG=recipes/configs/smollm2_chat_dpo.yaml": _check_dpo_demo,
+    "hf-zero estimate --config recipes/configs/smollm2_chat_dpo.yaml --gpus-per-node 1 --gpu-memory 24GiB":
+        _check_dpo_estimate,
     **{c: _check_generate for c in readme_commands() if c.startswith("hf-zero generate")},
     "hf-zero train --profile h100x8 --precision bf16 --config recipes/configs/smollm2_shakespeare.yaml --dry-run":
         _check_dry_run,
