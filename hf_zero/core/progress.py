@@ -58,8 +58,8 @@ def eta_text(elapsed: float, steps_done: int, steps_left: int, stepping: float |
     """Time spent and time left: `left` where the caller knows it by stage (stage_time_left), else at the mean step
     time so far: over `stepping`, the seconds since this process's first step began (a resumed run counts from its
     own first step), else over `elapsed`. What ran before the first step (the evaluation and the answers before
-    training) is in neither the mean nor the steps left; the stage-end evaluations and checkpoints are in the mean,
-    as they will be in the steps left."""
+    training) is in neither the mean nor the steps left; on this fallback the evaluations and checkpoints between
+    steps are in the mean (stage_time_left counts the stage ends apart)."""
     if left is None and steps_done > 0:
         left = (elapsed if stepping is None else stepping) / steps_done * steps_left
     return f"elapsed {duration(elapsed)} | left {duration(left) if left is not None else '?'}"
