@@ -22,11 +22,11 @@ CHECK_DATA = check_multimodal
 @recipe_entry  # one line for a mistake, a clean stop on Ctrl-C, rank 0's console only
 def main(argv=None):
     from hf_zero.core.console import say
-    from hf_zero.core.errors import UserError
     from hf_zero.data.chat_template import prepare_chat_template
     from hf_zero.data.curriculum import CurriculumDataset
     from hf_zero.data.model_names import get_tokenizer, resolve_model_path
-    from hf_zero.data.multimodal import MultimodalCollator, add_placeholders
+    from hf_zero.data.multimodal import add_placeholders
+    from hf_zero.data.multimodal_collator import MultimodalCollator
     from hf_zero.train import recipe_steps as steps
     from hf_zero.train.composed import ComposedModel, build_encoders, freeze_unread_embeddings, save_composed
     from hf_zero.train.composed_generate import answer_composed_prompts
@@ -39,8 +39,6 @@ def main(argv=None):
     # Parse: YAML + flags, reconciled with the profile before any engine exists; the checkpoint to resume from.
     ctx = setup_run(ARGUMENT_TYPES, argv, script=__file__)
     (model_args,), args = ctx.args, ctx.training_args
-    if args.packing:
-        raise UserError("packing", "multimodal rows are not packed yet", "set packing: false")
     resume = steps.start(ctx, args.fresh_start, "- {name: points, data: shapes.jsonl, steps: 10}")
 
     # Encoders first: their measured token counts decide how many placeholder positions each item takes.

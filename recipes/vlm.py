@@ -25,7 +25,6 @@ CHECK_DATA = check_vlm
 @recipe_entry  # one line for a mistake, a clean stop on Ctrl-C, rank 0's console only
 def main(argv=None):
     from hf_zero.core.console import say
-    from hf_zero.core.errors import UserError
     from hf_zero.data.chat_template import prepare_chat_template
     from hf_zero.data.curriculum import CurriculumDataset
     from hf_zero.data.model_names import get_tokenizer, resolve_model_path
@@ -36,15 +35,12 @@ def main(argv=None):
     from hf_zero.train.parts import PartPlan, PartsTrainer
     from hf_zero.train.run import setup_run, write_summary
     from hf_zero.train.trainer import eval_means, stage_table
-    from hf_zero.train.vlm import build_vlm, part_names, vlm_parts
+    from hf_zero.train.vlm import build_vlm, part_names, rope_index_of, vlm_parts
     from hf_zero.train.vlm_check import save_vlm
 
     # Parse: YAML + flags, reconciled with the profile before any engine exists; the checkpoint to resume from.
     ctx = setup_run(ARGUMENT_TYPES, argv, script=__file__)
     (model_args,), args = ctx.args, ctx.training_args
-    if args.packing:
-        raise UserError("packing", "rows with images are not packed yet (each image's tokens and, for Qwen2-VL, "
-                        "its multimodal RoPE positions would cross row boundaries)", "set packing: false")
     resume = steps.start(ctx, args.fresh_start, "- {name: images, data: rows.jsonl, epochs: 1}")
 
     # Processing: the model's tokenizer and image processor; each image becomes the run its processor writes.
@@ -73,7 +69,8 @@ def main(argv=None):
     trainer = PartsTrainer(
         model=model, args=args, train_dataset=CurriculumDataset([d.sources for d in stage_data], order),
         eval_dataset=eval_sets or None, processing_class=tokenizer, schedule=schedule, plan=ctx.plan,
-        settings=ctx.settings, data_collator=VlmCollator(processing), fused_cross_entropy=False, parts=parts,
+        settings=ctx.settings, data_collator=VlmCollator(processing, rope_index_of(model)), fused_cross_entropy=False,
+        parts=parts,
     )
     steps.attach_probes(trainer, ctx, args.measure_memory)
     steps.announce(ctx, schedule, trainable, total, f"model: {family.name}, image token {family.image_token}",

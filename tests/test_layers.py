@@ -50,6 +50,7 @@ LOCAL = {
     'hf_zero.bench.runs -> hf_zero.estimate.measure': _TRANSFORMERS,
     'hf_zero.commands.estimate -> hf_zero.plan.arguments': _TRANSFORMERS,
     'hf_zero.commands.estimate -> hf_zero.train.composed_count': _TRANSFORMERS,
+    'hf_zero.commands.estimate -> hf_zero.train.vlm_count': _TRANSFORMERS,
     'hf_zero.commands.preview -> hf_zero.train.composed_count': _TRANSFORMERS,
     'hf_zero.commands.preview -> hf_zero.train.vlm_check': _TRANSFORMERS,
     'hf_zero.commands.preview -> hf_zero.plan.arguments': _TRANSFORMERS,

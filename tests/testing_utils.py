@@ -203,6 +203,38 @@ ONE_STEP_LORA = ["--use_peft", "true", "--lora_r", "4", "--lora_dropout", "0"]
 
 # ---------------------------------------------------------------- the README's commands
 
+def packed_losses_match_alone(model, rows: list[dict], collate, items_of, atol: float = 1e-4) -> int:
+    """Per-token losses of packed multimodal rows (one forward, as the Trainer passes them) against each of their
+    conversations run alone, unpacked: equal within `atol`. `items_of(ids)`: how many media items a conversation's
+    ids hold (its items are the next ones of its row's `media`). Returns the conversations compared."""
+    import torch
+
+    from hf_zero.data.packing import IGNORE, documents_of
+
+    def per_token(out, labels):
+        return torch.nn.functional.cross_entropy(out.logits[:, :-1].transpose(1, 2), labels[:, 1:],
+                                                 ignore_index=IGNORE, reduction="none")
+
+    with torch.no_grad():
+        batch = collate(rows)
+        assert "attention_mask" not in batch and batch["use_cache"] is False
+        packed = per_token(model(**batch), batch["labels"])
+        compared = 0
+        for r, row in enumerate(rows):
+            offset, media = 0, list(row.get("media", ()))
+            for doc in documents_of(row):
+                n, take = len(doc["input_ids"]), items_of(doc["input_ids"])
+                alone_batch = collate([{**doc, "media": media[:take]}])
+                media = media[take:]
+                alone = per_token(model(**alone_batch), alone_batch["labels"])[0]
+                got = packed[r, offset:offset + n - 1]
+                torch.testing.assert_close(got, alone, atol=atol, rtol=0)
+                offset += n
+                compared += 1
+            assert not media  # every item went to a conversation
+    return compared
+
+
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 

@@ -185,7 +185,7 @@ def run(args) -> int:
                 **{**kw, "sp_size": rec["sp_size"]})
     seq_par = _sequence_parallel(recipe, count, shape.world, usable, args, batch, kw)
     layer = count.layer
-    name = recipe.model + (f" + encoders {', '.join(composed.specs)}" if composed else "")
+    name = recipe.model + (composed.label if composed else "")
     summary = {"name": name, "params": count.total_params, "largest_layer_params": count.largest_layer_params,
                "trainable_params": count.trainable_params, "num_layers": count.num_layers,
                "hidden_size": count.hidden_size, "vocab_size": count.vocab_size}
@@ -198,18 +198,14 @@ def run(args) -> int:
               "sequences_per_row": recipe.sequences_per_row, "preference": _preference(recipe),
               # the cpu profile's ranks are processes on the CPU: the table names them so, not GPUs
               "device": "CPU rank" if prof is not None and (prof.name == "cpu" or prof.raw.get("use_cpu")) else "GPU"}
-    multimodal = None
-    if composed:
-        from hf_zero.train.composed_count import estimate_lines, estimate_summary
-
-        multimodal = estimate_summary(composed, precision, batch.micro)
+    multimodal = composed.summary(precision, batch.micro) if composed else None
     if args.json:
         print(json.dumps({"model": summary, "convention": args.convention, "inputs": inputs, "strategies": estimates,
                           "recommendation": rec, "sequence_parallel": seq_par, "multimodal": multimodal,
                           "plan": run_plan.record() if run_plan else None}, indent=2))
         return 0
     _print_table(summary, inputs, args.convention, estimates, rec,
-                 estimate_lines(composed, precision, batch.micro) if composed else ())
+                 composed.lines(precision, batch.micro) if composed else ())
     if seq_par:
         _print_sequence_parallel(seq_par, inputs["gpus_per_node"], precision)
     return 0
@@ -239,13 +235,15 @@ def _overrides(recipe) -> list[str]:
 
 
 def _composed(recipe):
-    """A multimodal recipe's composed model counted on the meta device (hf_zero.train.composed_count), with the
-    estimate's flags as its overrides; None for any other recipe or a bare model."""
+    """A multimodal recipe's composed model (hf_zero.train.composed_count) or a stock VLM's recipe
+    (hf_zero.train.vlm_count) counted on the meta device, with the estimate's flags as its overrides; None for any
+    other recipe or a bare model."""
     if not recipe.path:
         return None
     from hf_zero.train.composed_count import count_composed
+    from hf_zero.train.vlm_count import count_vlm
 
-    return count_composed(recipe.path, _overrides(recipe))
+    return count_composed(recipe.path, _overrides(recipe)) or count_vlm(recipe.path, _overrides(recipe))
 
 
 def _sequence_parallel(recipe, count, world: int, usable, args, batch, kw) -> dict | None:

@@ -15,7 +15,7 @@ from hf_zero.core.errors import UserError
 from hf_zero.core.validate import at_least
 from hf_zero.data.chat import FormatOptions
 from hf_zero.data.model_names import get_tokenizer
-from hf_zero.data.packing import pack_documents, padding_stats
+from hf_zero.data.packing import pack_documents, pad_id, padding_stats
 from hf_zero.data.preference import sample_views
 from hf_zero.data.stages import load_stage_data
 from hf_zero.estimate.pick import pick_profile
@@ -25,7 +25,7 @@ from hf_zero.plan.profiles import load_profile
 from hf_zero.plan.run_plan import resolve_plan
 from hf_zero.plan.shipped import DEFAULT_CONFIG, load_recipe, recipe_argument_types, recipe_script
 
-__all__ = ["add_arguments", "run", "marked_text", "source_lines", "plan_line", "ACCEPTS_EXTRA"]
+__all__ = ["add_arguments", "run", "marked_text", "source_lines", "plan_line", "packing_line", "ACCEPTS_EXTRA"]
 
 ACCEPTS_EXTRA = True  # recipe flags, e.g. --max_seq_length 64
 OPEN, CLOSE = "[[", "]]"
@@ -101,9 +101,7 @@ def run(args) -> int:
         print(f"stage {stage.name!r}: {len(stage.data)} source(s), max_seq_length {length}, "
               f"{data.pool_size:,} training samples, {len(data.eval_samples):,} held out")
         if data_args.packing and stage.objective != "dpo":  # a dpo stage is not packed
-            rows = pack_documents([s for src in data.sources for s in src], length, tokenizer.pad_token_id)
-            print(f"  packing: {len(rows):,} rows of {length} tokens, "
-                  f"{100 * padding_stats(rows, 1)['non_padding_fraction']:.1f}% text")
+            print(packing_line(data.sources, length, tokenizer.pad_token_id))
         for j, (report, samples) in enumerate(zip(data.reports, data.sources)):
             print(f"  data[{j}] {report.spec}: " + "\n    ".join(source_lines(report)))
             for i, sample in enumerate(samples[: args.samples]):
@@ -112,6 +110,14 @@ def run(args) -> int:
                           f"{OPEN} and {CLOSE}):")
                     print("    " + marked_text(tokenizer, view).rstrip().replace("\n", "\n    "))
     return 0
+
+
+def packing_line(sources: list[list[dict]], length: int, pad_id: int) -> str:
+    """How a stage's training samples pack: rows of its length and the share of their tokens that are text."""
+    rows = pack_documents([s for src in sources for s in src], length, pad_id)
+    samples = sum(len(src) for src in sources)
+    return (f"  packing: {samples:,} samples in {len(rows):,} rows of {length} tokens, "
+            f"{100 * padding_stats(rows, 1)['non_padding_fraction']:.1f}% text")
 
 
 def plan_line(args, extra: list[str], instances: tuple, training: dict) -> str:
@@ -183,6 +189,8 @@ def _preview_multimodal(args, extra) -> int:
     for stage, stage_data in zip(stages, data):
         print(f"stage {stage.name!r}: {len(stage.data)} source(s), max_seq_length {stage.max_seq_length or seq}, "
               f"{stage_data.pool_size:,} training samples, {len(stage_data.eval_samples):,} held out")
+        if training.get("packing"):  # each conversation with its items (hf_zero.data.packing)
+            print(packing_line(stage_data.sources, stage.max_seq_length or seq, pad_id(tokenizer)))
         for j, (report, samples) in enumerate(zip(stage_data.reports, stage_data.sources)):
             print(f"  data[{j}] {report.spec}: " + "\n    ".join(source_lines(report)))
             for i, sample in enumerate(samples[: args.samples]):

@@ -20,11 +20,12 @@ from hf_zero.core.errors import UserError
 from hf_zero.data.builtin import resolve_data_path
 from hf_zero.data.chat import IGNORE, FormatOptions, Row, SourceReport, encode_conversation, validate_messages
 from hf_zero.data.chat_template import prepare_chat_template
+from hf_zero.data.packing import pack_stage_sources, pad_id
 from hf_zero.data.sources import load_source, verify_data_file
 from hf_zero.data.stages import StageData, hold_out
 
 __all__ = ["ModalitySpec", "add_placeholders", "load_media", "encode_multimodal_rows", "load_multimodal_stage",
-           "MultimodalCollator", "read_rows", "declared_specs", "check_multimodal_data"]
+           "read_rows", "declared_specs", "message_text", "items_folder"]
 
 _ADDED = "_hf_zero_template_tokens"  # hf_zero.data.chat_template's list of tokens the embeddings grow for
 
@@ -89,7 +90,7 @@ def load_media(spec: ModalitySpec, path: Path):
     return array[take].astype(np.float32)
 
 
-def _items(msg: dict, j: int, row: Row, specs: dict, folder: Path, media: list) -> str:
+def message_text(msg: dict, j: int, row: Row, specs: dict, folder: Path, media: list) -> str:
     """A message's content as text, each modality item as its placeholder; its files appended to `media`."""
     content = msg.get("content")
     if not isinstance(content, list):
@@ -166,7 +167,7 @@ def encode_multimodal_rows(conversations: list, tokenizer, specs: dict, placehol
         report.rows += 1
         if not isinstance(raw, list):
             row.fail(f"{opts.messages_field} must be a list of messages")
-        msgs = [{**m, "content": _items(m, j, row, specs, folder, media)} if isinstance(m, dict) else m
+        msgs = [{**m, "content": message_text(m, j, row, specs, folder, media)} if isinstance(m, dict) else m
                 for j, m in enumerate(raw)]
         enc = encode_conversation(tokenizer, validate_messages(msgs, row, opts.messages_field), opts, row)
         if sum(t in runs for t in enc.ids) != len(media):
@@ -217,14 +218,17 @@ def _prompts(samples: list[dict], tokenizer, specs: dict, placeholder_ids: dict)
 
 
 def load_multimodal_stage(stage, tokenizer, specs: dict, placeholder_ids: dict, default_max_len: int,
-                          eval_samples: int, seed: int, opts: FormatOptions | None = None) -> StageData:
-    """A stage's multimodal sources tokenized, a held-out slice drawn as hf_zero.data.stages draws it."""
+                          eval_samples: int, seed: int, opts: FormatOptions | None = None,
+                          packing: bool = False) -> StageData:
+    """A stage's multimodal sources tokenized, a held-out slice drawn as hf_zero.data.stages draws it; with
+    `packing`, the training conversations go whole into rows of the stage's length, each with its items
+    (hf_zero.data.packing), the held-out ones stay one per row."""
     max_len = stage.max_seq_length or default_max_len
     opts = opts or FormatOptions()
 
     def encoded(spec: str, where: str) -> tuple[list, object]:
         samples, report = encode_multimodal_rows(read_rows(spec, where, opts.messages_field), tokenizer, specs,
-                                                 placeholder_ids, max_len, where, spec, _folder(spec), opts)
+                                                 placeholder_ids, max_len, where, spec, items_folder(spec), opts)
         if not samples:
             raise UserError(where, f"{spec} has no row left within max_seq_length", "raise max_seq_length")
         return samples, report
@@ -244,10 +248,12 @@ def load_multimodal_stage(stage, tokenizer, specs: dict, placeholder_ids: dict, 
     for samples in sources:
         for s in samples:
             s.pop("_gen", None)
+    if packing:
+        sources = pack_stage_sources(sources, stage.weights is not None, max_len, pad_id(tokenizer))
     return StageData(sources, held_out, reports, prompts)
 
 
-def _folder(spec: str) -> Path:
+def items_folder(spec: str) -> Path:
     """The folder a source's item paths are relative to: its file's (a built-in source's prepared file's)."""
     return Path(resolve_data_path(spec)).resolve().parent
 
@@ -271,57 +277,3 @@ def declared_specs(encoders) -> dict:
         raise UserError("encoders", "the multimodal recipe needs at least one encoder",
                         "e.g. encoders: {points: {class: hf_zero.train.encoders:PointNet, input_shape: [256, 3]}}")
     return specs
-
-
-def check_multimodal_data(stages, args, specs: dict | None = None) -> str:
-    """`hf-zero check`'s data check for recipes/multimodal.py (its CHECK_DATA): every row's items valid and every
-    image and array opened as the run opens them; one line with the rows and files per stage. `specs`: the item
-    types (the recipe's declared encoders unless given: a stock VLM's image alone)."""
-    specs, opts = specs or declared_specs(args.encoders), FormatOptions.from_args(args)
-    counts = []
-    for stage in stages:
-        rows = files = 0
-        for j, spec in enumerate(stage.data):
-            where = f"stages[{stage.name}].data[{j}]"
-            row, folder = Row(where, spec), _folder(spec)
-            for i, raw in enumerate(read_rows(spec, where, opts.messages_field)):
-                row.n, media = i + 1, []
-                if not isinstance(raw, list):
-                    row.fail(f"{opts.messages_field} must be a list of messages")
-                for k, msg in enumerate(raw):
-                    if isinstance(msg, dict):
-                        _items(msg, k, row, specs, folder, media)
-                rows, files = rows + 1, files + len(media)
-        counts.append(f"{stage.name} {rows} rows, {files} files")
-    return f"{len(stages)} stage(s), every image and array opened: {'; '.join(counts)}"
-
-
-class MultimodalCollator:
-    """Pads text (pad token, labels -100, attention mask 0) and stacks each modality's items in reading order (row
-    by row, left to right), the order the model fills its placeholder runs in: `<modality>_values` (items x
-    input_shape, zero items when the batch has none) and `<modality>_rows` (the batch row each item fills)."""
-
-    def __init__(self, tokenizer, specs: dict):
-        self.pad, self.specs = tokenizer.pad_token_id, specs
-        if self.pad is None:
-            self.pad = tokenizer.eos_token_id
-
-    def __call__(self, samples: list[dict]) -> dict:
-        import numpy as np
-        import torch
-
-        longest = max(len(s["input_ids"]) for s in samples)
-        ids = torch.full((len(samples), longest), self.pad, dtype=torch.long)
-        labels = torch.full((len(samples), longest), IGNORE, dtype=torch.long)
-        attention = torch.zeros((len(samples), longest), dtype=torch.long)
-        for i, s in enumerate(samples):
-            n = len(s["input_ids"])
-            ids[i, :n], labels[i, :n], attention[i, :n] = (torch.tensor(s["input_ids"]), torch.tensor(s["labels"]), 1)
-        batch = {"input_ids": ids, "attention_mask": attention, "labels": labels}
-        for m, spec in self.specs.items():
-            items = [(i, Path(p)) for i, s in enumerate(samples) for kind, p in s.get("media", ()) if kind == m]
-            values = np.stack([load_media(spec, p) for _, p in items]) if items else \
-                np.zeros((0, *spec.input_shape), dtype=np.float32)
-            batch[f"{m}_values"] = torch.from_numpy(values)
-            batch[f"{m}_rows"] = torch.tensor([i for i, _ in items], dtype=torch.long)
-        return batch

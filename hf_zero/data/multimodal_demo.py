@@ -22,7 +22,12 @@ __all__ = ["SHAPES", "sample_shape", "write_shapes", "write_digits", "write_demo
 
 SHAPES = ("cube", "sphere", "cylinder", "cone", "torus")
 SHAPE_QUESTION, DIGIT_QUESTION = "What shape is this?", "What digit is this?"
-DEMO_VERSION = "v2"  # the demo's cache folder: a change to write_demo's output gets a new one (v2: slim cylinders)
+DEMO_VERSION = "v3"  # the demo's cache folder: a change to write_demo's output gets a new one (v2: slim cylinders;
+# v3: an empty system message)
+# The demo's rows carry an empty system message: without one SmolLM2's chat template writes its default (17 tokens,
+# "You are a helpful AI assistant named SmolLM...") into every row, 40% of a 42-token shape row, and the encoder
+# stages' steps cost in proportion to their tokens.
+DEMO_SYSTEM = ""
 DEMO_TEST_PER_CLASS = 10  # held-out shapes per shape: 50 held-out rows, and as many held-out digits
 
 
@@ -66,13 +71,17 @@ def sample_shape(shape: str, n: int, rng) -> np.ndarray:
     return (points + rng.normal(scale=0.02, size=points.shape)).astype(np.float32)
 
 
-def _row(kind: str, file: str, question: str, answer: str) -> dict:
-    return {"messages": [{"role": "user", "content": [{"type": kind, kind: file}, {"type": "text", "text": question}]},
+def _row(kind: str, file: str, question: str, answer: str, system: str | None = None) -> dict:
+    head = [] if system is None else [{"role": "system", "content": system}]
+    return {"messages": [*head, {"role": "user", "content": [{"type": kind, kind: file}, {"type": "text", "text":
+                                                                                       question}]},
                          {"role": "assistant", "content": [{"type": "text", "text": answer}]}]}
 
 
-def write_shapes(out: Path, count: int, points: int = 256, seed: int = 0, name: str = "shapes") -> Path:
-    """out/<name>/*.npy and out/<name>.jsonl ("What shape is this?" -> the shape's name), shapes in turn."""
+def write_shapes(out: Path, count: int, points: int = 256, seed: int = 0, name: str = "shapes",
+                 system: str | None = None) -> Path:
+    """out/<name>/*.npy and out/<name>.jsonl ("What shape is this?" -> the shape's name), shapes in turn; `system`:
+    each row's system message (None: none)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -82,13 +91,14 @@ def write_shapes(out: Path, count: int, points: int = 256, seed: int = 0, name: 
         shape = SHAPES[i % len(SHAPES)]
         file = f"{name}/{i:05d}_{shape}.npy"
         np.save(out / file, sample_shape(shape, points, rng))
-        rows.append(_row("points", file, SHAPE_QUESTION, shape))
+        rows.append(_row("points", file, SHAPE_QUESTION, shape, system))
     path = out / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-def write_digits(out: Path, count: int, seed: int = 0, name: str = "digits", skip: int = 0) -> Path:
+def write_digits(out: Path, count: int, seed: int = 0, name: str = "digits", skip: int = 0,
+                 system: str | None = None) -> Path:
     """out/<name>/*.png (scikit-learn's 8x8 digits, drawn in a fixed random order, the first `skip` of it left out)
     and out/<name>.jsonl."""
     import numpy as np
@@ -102,7 +112,7 @@ def write_digits(out: Path, count: int, seed: int = 0, name: str = "digits", ski
     for i in order:
         file = f"{name}/{i:05d}.png"
         Image.fromarray((digits.images[i] * (255.0 / 16.0)).round().astype(np.uint8)).save(out / file)
-        rows.append(_row("image", file, DIGIT_QUESTION, str(digits.target[i])))
+        rows.append(_row("image", file, DIGIT_QUESTION, str(digits.target[i]), system))
     path = out / f"{name}.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -110,13 +120,14 @@ def write_digits(out: Path, count: int, seed: int = 0, name: str = "digits", ski
 
 def write_demo(out: Path, shapes: int = 1000, points: int = 256) -> None:
     """The demo's four sources: `shapes` training point clouds and 50 held-out ones (another seed: other poses and
-    noise), scikit-learn's 1,797 digits as 50 held-out and 1,747 training images (no image in both)."""
+    noise), scikit-learn's 1,797 digits as 50 held-out and 1,747 training images (no image in both); every row with
+    DEMO_SYSTEM as its system message."""
     out = Path(out)
-    write_shapes(out, shapes, points, seed=0)
-    write_shapes(out, DEMO_TEST_PER_CLASS * len(SHAPES), points, seed=1, name="shapes_test")
+    write_shapes(out, shapes, points, seed=0, system=DEMO_SYSTEM)
+    write_shapes(out, DEMO_TEST_PER_CLASS * len(SHAPES), points, seed=1, name="shapes_test", system=DEMO_SYSTEM)
     held_out = DEMO_TEST_PER_CLASS * len(SHAPES)
-    write_digits(out, held_out, name="digits_test")
-    write_digits(out, 1797 - held_out, skip=held_out)
+    write_digits(out, held_out, name="digits_test", system=DEMO_SYSTEM)
+    write_digits(out, 1797 - held_out, skip=held_out, system=DEMO_SYSTEM)
 
 
 def main(argv=None) -> int:

@@ -15,13 +15,17 @@ rows of a micro-batch become one row of their documents, padding dropped, and th
 (`cu_seq_lens_*`, as transformers' DataCollatorWithFlattening writes them) send attention down flash's varlen path.
 It must be one row: transformers reads packing from position_ids only for a batch of one, so rows stacked as they
 are would let flash attend across documents.
+
+Multimodal rows pack the same way: a document's items (`media`, in reading order) go with it, so a packed row's items
+are its documents' in row order, the order the model fills its placeholder runs in (hf_zero.data.multimodal).
 """
 
 from __future__ import annotations
 
 import bisect
 
-__all__ = ["pack_documents", "PackedCollator", "padding_stats", "real_tokens", "documents_of"]
+__all__ = ["pack_documents", "pack_stage_sources", "PackedCollator", "padding_stats", "real_tokens", "documents_of",
+           "pad_id"]
 
 IGNORE = -100
 
@@ -50,18 +54,33 @@ def pack_documents(samples: list[dict], row_len: int, pad_id: int) -> list[dict]
     return [_build_row([samples[i] for i in sorted(members)], row_len, pad_id) for members in rows]
 
 
+def pack_stage_sources(sources: list[list[dict]], weighted: bool, row_len: int, pad_id: int) -> list[list[dict]]:
+    """A stage's sources as packed rows. Without weights, samples are drawn in proportion to source sizes: the same
+    as one pooled source, which packs far tighter (short documents fill the rows of long ones); with weights, each
+    source is packed apart, so the weights still apply."""
+    pools = sources if weighted else [[s for src in sources for s in src]]
+    return [pack_documents(s, row_len, pad_id) for s in pools]
+
+
 def _build_row(docs: list[dict], row_len: int, pad_id: int) -> dict:
-    ids, labels, positions = [], [], []
+    ids, labels, positions, media = [], [], [], []
     for doc in docs:
         n = len(doc["input_ids"])
         ids += list(doc["input_ids"])
         labels += [IGNORE] + list(doc["labels"][1:])
         positions += list(range(n))
+        media += list(doc.get("media", ()))
     used = len(ids)
     pad = row_len - used
     # The padding is a segment of its own (positions restart): it has no labels, and no document attends to it.
-    return {"input_ids": ids + [pad_id] * pad, "labels": labels + [IGNORE] * pad,
-            "position_ids": positions + list(range(pad)), "real_tokens": used}
+    row = {"input_ids": ids + [pad_id] * pad, "labels": labels + [IGNORE] * pad,
+           "position_ids": positions + list(range(pad)), "real_tokens": used}
+    return {**row, "media": media} if any("media" in d for d in docs) else row
+
+
+def pad_id(tokenizer) -> int:
+    """The id rows are padded with: the pad token, else end-of-sequence (masked out of attention and loss)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def real_tokens(sample: dict) -> int:

@@ -12,7 +12,7 @@ from hf_zero.core.errors import UserError
 from hf_zero.data.builtin import resolve_data_path
 from hf_zero.data.chat import CHARS_PER_TOKEN, FormatOptions, SourceReport, detect_format, encode_rows
 from hf_zero.data.chat_template import prepare_chat_template
-from hf_zero.data.packing import PackedCollator, pack_documents
+from hf_zero.data.packing import PackedCollator, pack_stage_sources
 from hf_zero.data.preference import (
     PreferenceCollator,
     check_objective,
@@ -194,10 +194,7 @@ def load_stage_data(stage: Stage, tokenizer, default_max_len: int, text_field: s
     for samples in sources:
         _split_gen(samples)
     if packing:  # held-out eval samples stay one per row
-        # Without weights, samples are drawn in proportion to source sizes: the same as one pooled source, which packs
-        # far tighter (short documents fill the rows of long ones). With weights, per source, so they still apply.
-        pools = [[s for src in sources for s in src]] if stage.weights is None else sources
-        sources = [pack_documents(s, max_len, tokenizer.pad_token_id) for s in pools]
+        sources = pack_stage_sources(sources, stage.weights is not None, max_len, tokenizer.pad_token_id)
     return StageData(sources, held_out, reports, eval_prompts)
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hf_zero.core.errors import UserError
-from hf_zero.data.multimodal import ModalitySpec, MultimodalCollator
+from hf_zero.data.multimodal import ModalitySpec
+from hf_zero.data.multimodal_collator import MultimodalCollator
 
 __all__ = ["FAMILIES", "Family", "family_of", "VlmProcessing", "VlmCollator", "is_vlm_config", "default_targets",
            "vlm_lora_targets"]
@@ -140,13 +141,41 @@ class VlmProcessing:
 
 
 class VlmCollator(MultimodalCollator):
-    """hf_zero's multimodal collator for the text (padding, labels), and the model's own image tensors."""
+    """hf_zero's multimodal collator for the text (padding, labels; packed rows' positions), and the model's own
+    image tensors.
 
-    def __init__(self, processing: VlmProcessing):
+    Packed rows of Qwen2-VL need its multimodal RoPE per conversation: `rope_index` (the model's own
+    `get_rope_index`, hf_zero.train.vlm.rope_index_of) numbers each conversation of a row from 0 as if it were alone,
+    and the row's 1-D positions go first, (4, rows, length) as transformers' Qwen2-VL reads packed rows: its mask
+    keeps conversations apart by the 1-D positions' restarts. Idefics3's positions are 1-D: the text path's."""
+
+    def __init__(self, processing: VlmProcessing, rope_index=None):
         super().__init__(processing.tokenizer, {})
-        self.processing = processing
+        self.processing, self.rope_index = processing, rope_index
 
     def __call__(self, samples: list[dict]) -> dict:
         batch = super().__call__(samples)
         rows = [[Path(p) for kind, p in s.get("media", ()) if kind == "image"] for s in samples]
-        return {**batch, **self.processing.pixels(rows, batch["input_ids"])}
+        batch = {**batch, **self.processing.pixels(rows, batch["input_ids"])}
+        if "position_ids" in batch and self.processing.family.name != "idefics3":
+            batch["position_ids"] = self._mrope_positions(batch)
+        return batch
+
+    def _mrope_positions(self, batch: dict):
+        import itertools
+
+        import torch
+
+        if self.rope_index is None:
+            raise ValueError("packed Qwen2-VL rows need the model's get_rope_index (VlmCollator(rope_index=...))")
+        ids, text = batch["input_ids"], batch["position_ids"]
+        types = (ids == self.processing.image_token_id).long()
+        grids = iter(batch.get("image_grid_thw", torch.zeros(0, 3, dtype=torch.long)))
+        out = torch.zeros(3, *ids.shape, dtype=torch.long)
+        for r in range(len(ids)):
+            starts = [int(i) for i in torch.nonzero(text[r] == 0).flatten()] + [ids.shape[1]]
+            for a, b in zip(starts, starts[1:]):  # one conversation (or the padding) as if alone
+                images = sum(1 for kind, _ in itertools.groupby(types[r, a:b].tolist()) if kind)
+                thw = torch.stack([next(grids) for _ in range(images)]) if images else None
+                out[:, r, a:b] = self.rope_index(ids[r:r + 1, a:b], types[r:r + 1, a:b], image_grid_thw=thw)[0][:, 0]
+        return torch.cat([text[None], out])

@@ -101,9 +101,10 @@ INTERNALS: tuple[Reach, ...] = (
           "TRL 1.16 writes the DPO losses (sigmoid, ipo) and their reward metrics inside this method, with no "
           "function of its own: a dpo stage calls it on a view of the attributes it reads, so the loss is TRL's, "
           "not a copy", TRL, "when TRL exposes its DPO losses as functions"),
-    Reach("_base", "torch.Tensor", ("train/composed_count.py",),
+    Reach("_base", "torch.Tensor", ("integrations/torch.py",),
           "the storage a saved activation views, so that the bytes autograd keeps for a composed model's encoders "
-          "are counted once per storage", TORCH, "when torch.Tensor exposes the viewed base publicly"),
+          "and a VLM's vision tower are counted once per storage", TORCH,
+          "when torch.Tensor exposes the viewed base publicly"),
     Reach("_get_metadata_path", "torch.distributed.checkpoint.filesystem.FileSystemReader", ("integrations/torch.py",),
           "the `.metadata` file DCP is about to unpickle with plain pickle, checked first under the safe-load guard",
           TORCH, "with the read_metadata wrap: when torch reads DCP metadata with a restricted unpickler"),

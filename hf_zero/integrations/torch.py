@@ -8,7 +8,7 @@ from pathlib import Path
 
 __all__ = ["last_lr", "set_last_lr", "set_default_group_timeout", "batch_norm_base", "printed_class_name",
            "ddp_logging_data", "tensorboard_thread_file", "set_torch_load", "check_dcp_metadata_first",
-           "restore_dcp_read_metadata", "forward_replaced"]
+           "restore_dcp_read_metadata", "forward_replaced", "saved_bytes"]
 
 
 def last_lr(scheduler) -> list[float]:
@@ -121,3 +121,27 @@ def forward_replaced(module, forward):
         yield
     finally:
         del module.forward
+
+
+def saved_bytes(run, params) -> int:
+    """Bytes autograd saves for backward while `run()` runs: each saved storage once (a view is counted by the
+    tensor it views), `params` (parameters, which are held anyway) excluded; shapes and dtypes only, so it counts
+    on the meta device too.
+
+    Reads Tensor._base (torch 2.13.0): the storage a saved view shares. Can go when torch.Tensor exposes the
+    viewed base publicly."""
+    import torch
+
+    ids, seen, total = {id(p) for p in params}, set(), 0
+
+    def pack(t):
+        nonlocal total
+        base = t._base if t._base is not None else t
+        if id(base) not in ids and id(t) not in ids and id(base) not in seen:
+            seen.add(id(base))
+            total += base.numel() * base.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return total

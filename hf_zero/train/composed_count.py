@@ -18,7 +18,9 @@ from hf_zero.core.files import human_bytes
 from hf_zero.data.chat import FormatOptions
 from hf_zero.data.chat_template import added_template_tokens, prepare_chat_template, train_embeddings
 from hf_zero.data.model_names import get_model_config, get_tokenizer
-from hf_zero.data.multimodal import add_placeholders, check_multimodal_data, load_multimodal_stage
+from hf_zero.data.multimodal import add_placeholders, load_multimodal_stage
+from hf_zero.data.multimodal_check import check_multimodal_data
+from hf_zero.integrations.torch import saved_bytes
 from hf_zero.plan.arguments import CurriculumArguments
 from hf_zero.plan.parse import parse_recipe_args, recipe_fields
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
@@ -47,6 +49,16 @@ class ComposedCount:
         precision, as autocast runs their matmuls."""
         scale = 1 if precision == "fp32" else 0.5
         return int(scale * sum(self.item_bytes.values()))
+
+    @property
+    def label(self) -> str:  # what the estimate adds to the model's name
+        return f" + encoders {', '.join(self.specs)}"
+
+    def summary(self, precision: str, micro_batch: int) -> dict:  # `hf-zero estimate`'s terms, as a VLM's count
+        return estimate_summary(self, precision, micro_batch)
+
+    def lines(self, precision: str, micro_batch: int) -> list[str]:
+        return estimate_lines(self, precision, micro_batch)
 
 
 def composed_on_meta(model_args, encoders: dict, stages, learning_rate: float, chat_template=None):
@@ -90,30 +102,17 @@ def item_activation_bytes(model, specs: dict) -> dict:
     parameters), counted on a meta model: shapes and dtypes only."""
     import torch
 
-
-    params = {id(p) for p in model.parameters()}
     out = {}
     for m, spec in specs.items():
-        seen, total = set(), 0
-
-        def pack(t):
-            nonlocal total
-            base = t._base if t._base is not None else t
-            if id(base) not in params and id(t) not in params and id(base) not in seen:
-                seen.add(id(base))
-                total += base.numel() * base.element_size()
-            return t
-
         grads = [p.requires_grad for p in model.parameters()]
         for p in model.parameters():  # every part as if it trained: a frozen encoder's input needs nothing saved
             p.requires_grad_(True)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                model.projectors[m](encode(model.encoders[m], torch.zeros(1, *spec.input_shape, device="meta")))
+            out[m] = saved_bytes(lambda m=m, spec=spec: model.projectors[m](encode(
+                model.encoders[m], torch.zeros(1, *spec.input_shape, device="meta"))), model.parameters())
         finally:
             for p, g in zip(model.parameters(), grads):
                 p.requires_grad_(g)
-        out[m] = total
     return out
 
 
@@ -173,7 +172,7 @@ def estimate_lines(count: ComposedCount, precision: str, micro_batch: int) -> li
 
 def check_multimodal(stages, args, model_args=None) -> str:
     """`hf-zero check`'s data check for recipes/multimodal.py (its CHECK_DATA): every image and array opened
-    (hf_zero.data.multimodal.check_multimodal_data), then, given the model's arguments (not in the light check
+    (hf_zero.data.multimodal_check.check_multimodal_data), then, given the model's arguments (not in the light check
     `hf-zero train` runs before a launch), per stage what trains: parts, parameters and bytes."""
 
     line = check_multimodal_data(stages, args)

@@ -90,7 +90,7 @@ def lay_out_multimodal(ctx: RunContext, tokenizer, specs: dict, placeholders: di
     rows' media columns, so none is removed). Returns (stage_data, eval_sets, schedule, order)."""
     args = ctx.training_args
     stage_data = [load_multimodal_stage(s, tokenizer, specs, placeholders, args.max_seq_length, args.eval_samples,
-                                        args.seed, FormatOptions.from_args(args)) for s in ctx.stages]
+                                        args.seed, FormatOptions.from_args(args), args.packing) for s in ctx.stages]
     eval_sets = {s.name: d.eval_samples for s, d in zip(ctx.stages, stage_data) if d.eval_samples}
     schedule, order = lay_out(ctx, [d.pool_size for d in stage_data],
                               [[len(src) for src in d.sources] for d in stage_data], has_eval=bool(eval_sets),

@@ -31,7 +31,7 @@ from hf_zero.data.vlm import Family, default_targets
 from hf_zero.integrations.transformers import add_to_embeddings_without_images
 from hf_zero.train.model import apply_lora, base_dtype, trainable_in_fp32
 
-__all__ = ["part_names", "part_of", "vlm_parts", "target_counts", "build_vlm",
+__all__ = ["part_names", "part_of", "vlm_parts", "target_counts", "build_vlm", "adapt_vlm", "rope_index_of",
            "describe_targets", "vision_warning"]
 
 _WRAPPERS = re.compile(r"^(base_model\.model\.)|\.modules_to_save\.default|\.original_module")
@@ -134,6 +134,12 @@ def keep_vision_in_step(model, family: Family, processing) -> None:
     add_to_embeddings_without_images(model, lambda m: _blank_image_features(m, family, processing) * 0)
 
 
+def rope_index_of(model):
+    """The model's own multimodal RoPE numbering (Qwen2-VL's `get_rope_index`), which packed rows need per
+    conversation (hf_zero.data.vlm.VlmCollator); None for a family with 1-D positions."""
+    return next((m.get_rope_index for m in model.modules() if hasattr(m, "get_rope_index")), None)
+
+
 def build_vlm(model_args, processing, profile, plan):
     """The VLM for the run (under ZeRO-3 built partitioned by zero.Init, as a causal LM is), LoRA on it if asked,
     each part's weights trainable as `plan` (a PartPlan over part_names) says. Returns (model, target counts or
@@ -146,17 +152,25 @@ def build_vlm(model_args, processing, profile, plan):
     text = model.config.get_text_config()
     grown = grow_embeddings(model, processing.tokenizer, getattr(text, "vocab_size", None))
     keep_vision_in_step(model, family, processing)
+    return adapt_vlm(model, model_args, family, plan, grown)
+
+
+def adapt_vlm(model, model_args, family: Family, plan, grown: bool = False, announce: bool = True):
+    """LoRA on a VLM as the run puts it (its targets' matches per part said, or the family's default targets; the
+    parts a stage trains without an adapter in them kept whole by modules_to_save), then each part trainable as
+    `plan` says; on loaded weights or, for the estimate, on the meta device. Returns (model, target counts or None)."""
     counts = None
     if model_args.use_peft:
         targets = model_args.lora_target_modules
         if isinstance(targets, (list, tuple)):
             counts = target_counts(model, family, targets)
-            say(f"[hf_zero] LoRA targets matched per part: {describe_targets(counts)}")
             linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                              if isinstance(m, torch.nn.Linear) and part_of(n, family) == "vision_tower"})
             warning = vision_warning(counts, "vision_tower" in plan.ever_trained, linear)
-            if warning:
-                say(f"[hf_zero] warning: {warning}")
+            if announce:
+                say(f"[hf_zero] LoRA targets matched per part: {describe_targets(counts)}")
+                if warning:
+                    say(f"[hf_zero] warning: {warning}")
         else:
             model_args.lora_target_modules = targets or default_targets(family)
         model = apply_lora(model, model_args, task_type="CAUSAL_LM",

@@ -13,7 +13,8 @@ from hf_zero.core.files import human_bytes
 from hf_zero.data.chat import FormatOptions
 from hf_zero.data.chat_template import prepare_chat_template
 from hf_zero.data.model_names import get_tokenizer, resolve_model_path
-from hf_zero.data.multimodal import ModalitySpec, add_placeholders, check_multimodal_data, load_multimodal_stage
+from hf_zero.data.multimodal import ModalitySpec, add_placeholders, load_multimodal_stage
+from hf_zero.data.multimodal_check import check_multimodal_data
 from hf_zero.data.vlm import VlmProcessing, family_of
 from hf_zero.plan.parse import recipe_fields
 from hf_zero.plan.vlm_args import VlmArguments

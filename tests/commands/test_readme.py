@@ -272,6 +272,15 @@ def _check_multimodal_preview(proc, where):
     assert "    <points> x4 at positions 5-8: " in proc.stdout and "{<image> x5}What digit is this?" in proc.stdout
 
 
+def _check_multimodal_packing(proc, where):
+    assert "  packing: 52 samples in 18 rows of 128 tokens, 88.5% text" in proc.stdout
+
+
+def _check_vlm_estimate(proc, where):
+    assert "vlm (qwen2_vl): an image of 16x16 pixels (the largest the processor lets through) is 4 tokens" \
+        in proc.stdout and "gradients and optimizer state for vision_tower, projector, lora (23,520 " in proc.stdout
+
+
 def _check_multimodal_check(proc, where):
     assert "stage points trains encoder.points (6,464), projector.points (2,112): 8,576 parameters" in proc.stdout
 
@@ -282,6 +291,9 @@ def _check_multimodal_estimate(proc, where):
 
 CHECKS = {
     "hf-zero preview --config recipes/configs/tiny_multimodal.yaml -n 1": _check_multimodal_preview,
+    "hf-zero preview --config recipes/configs/tiny_multimodal.yaml -n 0 --packing true --max_seq_length 128":
+        _check_multimodal_packing,
+    "hf-zero estimate --config recipes/configs/tiny_vlm.yaml --profile cpu": _check_vlm_estimate,
     "hf-zero check --config recipes/configs/tiny_multimodal.yaml": _check_multimodal_check,
     "hf-zero estimate --config recipes/configs/tiny_multimodal.yaml --profile cpu": _check_multimodal_estimate,
     "make train": _check_make_train,

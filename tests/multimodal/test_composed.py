@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from hf_zero.core.errors import UserError
-from hf_zero.data.multimodal import MultimodalCollator, add_placeholders
+from hf_zero.data.multimodal import add_placeholders
+from hf_zero.data.multimodal_collator import MultimodalCollator
 from hf_zero.plan.arguments import ModelArguments
 from hf_zero.train.composed import ADAPTER_DIR, ComposedModel, build_encoders
 from hf_zero.train.parts import PartPlan, model_parts, plan_parts
@@ -202,3 +203,28 @@ def test_a_canonical_pointnet_reads_a_cloud_the_same_in_any_pose_and_size():
         assert torch.allclose(canonical(cloud), canonical(turned[:, torch.randperm(256)]), atol=1e-4)
         assert not torch.allclose(plain(cloud), plain(turned), atol=1e-2)
     assert canonical.point_mlp[0].in_features == 4  # x, y, z on the cloud's own axes, and the distance from its centre
+
+
+def test_packed_rows_give_each_conversation_the_losses_it_has_alone():
+    """Packing (`packing: true`): conversations with point clouds and images go whole into rows with their items;
+    in one forward each has the per-token losses it has alone (positions restart, no token attends across)."""
+    from testing_utils import REPO, packed_losses_match_alone
+
+    from hf_zero.data.multimodal import encode_multimodal_rows, read_rows
+    from hf_zero.data.packing import pack_documents, pad_id
+
+    model, tok = composed(use_peft=True)
+    folder = REPO / "recipes" / "data" / "tiny_multimodal"
+    samples = []
+    for name in ("shapes", "digits"):
+        rows = read_rows(str(folder / f"{name}.jsonl"), "data", "messages")[:6]
+        samples += encode_multimodal_rows(rows, tok, model.specs, model.placeholder_ids, 128, "data", name,
+                                          folder)[0]
+    rows = pack_documents(samples, 160, pad_id(tok))
+    assert len(rows) <= len(samples) // 3 and all(r["media"] for r in rows)
+    runs = {model.placeholder_ids[m]: s.tokens for m, s in model.specs.items()}
+
+    def items_of(ids):
+        return sum(ids.count(t) // n for t, n in runs.items())
+
+    assert packed_losses_match_alone(model, rows, MultimodalCollator(tok, model.specs), items_of) == len(samples)

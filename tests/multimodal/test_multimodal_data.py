@@ -8,13 +8,8 @@ import pytest
 
 from hf_zero.core.errors import UserError
 from hf_zero.data.chat import IGNORE
-from hf_zero.data.multimodal import (
-    ModalitySpec,
-    MultimodalCollator,
-    add_placeholders,
-    encode_multimodal_rows,
-    read_rows,
-)
+from hf_zero.data.multimodal import ModalitySpec, add_placeholders, encode_multimodal_rows, read_rows
+from hf_zero.data.multimodal_collator import MultimodalCollator
 from hf_zero.data.multimodal_demo import write_digits, write_shapes
 
 SPECS = {"image": ModalitySpec("image", (1, 8, 8), 5), "points": ModalitySpec("points", (16, 3), 3)}

@@ -159,9 +159,11 @@ def test_the_demo_data_holds_out_its_test_rows(tmp_path):
     rows = {name: [json.loads(line)["messages"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
             for name in ("shapes", "shapes_test", "digits", "digits_test")}
     assert [len(rows[n]) for n in rows] == [20, 50, 1747, 50]
-    answers = [m[1]["content"][0]["text"] for m in rows["shapes_test"]]
+    # each row: an empty system message (SmolLM2's template would write its 17-token default), the item, the answer
+    assert all(m[0] == {"role": "system", "content": ""} and len(m) == 3 for n in rows for m in rows[n])
+    answers = [m[2]["content"][0]["text"] for m in rows["shapes_test"]]
     assert all(answers.count(s) == 10 for s in SHAPES)
-    files = {n: {m[0]["content"][0]["image"].split("/")[-1] for m in rows[n]} for n in ("digits", "digits_test")}
+    files = {n: {m[1]["content"][0]["image"].split("/")[-1] for m in rows[n]} for n in ("digits", "digits_test")}
     assert not files["digits"] & files["digits_test"] and len(files["digits"] | files["digits_test"]) == 1797
 
 

@@ -126,6 +126,14 @@ def test_preview_shows_where_each_items_tokens_go(capsys):
     assert "{<points> x4}What shape is this?" in out and "{<image> x5}What digit is this?" in out
 
 
+def test_preview_says_how_the_conversations_pack_with_their_items(capsys):
+    assert main(["preview", "--config", str(CONFIG), "-n", "0", "--packing", "true", "--max_seq_length", "128"]) == 0
+    lines = re.findall(r"packing: (\d+) samples in (\d+) rows of 128 tokens, ([\d.]+)% text", capsys.readouterr().out)
+    assert len(lines) == 2  # one per stage
+    for samples, rows, text in lines:
+        assert int(rows) * 2 <= int(samples) and 50 < float(text) <= 100
+
+
 def test_the_estimates_model_states_match_what_the_run_holds(tmp_path, capsys):
     """One process (no ranks launched), one step a stage, `--measure_memory true`: the estimate's parameter,
     gradient and optimizer bytes (fp32, one rank, no wrapper) within 10% of what the run held at its first step,

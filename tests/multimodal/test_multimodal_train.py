@@ -87,6 +87,19 @@ def test_the_final_folder_holds_the_trained_model(run):
     assert adapter["base_model_name_or_path"] == "hf-zero/tiny-llama"  # the hub id: loads offline from the cache
 
 
+def test_packed_rows_train_with_their_items(tmp_path):
+    """`packing: true`: conversations go whole into rows of max_seq_length with their point clouds and images (the
+    losses per conversation are those it has alone: tests/multimodal/test_composed.py); fewer rows, same steps."""
+    import math
+
+    out = tmp_path / "o"
+    proc = run_cmd([sys.executable, RECIPE, "--config", short_config(tmp_path / "c.yaml", steps=2, max_seq_length=128),
+                    "--output_dir", out, "--packing", "true", "--disable_tqdm", "true", "--save_final_model", "false"])
+    s = read_summary(out)
+    assert s["settings"]["packing"] is True and len(s["losses"]) == 4 and all(map(math.isfinite, s["losses"]))
+    assert math.isfinite(s["eval_loss_after"]) and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("case", ["missing_image", "unknown_part"])
 def test_bad_input_is_one_line_exit_2(tmp_path, case):
     extra = {}

@@ -179,3 +179,36 @@ def test_one_stage_yaml_of_a_vlm_names_the_vlm_recipe(tmp_path):
     assert "recipe:" not in data_recipe_flags("tiny-llama", [str(REPO / "recipes" / "data" / "tiny" /
                                                                  "short.jsonl")])
     assert json.loads(DIGITS.read_text().splitlines()[0])["messages"]  # the multimodal recipe's own rows
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_packed_image_rows_give_each_conversation_the_losses_it_has_alone(name):
+    """Packing (`packing: true`): image conversations go whole into rows with their images; in one forward each has
+    the per-token losses it has alone: Idefics3's 1-D positions restart per conversation, Qwen2-VL's multimodal RoPE
+    is numbered per conversation by the model's own get_rope_index."""
+    from testing_utils import packed_losses_match_alone
+    from transformers import AutoModelForImageTextToText
+
+    from hf_zero.data.packing import pack_documents, pad_id
+    from hf_zero.train.vlm import rope_index_of
+
+    proc = processing(name)
+    text_row = [{"role": "user", "content": "What digit is seven?"}, {"role": "assistant", "content": "7"}]
+    samples, _ = encode(proc, [*digit_rows(6), text_row], DIGITS.parent)
+    rows = pack_documents(samples, 160, pad_id(proc.tokenizer))
+    assert len(rows) <= len(samples) // 3
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_pretrained(resolve_model_path(name)).eval()
+    marker = proc.config.vision_start_token_id if proc.family.name != "idefics3" else \
+        proc.tokenizer.convert_tokens_to_ids("<global-img>")  # one per image
+
+    def items_of(ids):
+        return ids.count(marker)
+
+    collate = VlmCollator(proc, rope_index_of(model))
+    assert packed_losses_match_alone(model, rows, collate, items_of) == len(samples)
+    if proc.family.name != "idefics3":
+        positions = collate(rows)["position_ids"]
+        assert positions.shape == (4, len(rows), 160)  # 1-D positions first, as transformers reads packed rows
+        with pytest.raises(ValueError, match="get_rope_index"):
+            VlmCollator(proc)(rows)

@@ -1,6 +1,6 @@
 """recipes/vlm.py on recipes/configs/tiny_vlm.yaml in one process, for both tiny families: image chat rows train
 (the held-out loss falls), a stage trains only the parts it names (LoRA untouched while the projector aligns), the
-final folder is an adapter with the projector trained in full and the processor's files, and packing is refused."""
+final folder is an adapter with the projector trained in full and the processor's files, and packed rows train."""
 
 import sys
 from pathlib import Path
@@ -80,13 +80,19 @@ def test_the_final_folder_is_an_adapter_with_the_processor(run):
         assert (final / file).is_file(), file
 
 
-def test_packing_is_refused_in_one_line(tmp_path):
-    proc = run_cmd([sys.executable, RECIPE, "--config", short_config(tmp_path / "c.yaml", steps=1), "--output_dir",
-                    tmp_path / "o", "--packing", "true"], check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "hf-zero: error: packing: rows with images are not packed yet (each image's tokens and, for Qwen2-VL, its "
-        "multimodal RoPE positions would cross row boundaries); set packing: false")
+@pytest.mark.parametrize("model", MODELS)
+def test_packed_image_rows_train(tmp_path, model):
+    """`packing: true`: conversations with images packed whole into rows of max_seq_length (the losses per
+    conversation are those it has alone: tests/vlm/test_vlm_data.py); the run trains and evaluates unpacked rows."""
+    import math
+
+    out = tmp_path / "o"
+    proc = run_cmd([sys.executable, RECIPE, "--config", short_config(tmp_path / "c.yaml", steps=2, max_seq_length=96),
+                    "--output_dir", out, "--model_name_or_path", model, "--packing", "true", "--disable_tqdm", "true",
+                    "--save_final_model", "false"])
+    s = read_summary(out)
+    assert s["settings"]["packing"] is True and len(s["losses"]) == 4 and all(map(math.isfinite, s["losses"]))
+    assert math.isfinite(s["eval_loss_after"]) and "Traceback" not in proc.stderr
 
 
 def test_export_merges_lora_and_generate_answers_as_plain_transformers(run, tmp_path, capsys):

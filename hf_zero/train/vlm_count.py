@@ -1,0 +1,156 @@
+"""A stock VLM's recipe counted without its weights, for `hf-zero estimate`: the model on the meta device as
+recipes/vlm.py adapts it (LoRA, the parts a stage trains without an adapter kept whole by peft's modules_to_save,
+what trains per stage), the visual tokens of the largest image the processor lets through (`image_max_pixels`, else
+the processor's own bound), and what the vision tower and projector keep for backward on such an image.
+
+The vision tower's saved bytes are counted by autograd's saved-tensor hooks on a real forward (a meta forward
+cannot run it: Qwen2-VL's patch positions and Idefics3's image mask are computed from the input's values), of the
+tower built at its real widths with 1 and then 2 layers, on the real image's pixels: every layer of a tower is the
+same module, so the count for all its layers is the first count plus (layers - 1) x the difference. Weights are
+left uninitialised (`to_empty`): what is saved depends on shapes, not values.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from hf_zero.core.files import human_bytes
+from hf_zero.data.chat_template import prepare_chat_template
+from hf_zero.data.model_names import get_tokenizer, resolve_model_path
+from hf_zero.data.vlm import Family, VlmProcessing
+from hf_zero.integrations.torch import saved_bytes
+from hf_zero.integrations.transformers import model_mapping, without_zero3_init
+from hf_zero.plan.parse import parse_recipe_args, recipe_fields
+from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
+from hf_zero.plan.vlm_args import VlmArguments
+from hf_zero.train.parts import PartPlan
+from hf_zero.train.vlm import adapt_vlm, part_names, vlm_parts
+from hf_zero.train.vlm_check import vlm_on_meta
+
+__all__ = ["VlmCount", "count_vlm", "largest_image_side", "vision_saved_bytes", "saved_at_layers"]
+
+_LAYER_FIELDS = ("depth", "num_hidden_layers")  # Qwen2-VL's vision config; Idefics3's (SigLIP-shaped)
+
+
+@dataclass(frozen=True)
+class VlmCount:
+    model: object  # on the meta device, LoRA and trainable parts as the run has them
+    family: Family
+    plan: PartPlan
+    sizes: dict  # {part: parameters that can train}
+    image_side: int  # pixels of the square image counted (the largest the processor lets through)
+    image_tokens: int  # the language model's positions one such image takes
+    image_bytes: int  # fp32 bytes the vision tower and projector save for backward on it
+
+    @property
+    def label(self) -> str:  # what the estimate adds to the model's name: nothing (the model is the VLM)
+        return ""
+
+    def activation_bytes_per_row(self, precision: str = "fp32") -> int:
+        """One image per row; 16-bit under mixed precision, as the vision tower's matmuls then run."""
+        return int((1 if precision == "fp32" else 0.5) * self.image_bytes)
+
+    def summary(self, precision: str, micro_batch: int) -> dict:
+        """The VLM terms of `hf-zero estimate` (its --json `multimodal`)."""
+        return {"family": self.family.name, "image_side": self.image_side,
+                "image_tokens_per_image": self.image_tokens,
+                "activation_bytes_per_row": self.activation_bytes_per_row(precision),
+                "activation_bytes": micro_batch * self.activation_bytes_per_row(precision),
+                "trainable_params": sum(self.sizes.get(p, 0) for p in self.plan.ever_trained),
+                "parts": dict(self.sizes),
+                "stages": [{"stage": name, "trains": [p for p, f in factors.items() if f > 0],
+                            "frozen": [p for p, f in factors.items() if f == 0]}
+                           for name, factors in zip(self.plan.names, self.plan.factors)]}
+
+    def lines(self, precision: str, micro_batch: int) -> list[str]:
+        s = self.summary(precision, micro_batch)
+        ever = s["trainable_params"]
+        stages = "; ".join(f"stage {st['stage']} trains {', '.join(st['trains'])}" for st in s["stages"])
+        return [f"vlm ({self.family.name}): an image of {self.image_side}x{self.image_side} pixels (the largest the "
+                f"processor lets through) is {self.image_tokens} tokens of the language model's (inside "
+                f"max_seq_length); the vision tower and projector keep "
+                f"{human_bytes(s['activation_bytes_per_row'], digits=2)} for backward on it, one image per row "
+                f"({human_bytes(s['activation_bytes'], digits=2)} per micro-batch, in the activations below)",
+                f"  {stages}; gradients and optimizer state for {', '.join(self.plan.ever_trained)} ({ever:,} "
+                "parameters, every part that trains in some stage, kept in every stage)"]
+
+
+def largest_image_side(processing: VlmProcessing) -> int:
+    """The side of the largest square image the processor passes unshrunk: Qwen2-VL's bound is an area in pixels,
+    Idefics3's a longest edge."""
+    size = processing.kwargs.get("size") or processing.images.size
+    edge = int(size["longest_edge"])
+    return edge if processing.family.name == "idefics3" else math.isqrt(edge)
+
+
+def _with_vision_layers(config, layers: int):
+    config = copy.deepcopy(config)
+    vision = config.vision_config
+    field = next(f for f in _LAYER_FIELDS if hasattr(vision, f))
+    setattr(vision, field, layers)
+    return config
+
+
+def _vision_layers(config) -> int:
+    return next(int(getattr(config.vision_config, f)) for f in _LAYER_FIELDS if hasattr(config.vision_config, f))
+
+
+def vision_saved_bytes(config, family: Family, pixels: dict, layers: int | None = None) -> int:
+    """fp32 bytes the vision tower and projector save for backward on `pixels` (the image processor's output for
+    the batch) with `layers` vision layers (default: the config's), weights trainable: counted at 1 and 2 layers
+    and extended layer by layer."""
+    one, two = saved_at_layers(config, family, pixels, 1), saved_at_layers(config, family, pixels, 2)
+    return one + ((layers or _vision_layers(config)) - 1) * (two - one)
+
+
+def saved_at_layers(config, family: Family, pixels: dict, layers: int) -> int:
+    """vision_saved_bytes counted directly, the vision tower built with `layers` layers."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+
+    cfg = _with_vision_layers(config, layers)
+    with torch.device("meta"), without_zero3_init():
+        model = model_mapping(AutoModelForImageTextToText)[type(cfg)](cfg)
+    parts = [model.model.vision_model, model.model.connector] if family.name == "idefics3" else [model.model.visual]
+    for part in parts:
+        part.to_empty(device="cpu")
+        part.float().requires_grad_(True)
+    weights = [p for part in parts for p in part.parameters()]
+    if family.name == "idefics3":
+        return saved_bytes(lambda: model.model.get_image_features(pixels["pixel_values"],
+                                                                  pixels["pixel_attention_mask"]), weights)
+    return saved_bytes(lambda: model.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"]),
+                       weights)
+
+
+def count_vlm(path: str, overrides=()) -> VlmCount | None:
+    """A recipe YAML's VLM, counted; None when its recipe is not recipes/vlm.py's."""
+    import torch
+    from PIL import Image
+
+    types = recipe_argument_types(load_recipe(str(recipe_script(None, path))))
+    if not any("image_max_pixels" in getattr(t, "__dataclass_fields__", {}) for t in types):
+        return None
+    model_args, *_, stages, training, _ = parse_recipe_args(types, ["--config", path, *overrides])
+    args = recipe_fields(VlmArguments, training)
+    tokenizer = get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)
+    prepare_chat_template(tokenizer, getattr(args, "chat_template", None))
+    processing = VlmProcessing(resolve_model_path(model_args.model_name_or_path), tokenizer, args.image_max_pixels)
+    model, family = vlm_on_meta(model_args)
+    names = part_names(model_args.use_peft)
+    plan = PartPlan(stages, names, training.get("learning_rate", 5e-5), default=names[-1:])
+    model, _ = adapt_vlm(model, replace(model_args), family, plan, announce=False)
+    sizes = {p: sum(t.numel() for _, t in ps) for p, ps in vlm_parts(model, family, model_args.use_peft).items()}
+    side = largest_image_side(processing)
+    with tempfile.TemporaryDirectory() as tmp:
+        image = Path(tmp) / "largest.png"
+        Image.new("RGB", (side, side), (127, 127, 127)).save(image)
+        ids = processing.expand(image)
+        pixels = processing.pixels([[image]], torch.tensor([ids]))
+    saved = vision_saved_bytes(processing.config, family, pixels)
+    return VlmCount(model, family, plan, sizes, side, ids.count(processing.image_token_id), saved)
