@@ -28,7 +28,8 @@ def main(argv=None):
     from hf_zero.data.multimodal import add_placeholders
     from hf_zero.data.multimodal_collator import MultimodalCollator
     from hf_zero.train import recipe_steps as steps
-    from hf_zero.train.composed import ComposedModel, build_encoders, freeze_unread_embeddings, save_composed
+    from hf_zero.train.composed import ComposedModel, freeze_unread_embeddings, save_composed
+    from hf_zero.train.composed_build import build_encoders
     from hf_zero.train.composed_generate import answer_composed_prompts
     from hf_zero.train.model import build_causal_lm, count_parameters, describe_weights
     from hf_zero.train.parts import PartsTrainer, part_sizes, plan_parts

@@ -25,7 +25,7 @@ from hf_zero.data.sources import load_source, verify_data_file
 from hf_zero.data.stages import StageData, hold_out
 
 __all__ = ["ModalitySpec", "add_placeholders", "load_media", "encode_multimodal_rows", "load_multimodal_stage",
-           "read_rows", "declared_specs", "message_text", "items_folder"]
+           "read_rows", "message_text", "items_folder"]
 
 _ADDED = "_hf_zero_template_tokens"  # hf_zero.data.chat_template's list of tokens the embeddings grow for
 
@@ -256,24 +256,3 @@ def load_multimodal_stage(stage, tokenizer, specs: dict, placeholder_ids: dict, 
 def items_folder(spec: str) -> Path:
     """The folder a source's item paths are relative to: its file's (a built-in source's prepared file's)."""
     return Path(resolve_data_path(spec)).resolve().parent
-
-
-def declared_specs(encoders) -> dict:
-    """{modality: ModalitySpec} from the recipe's `encoders:` without building them (token counts unknown: 1), for
-    the checks that only open files: `input_shape`, or a transformers config's [num_channels, image_size x 2]."""
-    specs = {}
-    for m, cfg in (encoders or {}).items():
-        cfg = cfg if isinstance(cfg, dict) else {}
-        hf = cfg.get("hf_config") or {}
-        shape = cfg.get("input_shape")
-        if shape is None and "image_size" in hf:
-            size = hf["image_size"] if isinstance(hf["image_size"], list) else [hf["image_size"]] * 2
-            shape = [hf.get("num_channels", 3), *size]
-        if not isinstance(shape, list) or not all(isinstance(n, int) and n > 0 for n in shape):
-            raise UserError(f"encoders.{m}.input_shape", f"{shape!r} is not a list of positive sizes",
-                            "e.g. input_shape: [1, 8, 8] for an image, [256, 3] for a point cloud")
-        specs[m] = ModalitySpec(m, tuple(shape), 1)
-    if not specs:
-        raise UserError("encoders", "the multimodal recipe needs at least one encoder",
-                        "e.g. encoders: {points: {class: hf_zero.train.encoders:PointNet, input_shape: [256, 3]}}")
-    return specs

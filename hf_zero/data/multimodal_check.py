@@ -1,12 +1,17 @@
 """`hf-zero check`'s data check of multimodal rows (the composed-model and stock-VLM recipes): every row's items
-valid and every image and array opened as the run opens them, without tokenizing (`hf-zero preview` does)."""
+valid and every image and array opened as the run opens them, without tokenizing (`hf-zero preview` does), and
+the input shapes the recipe's encoders declare, read without building them."""
 
 from __future__ import annotations
 
-from hf_zero.data.chat import FormatOptions, Row
-from hf_zero.data.multimodal import declared_specs, items_folder, message_text, read_rows
+from types import SimpleNamespace
 
-__all__ = ["check_multimodal_data"]
+from hf_zero.core.errors import UserError
+from hf_zero.data.chat import FormatOptions, Row
+from hf_zero.data.model_names import resolve_model_path
+from hf_zero.data.multimodal import ModalitySpec, items_folder, message_text, read_rows
+
+__all__ = ["check_multimodal_data", "declared_specs", "config_input_shape"]
 
 
 def check_multimodal_data(stages, args, specs: dict | None = None) -> str:
@@ -30,3 +35,48 @@ def check_multimodal_data(stages, args, specs: dict | None = None) -> str:
                 rows, files = rows + 1, files + len(media)
         counts.append(f"{stage.name} {rows} rows, {files} files")
     return f"{len(stages)} stage(s), every image and array opened: {'; '.join(counts)}"
+
+
+def declared_specs(encoders) -> dict:
+    """{modality: ModalitySpec} from the recipe's `encoders:` without building them (token counts unknown: 1), for
+    the checks that only open files: `input_shape`, or a transformers config's [num_channels, image_size x 2]
+    (`hf_config`, or a `pretrained` model's config.json)."""
+    specs = {}
+    for m, cfg in (encoders or {}).items():
+        cfg = cfg if isinstance(cfg, dict) else {}
+        shape = cfg.get("input_shape")
+        if shape is None and "hf_config" in cfg:
+            shape = config_input_shape(SimpleNamespace(**(cfg["hf_config"] or {})))
+        elif shape is None and "pretrained" in cfg:
+            shape = config_input_shape(_pretrained_config(str(cfg["pretrained"]), f"encoders.{m}.pretrained"))
+        if not isinstance(shape, list) or not all(isinstance(n, int) and n > 0 for n in shape):
+            raise UserError(f"encoders.{m}.input_shape", f"{shape!r} is not a list of positive sizes",
+                            "e.g. input_shape: [1, 8, 8] for an image, [256, 3] for a point cloud")
+        specs[m] = ModalitySpec(m, tuple(shape), 1)
+    if not specs:
+        raise UserError("encoders", "the multimodal recipe needs at least one encoder",
+                        "e.g. encoders: {points: {class: hf_zero.train.encoders:PointNet, input_shape: [256, 3]}}")
+    return specs
+
+
+def config_input_shape(config) -> list | None:
+    """[num_channels, height, width] of a transformers vision config (its image_size), None for another."""
+    if not hasattr(config, "image_size"):
+        return None
+    size = config.image_size if isinstance(config.image_size, (list, tuple)) else [config.image_size] * 2
+    return [getattr(config, "num_channels", 3), *size]
+
+
+def _pretrained_config(name: str, where: str):
+    """A `pretrained` encoder's config (of a vision-text pair, its vision tower's), read without its weights."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolve_model_path(name))
+    except UserError as err:  # resolve_model_path's own line names model_name_or_path: say which key it was
+        raise UserError(where, f"cannot read {name!r} ({err.problem})",
+                        "give a hub id in the offline cache or a folder with config.json and its weights") from None
+    except (OSError, ValueError) as err:
+        raise UserError(where, f"cannot read {name!r} ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
+                        "give a hub id in the offline cache or a folder with config.json and its weights") from None
+    return getattr(config, "vision_config", None) or config

@@ -6,6 +6,9 @@
 - `hf-zero/tiny-smolvlm`: SmolVLM as SmolVLM-256M is built (`Idefics3ForConditionalGeneration`: a 1-layer SigLIP-style
   vision tower, the pixel-shuffle `connector`, a 2-layer Llama) and `Idefics3Processor` (16 x 16 tiles, no splitting:
   4 image tokens).
+- `hf-zero/tiny-llava`: LLaVA-1.5 as llava-hf builds it (`LlavaForConditionalGeneration`: a 1-layer CLIP vision tower,
+  the MLP `multi_modal_projector`, a 2-layer Llama; the last layer's patches, CLS dropped) and `LlavaProcessor`
+  (images resized and cropped to 8 x 8: 2 x 2 patches, 4 image tokens).
 
 Both use the tiny Llama's tokenizer (hf_zero/data/tiny_assets) with the family's image tokens and ChatML markers added
 as special tokens, and ChatML as chat template. Each is written once into the hub cache under its hub id (as the
@@ -23,7 +26,8 @@ from hf_zero.data.cache import build_hub_snapshot, hub_snapshot_dir, model_folde
 __all__ = ["TINY_VLMS", "TINY_VLM_REVISION", "is_tiny_vlm", "get_tiny_vlm_path", "tiny_vlm_folder"]
 
 # short name -> hub id; the revision names the build, so a change in how they are built gets a new snapshot.
-TINY_VLMS = {"tiny-qwen2-vl": "hf-zero/tiny-qwen2-vl", "tiny-smolvlm": "hf-zero/tiny-smolvlm"}
+TINY_VLMS = {"tiny-qwen2-vl": "hf-zero/tiny-qwen2-vl", "tiny-smolvlm": "hf-zero/tiny-smolvlm",
+             "tiny-llava": "hf-zero/tiny-llava"}
 TINY_VLM_REVISION = hashlib.sha1(b"hf_zero config-built vlm v1").hexdigest()
 _TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512)
@@ -104,6 +108,31 @@ def _smolvlm(folder: Path) -> None:
                       chat_template=tokenizer.chat_template).save_pretrained(folder)
 
 
+def _llava(folder: Path) -> None:
+    import torch
+    from transformers import LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    tokenizer = _tokenizer(["<image>"], "<image>")
+    size, patch = 8, 4
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", **_TEXT, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+                         attention_dropout=0.0, tie_word_embeddings=False),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=size, patch_size=patch, projection_dim=32),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
+        vision_feature_select_strategy="default", tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(folder)
+    images = LlavaImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    # CLIP's CLS position is one more output, which the "default" strategy drops: (8 / 4)^2 = 4 image tokens
+    processor = LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=patch,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                               chat_template=tokenizer.chat_template)
+    processor.save_pretrained(folder)
+
+
 def chat_template(image: str) -> str:
     """ChatML as hf_zero's default (CHATML_TEMPLATE: `{% generation %}` around what an assistant turn trains), for
     the tokenizer and the processor alike: content as a string (hf_zero's data path renders items first) or a list
@@ -117,7 +146,7 @@ def chat_template(image: str) -> str:
             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-_BUILDERS = {"tiny-qwen2-vl": _qwen2_vl, "tiny-smolvlm": _smolvlm}
+_BUILDERS = {"tiny-qwen2-vl": _qwen2_vl, "tiny-smolvlm": _smolvlm, "tiny-llava": _llava}
 
 
 def tiny_vlm_folder(name: str) -> Path:

@@ -32,16 +32,19 @@ class Family:
     vision_tower: str  # dotted prefix of the vision tower's parameters (the projector's excluded)
     projector: str  # the projector (Qwen2-VL's merger, Idefics3's connector)
     language_model: tuple  # the language model's prefixes (its LM head included)
+    mrope: bool = False  # multimodal RoPE (Qwen2-VL): packed rows need its positions per conversation
 
 
 _QWEN = Family("qwen2_vl", "<|image_pad|>", "model.visual.", "model.visual.merger.",
-               ("model.language_model.", "lm_head."))
+               ("model.language_model.", "lm_head."), mrope=True)
 FAMILIES = {
     "qwen2_vl": _QWEN,
     "qwen2_5_vl": Family("qwen2_5_vl", **{k: getattr(_QWEN, k) for k in ("image_token", "vision_tower", "projector",
-                                                                         "language_model")}),
+                                                                         "language_model", "mrope")}),
     "idefics3": Family("idefics3", "<image>", "model.vision_model.", "model.connector.",
                        ("model.text_model.", "lm_head.")),
+    "llava": Family("llava", "<image>", "model.vision_tower.", "model.multi_modal_projector.",
+                    ("model.language_model.", "lm_head.")),
 }
 
 
@@ -54,8 +57,8 @@ def family_of(config, name: str) -> Family:
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         raise UserError("model_name_or_path", f"{name} is a {model_type} model, not a vision-language model hf_zero "
-                        f"trains ({', '.join(FAMILIES)})", "use a Qwen2-VL, Qwen2.5-VL or Idefics3/SmolVLM model, "
-                        "or recipes/multimodal.py to compose an LLM with encoders")
+                        f"trains ({', '.join(FAMILIES)})", "use a Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM or LLaVA "
+                        "model, or recipes/multimodal.py to compose an LLM with encoders")
     return FAMILIES[model_type]
 
 
@@ -101,7 +104,13 @@ class VlmProcessing:
         self.images = AutoImageProcessor.from_pretrained(folder)
         self.kwargs = {}  # what every call of the image processor adds: the size bound
         if max_pixels is not None:
-            if self.family.name == "idefics3":
+            if self.family.name == "llava":  # every image is resized and cropped to one size
+                crop = self.images.crop_size
+                if crop["height"] * crop["width"] > max_pixels:
+                    raise UserError("image_max_pixels", f"{max_pixels} is below this LLaVA's one image size "
+                                    f"({crop['height']} x {crop['width']}, which its processor gives every image)",
+                                    "remove image_max_pixels, or raise it")
+            elif self.family.name == "idefics3":
                 tile = self.images.max_image_size["longest_edge"]
                 self.kwargs["size"] = {"longest_edge": max(tile, math.isqrt(max_pixels) // tile * tile)}
             else:
@@ -122,9 +131,22 @@ class VlmProcessing:
             seq = int((vision.image_size // vision.patch_size) ** 2 / self.config.scale_factor ** 2)
             text = _idefics3_image_text(out["rows"][0][0], out["cols"][0][0], seq)
             return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if self.family.name == "llava":  # as LlavaProcessor counts: patches, + CLS, - CLS under "default"
+            _, _, height, width = self.images(images=[img], return_tensors="pt")["pixel_values"].shape
+            patch = self.config.vision_config.patch_size
+            extra = int(self._processor_setting("num_additional_image_tokens", 0))
+            extra -= self.config.vision_feature_select_strategy == "default"
+            return [self.image_token_id] * ((height // patch) * (width // patch) + extra)
         grid = self.images(images=[img], return_tensors="pt", **self.kwargs)["image_grid_thw"][0]
         tokens = int(grid.prod()) // self.images.merge_size ** 2
         return [self.config.vision_start_token_id, *[self.image_token_id] * tokens, self.config.vision_end_token_id]
+
+    def _processor_setting(self, name: str, default):
+        """A setting of the model's processor (processor_config.json), read without building the processor."""
+        import json
+
+        path = Path(self.folder) / "processor_config.json"
+        return json.loads(path.read_text()).get(name, default) if path.is_file() else default
 
     def pixels(self, rows: list[list[Path]], input_ids) -> dict:
         """The image tensors of a batch (each row's image files, in reading order) as the model's forward takes it."""
@@ -135,6 +157,8 @@ class VlmProcessing:
                               **self.kwargs)
             return {"pixel_values": out["pixel_values"], "pixel_attention_mask": out["pixel_attention_mask"]}
         out = self.images(images=[_open_rgb(p) for row in rows for p in row], return_tensors="pt", **self.kwargs)
+        if self.family.name == "llava":
+            return {"pixel_values": out["pixel_values"]}
         # multimodal RoPE (Qwen2-VL's get_rope_index) finds each image's positions by this mask: 1 on image tokens
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
                 "mm_token_type_ids": (input_ids == self.image_token_id).long()}
@@ -147,7 +171,8 @@ class VlmCollator(MultimodalCollator):
     Packed rows of Qwen2-VL need its multimodal RoPE per conversation: `rope_index` (the model's own
     `get_rope_index`, hf_zero.train.vlm.rope_index_of) numbers each conversation of a row from 0 as if it were alone,
     and the row's 1-D positions go first, (4, rows, length) as transformers' Qwen2-VL reads packed rows: its mask
-    keeps conversations apart by the 1-D positions' restarts. Idefics3's positions are 1-D: the text path's."""
+    keeps conversations apart by the 1-D positions' restarts. Idefics3's and LLaVA's positions are 1-D: the text
+    path's."""
 
     def __init__(self, processing: VlmProcessing, rope_index=None):
         super().__init__(processing.tokenizer, {})
@@ -157,7 +182,7 @@ class VlmCollator(MultimodalCollator):
         batch = super().__call__(samples)
         rows = [[Path(p) for kind, p in s.get("media", ()) if kind == "image"] for s in samples]
         batch = {**batch, **self.processing.pixels(rows, batch["input_ids"])}
-        if "position_ids" in batch and self.processing.family.name != "idefics3":
+        if "position_ids" in batch and self.processing.family.mrope:
             batch["position_ids"] = self._mrope_positions(batch)
         return batch
 

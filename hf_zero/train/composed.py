@@ -7,10 +7,9 @@ modality through a projector per encoder.
                projector: {type: mlp, hidden: 128}}
 
 An encoder is a Hugging Face model built from a config (random weights; `input_shape` from its image_size and
-num_channels unless given) or any `torch.nn.Module` named by import path, taking (B, *input_shape) and returning
-(B, tokens, width) (or (B, width): one token). Tokens and width are measured by one forward at build time, so the
-data and the projector never disagree with the encoder. The projector maps width to the LLM's hidden size (an MLP,
-or `type: linear`).
+num_channels unless given) or loaded by hub id or folder (`pretrained:`), or any `torch.nn.Module` named by import
+path, taking (B, *input_shape) and returning (B, tokens, width) (or (B, width): one token); hf_zero.train.
+composed_build builds and measures them and their projectors.
 
 Every encoder and projector runs on every step, on every rank: a batch without an item of a modality runs its
 encoder on one zero item and adds 0 x its output to the loss. Under ZeRO-3 (and FSDP) an encoder's forward gathers
@@ -20,8 +19,6 @@ Qwen3-VL#126 and ms-swift#8171). 0 x a finite value is exactly 0, so the loss is
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import json
 from pathlib import Path
 
@@ -29,106 +26,13 @@ import torch
 from torch import nn
 
 from hf_zero.checkpoint.fsdp import gathered_state_dict
-from hf_zero.core.errors import UserError
 from hf_zero.data.chat_template import added_template_tokens
-from hf_zero.data.multimodal import ModalitySpec
 from hf_zero.integrations.transformers import no_split_modules
+from hf_zero.train.composed_build import build_encoders, build_projector, encode
 
-__all__ = ["build_encoder", "build_encoders", "build_projector", "ComposedModel", "save_composed", "CONFIG_NAME",
-           "WEIGHTS_NAME", "ADAPTER_DIR", "freeze_unread_embeddings"]
+__all__ = ["ComposedModel", "save_composed", "CONFIG_NAME", "WEIGHTS_NAME", "ADAPTER_DIR", "freeze_unread_embeddings"]
 
 CONFIG_NAME, WEIGHTS_NAME, ADAPTER_DIR = "composed_config.json", "model.safetensors", "llm_adapter"
-_ENCODER_KEYS = {"class", "kwargs", "hf_config", "input_shape", "projector"}
-
-
-def _import_class(path: str, where: str):
-    module, _, name = path.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name) if name else None
-    except (ImportError, AttributeError) as err:
-        raise UserError(where, f"cannot import {path!r} ({type(err).__name__}: {str(err).splitlines()[0][:100]})",
-                        "give it as package.module:Class, importable from the run's folder or PYTHONPATH") from None
-
-
-def build_encoder(modality: str, cfg: dict) -> tuple[nn.Module, tuple]:
-    """(encoder, input_shape) from one entry of `encoders:`."""
-    where = f"encoders.{modality}"
-    if not isinstance(cfg, dict) or set(cfg) - _ENCODER_KEYS or ("class" in cfg) == ("hf_config" in cfg):
-        raise UserError(where, "needs exactly one of `class` (package.module:Class) or `hf_config` (a transformers "
-                        f"config), plus optional {', '.join(sorted(_ENCODER_KEYS - {'class', 'hf_config'}))}",
-                        "e.g. {class: hf_zero.train.encoders:PointNet, input_shape: [256, 3]}")
-    shape = cfg.get("input_shape")
-    if "class" in cfg:
-        cls = _import_class(str(cfg["class"]), f"{where}.class")
-        if cls is None:
-            raise UserError(f"{where}.class", f"{cfg['class']!r} names no class", "give it as package.module:Class")
-        try:
-            encoder = cls(**(cfg.get("kwargs") or {}))
-        except TypeError as err:
-            raise UserError(f"{where}.kwargs", str(err).splitlines()[0], "give the class's constructor arguments")
-    else:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_MAPPING
-
-        hf = dict(cfg["hf_config"])
-        try:
-            config = AutoConfig.for_model(hf.pop("model_type"), **hf)
-            cls = MODEL_MAPPING[type(config)]
-        except (KeyError, ValueError) as err:
-            raise UserError(f"{where}.hf_config", f"not a transformers model config ({err})",
-                            "give model_type (e.g. vit, dinov2, siglip_vision_model) and its fields") from None
-        # The class itself, not from_config: under ZeRO-3 transformers would build it partitioned (zero.Init), and
-        # it is measured by a forward before any engine exists; the engine partitions it when it wraps the model.
-        extra = {"add_pooling_layer": False} if "add_pooling_layer" in inspect.signature(cls.__init__).parameters \
-            else {}  # a pooler's output is never used: its parameters would get no gradient (DDP refuses that)
-        encoder = cls(config, **extra)
-        if shape is None and hasattr(config, "image_size"):
-            size = config.image_size if isinstance(config.image_size, (list, tuple)) else [config.image_size] * 2
-            shape = [getattr(config, "num_channels", 3), *size]
-    if not shape or not all(isinstance(n, int) and n > 0 for n in shape):
-        raise UserError(f"{where}.input_shape", f"{shape!r} is not a list of positive sizes",
-                        "e.g. input_shape: [1, 8, 8] for an image, [256, 3] for a point cloud")
-    return encoder, tuple(shape)
-
-
-def encode(encoder: nn.Module, values: torch.Tensor) -> torch.Tensor:
-    """(items, tokens, width) from any encoder: an HF model's last_hidden_state, or a module's tensor."""
-    dtype = next((p.dtype for p in encoder.parameters() if p.is_floating_point()), values.dtype)
-    out = encoder(values.to(dtype))
-    out = getattr(out, "last_hidden_state", out)
-    if isinstance(out, (tuple, list)):
-        out = out[0]
-    return out.unsqueeze(1) if out.dim() == 2 else out
-
-
-def build_encoders(encoders: dict) -> tuple[dict, dict]:
-    """({modality: encoder}, {modality: ModalitySpec}): each encoder built and measured by one forward on a zero
-    item, which gives the data its token count and the projector its input width."""
-    if not isinstance(encoders, dict) or not encoders:
-        raise UserError("encoders", "the multimodal recipe needs at least one encoder",
-                        "e.g. encoders: {points: {class: hf_zero.train.encoders:PointNet, input_shape: [256, 3]}}")
-    modules, specs = {}, {}
-    for m, cfg in encoders.items():
-        modules[m], shape = build_encoder(m, cfg)
-        with torch.no_grad():
-            probe = encode(modules[m], torch.zeros(1, *shape))
-        if probe.dim() != 3:
-            raise UserError(f"encoders.{m}", f"its output has shape {tuple(probe.shape)}",
-                            "return (batch, tokens, width) or (batch, width)")
-        specs[m] = ModalitySpec(m, shape, probe.shape[1], probe.shape[-1])
-    return modules, specs
-
-
-def build_projector(modality: str, cfg: dict | None, width: int, hidden_size: int) -> nn.Module:
-    cfg = dict(cfg or {})
-    kind = cfg.pop("type", "mlp")
-    inner = cfg.pop("hidden", hidden_size)
-    if cfg or kind not in ("mlp", "linear"):
-        raise UserError(f"encoders.{modality}.projector", f"unknown type or keys ({kind!r}, {sorted(cfg)})",
-                        "give {type: mlp, hidden: N} or {type: linear}")
-    if kind == "linear":
-        return nn.Linear(width, hidden_size)
-    return nn.Sequential(nn.Linear(width, inner), nn.GELU(), nn.Linear(inner, hidden_size))
 
 
 def freeze_unread_embeddings(llm, tokenizer, placeholder_ids: dict) -> bool:

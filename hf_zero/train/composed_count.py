@@ -24,7 +24,8 @@ from hf_zero.integrations.torch import saved_bytes
 from hf_zero.plan.arguments import CurriculumArguments
 from hf_zero.plan.parse import parse_recipe_args, recipe_fields
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
-from hf_zero.train.composed import ComposedModel, build_encoders, encode, freeze_unread_embeddings
+from hf_zero.train.composed import ComposedModel, freeze_unread_embeddings
+from hf_zero.train.composed_build import build_encoders, encode
 from hf_zero.train.model import lora_kwargs
 from hf_zero.train.parts import part_sizes, plan_parts
 

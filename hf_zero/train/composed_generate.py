@@ -24,7 +24,8 @@ from hf_zero.core.errors import UserError
 from hf_zero.core.safetensors_header import verify_safetensors
 from hf_zero.data.chat_template import end_of_turn_ids
 from hf_zero.data.model_names import get_tokenizer
-from hf_zero.data.multimodal import declared_specs, load_media
+from hf_zero.data.multimodal import load_media
+from hf_zero.data.multimodal_check import declared_specs
 from hf_zero.train.composed import ADAPTER_DIR, CONFIG_NAME, ComposedModel
 
 __all__ = ["composed_folder", "read_items", "composed_prompt_ids", "load_composed", "generate_composed",

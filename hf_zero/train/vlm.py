@@ -32,6 +32,7 @@ from hf_zero.integrations.transformers import add_to_embeddings_without_images
 from hf_zero.train.model import apply_lora, base_dtype, trainable_in_fp32
 
 __all__ = ["part_names", "part_of", "vlm_parts", "target_counts", "build_vlm", "adapt_vlm", "rope_index_of",
+           "llava_feature_kwargs", "unread_vision",
            "describe_targets", "vision_warning"]
 
 _WRAPPERS = re.compile(r"^(base_model\.model\.)|\.modules_to_save\.default|\.original_module")
@@ -51,11 +52,28 @@ def part_of(name: str, family: Family) -> str:
     return "language_model"
 
 
+def unread_vision(config, family: Family) -> tuple[str, ...]:
+    """Prefixes of the vision tower's parameters no forward reads: LLaVA's projector takes one layer's hidden states
+    (`vision_feature_layer`, -2 in LLaVA-1.5), so the layers after it and CLIP's final norm never run. They stay
+    frozen: they would get no gradient, which DDP refuses and which would make them "train" without changing."""
+    if family.name != "llava":
+        return ()
+    layers = config.vision_config.num_hidden_layers
+    chosen = config.vision_feature_layer
+    read = max(i % (layers + 1) for i in (chosen if isinstance(chosen, (list, tuple)) else [chosen]))
+    tower = family.vision_tower  # CLIPVisionTransformer: embeddings, pre_layrnorm, encoder, post_layernorm
+    return (*(f"{tower}encoder.layers.{i}." for i in range(read, layers)), f"{tower}post_layernorm.")
+
+
 def vlm_parts(model, family: Family, use_peft: bool) -> dict[str, list]:
     """{part: [(name, parameter)]} of what can train: every weight by its part, or under LoRA the adapters, the full
-    copies peft keeps for modules_to_save, and what else trains in the language model (grown embedding rows)."""
+    copies peft keeps for modules_to_save, and what else trains in the language model (grown embedding rows); never
+    the vision weights no forward reads (unread_vision)."""
     parts: dict = {}
+    unread = unread_vision(model.config, family)
     for name, param in model.named_parameters():
+        if unread and (_WRAPPERS.sub("", name) + ".").startswith(unread):
+            continue
         part = part_of(name, family)
         if use_peft:
             copy = "lora_" in name or ".modules_to_save." in name
@@ -112,6 +130,12 @@ def _total(out) -> torch.Tensor:
     return sum((_total(v) for v in out), torch.zeros(()))
 
 
+def llava_feature_kwargs(config) -> dict:
+    """Which vision layer LLaVA's projector reads and whether CLS is dropped: its config's, passed explicitly."""
+    return {"vision_feature_layer": config.vision_feature_layer,
+            "vision_feature_select_strategy": config.vision_feature_select_strategy}
+
+
 def _blank_image_features(model, family: Family, processing) -> torch.Tensor:
     """The vision tower and projector run on one blank image (the smallest the family takes)."""
     device = next(model.parameters()).device
@@ -121,6 +145,10 @@ def _blank_image_features(model, family: Family, processing) -> torch.Tensor:
         pixels = torch.ones(1, 1, 3, side, side, device=device, dtype=dtype)
         return _total(model.model.get_image_features(pixels, torch.ones(1, 1, side, side, dtype=torch.bool,
                                                                         device=device)))
+    if family.name == "llava":
+        side = model.config.vision_config.image_size
+        pixels = torch.ones(1, model.config.vision_config.num_channels, side, side, device=device, dtype=dtype)
+        return _total(model.model.get_image_features(pixels, **llava_feature_kwargs(model.config)))
     merge = processing.images.merge_size
     vision = model.config.vision_config
     width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
@@ -177,6 +205,10 @@ def adapt_vlm(model, model_args, family: Family, plan, grown: bool = False, anno
                            modules_to_save=_full_parts(model, family, plan, counts) or None)
         if grown:
             train_embeddings(model)
+    unread = unread_vision(model.config, family)
+    for name, param in model.named_parameters():
+        if unread and (_WRAPPERS.sub("", name) + ".").startswith(unread):
+            param.requires_grad_(False)
     for part, params in vlm_parts(model, family, model_args.use_peft).items():
         for _, param in params:
             param.requires_grad_(part in plan.ever_trained)

@@ -3,11 +3,11 @@ recipes/vlm.py adapts it (LoRA, the parts a stage trains without an adapter kept
 what trains per stage), the visual tokens of the largest image the processor lets through (`image_max_pixels`, else
 the processor's own bound), and what the vision tower and projector keep for backward on such an image.
 
-The vision tower's saved bytes are counted by autograd's saved-tensor hooks on a real forward (a meta forward
-cannot run it: Qwen2-VL's patch positions and Idefics3's image mask are computed from the input's values), of the
-tower built at its real widths with 1 and then 2 layers, on the real image's pixels: every layer of a tower is the
-same module, so the count for all its layers is the first count plus (layers - 1) x the difference. Weights are
-left uninitialised (`to_empty`): what is saved depends on shapes, not values.
+The vision tower's saved bytes are counted by autograd's saved-tensor hooks on a real forward on the CPU (a meta
+forward cannot run it: Qwen2-VL's patch positions and Idefics3's image mask are computed from the input's values),
+of the tower built at its real widths with 1 and then 2 layers (beside a 1-layer language model with a 64-row token
+table, which is not run), on the real image's pixels: every layer of a tower is the same module, so the count for
+all its layers is the first count plus (layers - 1) x the difference.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from hf_zero.plan.parse import parse_recipe_args, recipe_fields
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
 from hf_zero.plan.vlm_args import VlmArguments
 from hf_zero.train.parts import PartPlan
-from hf_zero.train.vlm import adapt_vlm, part_names, vlm_parts
+from hf_zero.train.vlm import adapt_vlm, llava_feature_kwargs, part_names, vlm_parts
 from hf_zero.train.vlm_check import vlm_on_meta
 
 __all__ = ["VlmCount", "count_vlm", "largest_image_side", "vision_saved_bytes", "saved_at_layers"]
@@ -82,6 +82,8 @@ class VlmCount:
 def largest_image_side(processing: VlmProcessing) -> int:
     """The side of the largest square image the processor passes unshrunk: Qwen2-VL's bound is an area in pixels,
     Idefics3's a longest edge."""
+    if processing.family.name == "llava":  # every image resized and cropped to one size
+        return int(processing.images.crop_size["height"])
     size = processing.kwargs.get("size") or processing.images.size
     edge = int(size["longest_edge"])
     return edge if processing.family.name == "idefics3" else math.isqrt(edge)
@@ -114,16 +116,21 @@ def saved_at_layers(config, family: Family, pixels: dict, layers: int) -> int:
 
 
     cfg = _with_vision_layers(config, layers)
-    with torch.device("meta"), without_zero3_init():
+    text = cfg.get_text_config()  # the language model is not run: one layer and a token table of 64 rows
+    text.num_hidden_layers, text.vocab_size, text.pad_token_id = 1, 64, None
+    with torch.device("cpu"), without_zero3_init():
         model = model_mapping(AutoModelForImageTextToText)[type(cfg)](cfg)
-    parts = [model.model.vision_model, model.model.connector] if family.name == "idefics3" else [model.model.visual]
+    names = {"idefics3": ("vision_model", "connector"), "llava": ("vision_tower", "multi_modal_projector")}
+    parts = [getattr(model.model, n) for n in names.get(family.name, ("visual",))]
     for part in parts:
-        part.to_empty(device="cpu")
         part.float().requires_grad_(True)
     weights = [p for part in parts for p in part.parameters()]
     if family.name == "idefics3":
         return saved_bytes(lambda: model.model.get_image_features(pixels["pixel_values"],
                                                                   pixels["pixel_attention_mask"]), weights)
+    if family.name == "llava":
+        return saved_bytes(lambda: model.model.get_image_features(pixels["pixel_values"],
+                                                                  **llava_feature_kwargs(cfg)), weights)
     return saved_bytes(lambda: model.model.get_image_features(pixels["pixel_values"], pixels["image_grid_thw"]),
                        weights)
 

@@ -10,7 +10,8 @@ from hf_zero.core.errors import UserError
 from hf_zero.data.multimodal import add_placeholders
 from hf_zero.data.multimodal_collator import MultimodalCollator
 from hf_zero.plan.arguments import ModelArguments
-from hf_zero.train.composed import ADAPTER_DIR, ComposedModel, build_encoders
+from hf_zero.train.composed import ADAPTER_DIR, ComposedModel
+from hf_zero.train.composed_build import build_encoders
 from hf_zero.train.parts import PartPlan, model_parts, plan_parts
 
 ENCODERS = {
@@ -228,3 +229,38 @@ def test_packed_rows_give_each_conversation_the_losses_it_has_alone():
         return sum(ids.count(t) // n for t, n in runs.items())
 
     assert packed_losses_match_alone(model, rows, MultimodalCollator(tok, model.specs), items_of) == len(samples)
+
+
+@pytest.mark.parametrize("kind", ["vit", "clip"])
+def test_a_pretrained_encoder_is_loaded_with_its_weights_by_folder(tmp_path, kind):
+    """`pretrained: <hub id or folder>`: the transformers model with its own weights (of a vision-text pair like CLIP,
+    its vision tower), its input shape from its config; counted on the meta device without them; one line for a
+    folder that is not a model."""
+    from transformers import CLIPConfig, CLIPModel, ViTConfig, ViTModel
+
+    from hf_zero.data.multimodal_check import declared_specs
+
+    torch.manual_seed(3)
+    vision = dict(image_size=8, patch_size=4, num_channels=1, hidden_size=16, num_hidden_layers=1,
+                  num_attention_heads=2, intermediate_size=32)
+    if kind == "vit":
+        saved = ViTModel(ViTConfig(**vision), add_pooling_layer=False)
+        expected = saved.state_dict()
+    else:
+        saved = CLIPModel(CLIPConfig(vision_config=vision, text_config=dict(hidden_size=16, num_hidden_layers=1,
+                                                                            num_attention_heads=2,
+                                                                            intermediate_size=32)))
+        expected = saved.vision_model.state_dict()
+    saved.save_pretrained(tmp_path / "enc")
+    entry = {"image": {"pretrained": str(tmp_path / "enc")}}
+    modules, specs = build_encoders(entry)
+    assert specs["image"].input_shape == (1, 8, 8) and specs["image"].tokens == 5  # 2 x 2 patches + CLS
+    got = modules["image"].state_dict()
+    assert set(got) == set(expected) and all(torch.equal(got[k], v) for k, v in expected.items())
+    assert declared_specs(entry)["image"].input_shape == (1, 8, 8)  # the light check reads config.json alone
+    with torch.device("meta"):
+        counted, _ = build_encoders(entry)
+    assert sum(p.numel() for p in counted["image"].parameters()) == sum(v.numel() for v in expected.values())
+    with pytest.raises(UserError) as err:
+        build_encoders({"image": {"pretrained": str(tmp_path)}})
+    assert err.value.line().startswith("encoders.image.pretrained: cannot read ") and "\n" not in err.value.line()

@@ -12,7 +12,8 @@ from hf_zero.cli import main
 from hf_zero.data.chat_template import end_of_turn_ids
 from hf_zero.data.multimodal import add_placeholders, load_media
 from hf_zero.plan.arguments import ModelArguments
-from hf_zero.train.composed import ADAPTER_DIR, ComposedModel, build_encoders
+from hf_zero.train.composed import ADAPTER_DIR, ComposedModel
+from hf_zero.train.composed_build import build_encoders
 
 ENCODERS = {
     "points": {"class": "hf_zero.train.encoders:PointNet", "kwargs": {"hidden": 16, "width": 16, "tokens": 3},

@@ -37,7 +37,8 @@ def built():
     from hf_zero.plan.arguments import ModelArguments, MultimodalArguments
     from hf_zero.plan.parse import parse_recipe_args
     from hf_zero.plan.profiles import load_profile
-    from hf_zero.train.composed import ComposedModel, build_encoders
+    from hf_zero.train.composed import ComposedModel
+    from hf_zero.train.composed_build import build_encoders
     from hf_zero.train.model import build_causal_lm
     from hf_zero.train.parts import part_sizes, plan_parts
 
@@ -157,3 +158,47 @@ def test_the_estimates_model_states_match_what_the_run_holds(tmp_path, capsys):
     row = est["strategies"][0]["gpu_bytes_per_rank"]
     for part in ("params", "grads", "optimizer"):
         assert measured["measured"][part] == pytest.approx(row[part], rel=0.10), (part, measured, row)
+
+
+# Measured 2026-11-28: the estimate's ZeRO gradient bytes per rank are 15% (ZeRO-2: 227,712 vs 197,888) and 24%
+# (ZeRO-3: 227,712 vs 183,488) above what each rank held; its parameters and Adam moments match. Not found why yet (the
+# text model's ZeRO-2/3 gradients match within 10%: tests/estimate/test_estimate_measured.py): a known failure.
+GRADS_ABOVE = pytest.mark.xfail(strict=True, reason="ZeRO gradient bytes of a composed model estimated 15-24% high")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("part", ["params", "optimizer", pytest.param("grads", marks=GRADS_ABOVE)])
+@pytest.mark.parametrize("profile", ["zero2", "zero3"])
+def test_the_estimates_model_states_match_each_rank_on_2_ranks(runs_2, capsys, profile, part):
+    """2 CPU ranks through the launcher, one step a stage, `--measure_memory true`: each rank's parameter, gradient
+    and optimizer bytes within 10% of the estimate's row for the same profile (fp32, world size 2): ZeRO-2 shards
+    the gradients and Adam moments of every part that trains in some stage, ZeRO-3 the weights too."""
+    from hf_zero.estimate.measure import read_measurements
+
+    config, out = runs_2[profile]
+    records = read_measurements(out)
+    assert [(r["rank"], r["world_size"]) for r in records] == [(0, 2), (1, 2)]
+    est = estimate_json(capsys, config, "--profile", profile, "--precision", "fp32", "--gpus-per-node", "2")
+    row = est["strategies"][0]["gpu_bytes_per_rank"]
+    for r in records:
+        assert r["measured"][part] == pytest.approx(row[part], rel=0.10), (profile, part, r["rank"], r, row)
+
+
+@pytest.fixture(scope="module")
+def runs_2(tmp_path_factory):
+    """profile -> (config, output folder) of a 2-rank run of the tiny config, one step a stage, measured at step 1;
+    launched when a test first reads it."""
+    from testing_utils import Lazy, launch_recipe
+
+    root = tmp_path_factory.mktemp("multimodal_2_ranks")
+
+    def make(profile):
+        config = config_copy(root / f"{profile}.yaml")
+        data = yaml.safe_load(config.read_text())
+        data.update(eval_samples=0, sample_prompts=0, stages=[{**s, "steps": 1} for s in data["stages"]])
+        config.write_text(yaml.safe_dump(data, sort_keys=False))
+        out = root / profile
+        launch_recipe(profile, out, "--measure_memory", "true", "--save_final_model", "false", config=config,
+                      recipe=REPO / "recipes" / "multimodal.py")
+        return config, out
+    return Lazy(make)

@@ -36,7 +36,7 @@ def test_check_says_a_text_model_is_not_a_vlm_in_one_line(tmp_path, capsys):
                        output_dir=tmp_path / "o")
     ok, line = results["data"]
     assert ok is False and line.startswith("model_name_or_path: tiny-llama is a llama model, not a vision-language "
-                                           "model hf_zero trains (qwen2_vl, qwen2_5_vl, idefics3)"), line
+                                           "model hf_zero trains (qwen2_vl, qwen2_5_vl, idefics3, llava)"), line
 
 
 def test_check_refuses_a_bound_on_image_size_that_is_not_positive(tmp_path, capsys):

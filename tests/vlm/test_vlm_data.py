@@ -3,6 +3,7 @@ transformers, an image item becomes exactly the run the family's processor write
 image_max_pixels bounds the visual tokens, a text-only batch still runs the vision tower with the loss unchanged, and
 LoRA targets are counted per part."""
 
+import itertools
 import json
 from pathlib import Path
 
@@ -20,12 +21,13 @@ from hf_zero.train.vlm import (
     keep_vision_in_step,
     part_names,
     target_counts,
+    unread_vision,
     vision_warning,
     vlm_parts,
 )
 
 DIGITS = REPO / "recipes" / "data" / "tiny_multimodal" / "digits.jsonl"
-MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm")
+MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm", "hf-zero/tiny-llava")
 
 
 def processing(name: str, max_pixels=None) -> VlmProcessing:
@@ -50,31 +52,36 @@ def test_the_tiny_vlms_load_with_plain_transformers(name):
     folder = resolve_model_path(name)  # built once into the hub cache under its hub id
     model = AutoModelForImageTextToText.from_pretrained(name)  # by hub id, offline, no hf_zero
     assert type(model).__name__ == {"hf-zero/tiny-qwen2-vl": "Qwen2VLForConditionalGeneration",
-                                    "hf-zero/tiny-smolvlm": "Idefics3ForConditionalGeneration"}[name]
+                                    "hf-zero/tiny-smolvlm": "Idefics3ForConditionalGeneration",
+                                    "hf-zero/tiny-llava": "LlavaForConditionalGeneration"}[name]
     tok = AutoTokenizer.from_pretrained(name)
     assert len(tok) == model.config.get_text_config().vocab_size and tok.chat_template
     assert AutoImageProcessor.from_pretrained(folder) is not None
-    if name.endswith("smolvlm"):  # Qwen2-VL's AutoProcessor needs torchvision (its video processor): not here
+    if not name.endswith("qwen2-vl"):  # Qwen2-VL's AutoProcessor needs torchvision (its video processor): not here
         from transformers import AutoProcessor
 
-        assert type(AutoProcessor.from_pretrained(name)).__name__ == "Idefics3Processor"
+        assert type(AutoProcessor.from_pretrained(name)).__name__ == {"hf-zero/tiny-smolvlm": "Idefics3Processor",
+                                                                      "hf-zero/tiny-llava": "LlavaProcessor"}[name]
 
 
-def test_an_image_is_the_run_idefics3s_own_processor_writes():
-    """The same conversation through hf_zero's data path and through Idefics3Processor (its chat template given the
-    list form, its image token expanded by itself): the same ids."""
+@pytest.mark.parametrize("name", ["hf-zero/tiny-smolvlm", "hf-zero/tiny-llava"])
+def test_an_image_is_the_run_the_familys_own_processor_writes(name):
+    """The same conversation through hf_zero's data path and through the family's processor (Idefics3Processor,
+    LlavaProcessor: its chat template given the list form, its image token expanded by itself): the same ids."""
     from PIL import Image
     from transformers import AutoProcessor
 
-    proc = processing("hf-zero/tiny-smolvlm")
+    proc = processing(name)
     row = digit_rows(1)[0]
     (sample,), _ = encode(proc, [row], DIGITS.parent)
-    hf = AutoProcessor.from_pretrained("hf-zero/tiny-smolvlm")
+    hf = AutoProcessor.from_pretrained(name)
     text = hf.apply_chat_template(row)
     with Image.open(DIGITS.parent / row[0]["content"][0]["image"]) as img:
-        theirs = hf(text=[text], images=[[img.convert("RGB")]], add_special_tokens=False)["input_ids"][0]
+        images = [[img.convert("RGB")]] if name.endswith("smolvlm") else [img.convert("RGB")]
+        theirs = hf(text=[text], images=images, add_special_tokens=False)["input_ids"][0]
     assert sample["input_ids"] == list(theirs)
-    assert sample["input_ids"].count(proc.image_token_id) == 4  # 16 x 16 pixels, 4 x 4 patches, pixel-shuffled by 2
+    # SmolVLM: 16 x 16 pixels, 4 x 4 patches, pixel-shuffled by 2; LLaVA: 8 x 8 pixels, 2 x 2 patches, CLS dropped
+    assert sample["input_ids"].count(proc.image_token_id) == 4
 
 
 def test_qwen2_vl_images_are_wrapped_and_sized_by_the_processor():
@@ -123,7 +130,10 @@ def test_a_text_only_batch_runs_the_vision_tower_and_keeps_the_loss(name):
     loss_plain, loss_kept = plain(**batch).loss, kept(**batch).loss
     assert torch.equal(loss_plain, loss_kept)
     loss_kept.backward()
-    vision = [p for n, p in kept.named_parameters() if n.startswith(proc.family.vision_tower)]
+    unread = unread_vision(kept.config, proc.family)  # LLaVA's final CLIP norm: its projector reads a layer before
+    assert bool(unread) == name.endswith("llava")
+    vision = [p for n, p in kept.named_parameters() if n.startswith(proc.family.vision_tower)
+              and not (n + ".").startswith(unread)]
     assert vision and all(p.grad is not None for p in vision)
     loss_plain.backward()
     assert all(p.grad is None for n, p in plain.named_parameters() if n.startswith(proc.family.vision_tower))
@@ -199,15 +209,12 @@ def test_packed_image_rows_give_each_conversation_the_losses_it_has_alone(name):
     assert len(rows) <= len(samples) // 3
     torch.manual_seed(0)
     model = AutoModelForImageTextToText.from_pretrained(resolve_model_path(name)).eval()
-    marker = proc.config.vision_start_token_id if proc.family.name != "idefics3" else \
-        proc.tokenizer.convert_tokens_to_ids("<global-img>")  # one per image
-
-    def items_of(ids):
-        return ids.count(marker)
+    def items_of(ids):  # one run of image tokens per image (these tiny images are not split into tiles)
+        return sum(1 for t, _ in itertools.groupby(ids) if t == proc.image_token_id)
 
     collate = VlmCollator(proc, rope_index_of(model))
     assert packed_losses_match_alone(model, rows, collate, items_of) == len(samples)
-    if proc.family.name != "idefics3":
+    if proc.family.mrope:
         positions = collate(rows)["position_ids"]
         assert positions.shape == (4, len(rows), 160)  # 1-D positions first, as transformers reads packed rows
         with pytest.raises(ValueError, match="get_rope_index"):

@@ -13,7 +13,7 @@ from testing_utils import REPO, run_cmd
 from hf_zero.cli import main
 
 CONFIG = REPO / "recipes" / "configs" / "tiny_vlm.yaml"
-MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm")
+MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm", "hf-zero/tiny-llava")
 
 
 def config_copy(dst, **overrides):

@@ -11,8 +11,9 @@ from testing_utils import REPO, read_summary, run_cmd
 
 RECIPE = REPO / "recipes" / "vlm.py"
 CONFIG = REPO / "recipes" / "configs" / "tiny_vlm.yaml"
-MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm")
-PROJECTOR = {"hf-zero/tiny-qwen2-vl": "visual.merger", "hf-zero/tiny-smolvlm": "connector"}
+MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm", "hf-zero/tiny-llava")
+PROJECTOR = {"hf-zero/tiny-qwen2-vl": "visual.merger", "hf-zero/tiny-smolvlm": "connector",
+             "hf-zero/tiny-llava": "multi_modal_projector"}
 
 # Each test here runs the recipe: `make test`, not `make test-fast`.
 pytestmark = pytest.mark.recipe_run
@@ -46,7 +47,8 @@ def adapter(folder: Path) -> dict:
 def test_image_rows_train_and_the_loss_falls(run):
     name, out, console = run
     s = read_summary(out)
-    assert s["vlm_family"] == {"hf-zero/tiny-qwen2-vl": "qwen2_vl", "hf-zero/tiny-smolvlm": "idefics3"}[name]
+    assert s["vlm_family"] == {"hf-zero/tiny-qwen2-vl": "qwen2_vl", "hf-zero/tiny-smolvlm": "idefics3",
+                               "hf-zero/tiny-llava": "llava"}[name]
     assert len(s["losses"]) == 6 and s["eval_loss_after"] < s["eval_loss_before"]
     assert s["parts"]["align"] == {"vision_tower": 0.0, "projector": 1.0, "lora": 0.0}
     assert s["parts"]["tune"]["projector"] == 0.5 and s["parts"]["tune"]["lora"] == 1.0
