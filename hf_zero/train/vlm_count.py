@@ -114,7 +114,6 @@ def saved_at_layers(config, family: Family, pixels: dict, layers: int) -> int:
     import torch
     from transformers import AutoModelForImageTextToText
 
-
     cfg = _with_vision_layers(config, layers)
     text = cfg.get_text_config()  # the language model is not run: one layer and a token table of 64 rows
     text.num_hidden_layers, text.vocab_size, text.pad_token_id = 1, 64, None
