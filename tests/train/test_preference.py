@@ -500,7 +500,7 @@ import torch
 from accelerate import Accelerator
 from transformers import AutoModelForCausalLM
 from hf_zero.data.model_names import get_tokenizer, resolve_model_path
-from hf_zero.train.preference import answer_logps
+from hf_zero.train.preference_logps import answer_logps
 
 acc = Accelerator(cpu=True)
 tokenizer = get_tokenizer("tiny-llama")
@@ -521,7 +521,7 @@ def test_two_ranks_each_compute_their_own_rows_and_gather_all(tmp_path):
     """7 rows on 2 ranks: each rank forwards its share (4 rows, the second padded with a repeated row), and both
     hold every row's log-probabilities, those of one process; the held-out reward accuracy from them is one
     process's (every pair once, the padding dropped)."""
-    from hf_zero.train.preference import answer_logps
+    from hf_zero.train.preference_logps import answer_logps
     from hf_zero.train.preference_report import pair_rewards
 
     tokenizer = get_tokenizer("tiny-llama")
