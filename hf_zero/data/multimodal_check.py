@@ -11,7 +11,7 @@ from hf_zero.data.chat import FormatOptions, Row
 from hf_zero.data.model_names import resolve_model_path
 from hf_zero.data.multimodal import ModalitySpec, items_folder, message_text, read_rows
 
-__all__ = ["check_multimodal_data", "declared_specs", "config_input_shape"]
+__all__ = ["check_multimodal_data", "declared_specs", "config_input_shape", "pretrained_config"]
 
 
 def check_multimodal_data(stages, args, specs: dict | None = None) -> str:
@@ -48,7 +48,8 @@ def declared_specs(encoders) -> dict:
         if shape is None and "hf_config" in cfg:
             shape = config_input_shape(SimpleNamespace(**(cfg["hf_config"] or {})))
         elif shape is None and "pretrained" in cfg:
-            shape = config_input_shape(_pretrained_config(str(cfg["pretrained"]), f"encoders.{m}.pretrained"))
+            config = pretrained_config(str(cfg["pretrained"]), f"encoders.{m}.pretrained")[1]
+            shape = config_input_shape(getattr(config, "vision_config", None) or config)  # a pair: its vision tower
         if not isinstance(shape, list) or not all(isinstance(n, int) and n > 0 for n in shape):
             raise UserError(f"encoders.{m}.input_shape", f"{shape!r} is not a list of positive sizes",
                             "e.g. input_shape: [1, 8, 8] for an image, [256, 3] for a point cloud")
@@ -67,16 +68,17 @@ def config_input_shape(config) -> list | None:
     return [getattr(config, "num_channels", 3), *size]
 
 
-def _pretrained_config(name: str, where: str):
-    """A `pretrained` encoder's config (of a vision-text pair, its vision tower's), read without its weights."""
+def pretrained_config(name: str, where: str):
+    """(folder, config) of a `pretrained` encoder, by hub id in the offline cache or folder, read without its
+    weights; a name that is not a model is one line naming `where`."""
     from transformers import AutoConfig
 
+    fix = "give a hub id in the offline cache or a folder with config.json and its weights"
     try:
-        config = AutoConfig.from_pretrained(resolve_model_path(name))
+        path = resolve_model_path(name)
+        return path, AutoConfig.from_pretrained(path)
     except UserError as err:  # resolve_model_path's own line names model_name_or_path: say which key it was
-        raise UserError(where, f"cannot read {name!r} ({err.problem})",
-                        "give a hub id in the offline cache or a folder with config.json and its weights") from None
+        raise UserError(where, f"cannot read {name!r} ({err.problem})", fix) from None
     except (OSError, ValueError) as err:
         raise UserError(where, f"cannot read {name!r} ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
-                        "give a hub id in the offline cache or a folder with config.json and its weights") from None
-    return getattr(config, "vision_config", None) or config
+                        fix) from None

@@ -10,6 +10,7 @@ on the batch's images in reading order, which is the order the model fills its i
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
@@ -117,6 +118,14 @@ class VlmProcessing:
                 low = min(self.images.size["shortest_edge"], max_pixels)
                 self.kwargs["size"] = {"shortest_edge": low, "longest_edge": max_pixels}
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.family.image_token)
+        # LLaVA: image tokens beyond the patches, as LlavaProcessor counts them (its processor_config.json's
+        # num_additional_image_tokens, CLIP's CLS; one less under the "default" strategy, which drops CLS)
+        self.extra_tokens = 0
+        if self.family.name == "llava":
+            settings = Path(folder) / "processor_config.json"
+            saved = json.loads(settings.read_text()) if settings.is_file() else {}
+            self.extra_tokens = int(saved.get("num_additional_image_tokens", 0)) - (
+                self.config.vision_feature_select_strategy == "default")
 
     def spec(self) -> dict:
         """{"image": ModalitySpec} for hf_zero.data.multimodal: the family's image token, expanded per image."""
@@ -134,19 +143,10 @@ class VlmProcessing:
         if self.family.name == "llava":  # as LlavaProcessor counts: patches, + CLS, - CLS under "default"
             _, _, height, width = self.images(images=[img], return_tensors="pt")["pixel_values"].shape
             patch = self.config.vision_config.patch_size
-            extra = int(self._processor_setting("num_additional_image_tokens", 0))
-            extra -= self.config.vision_feature_select_strategy == "default"
-            return [self.image_token_id] * ((height // patch) * (width // patch) + extra)
+            return [self.image_token_id] * ((height // patch) * (width // patch) + self.extra_tokens)
         grid = self.images(images=[img], return_tensors="pt", **self.kwargs)["image_grid_thw"][0]
         tokens = int(grid.prod()) // self.images.merge_size ** 2
         return [self.config.vision_start_token_id, *[self.image_token_id] * tokens, self.config.vision_end_token_id]
-
-    def _processor_setting(self, name: str, default):
-        """A setting of the model's processor (processor_config.json), read without building the processor."""
-        import json
-
-        path = Path(self.folder) / "processor_config.json"
-        return json.loads(path.read_text()).get(name, default) if path.is_file() else default
 
     def pixels(self, rows: list[list[Path]], input_ids) -> dict:
         """The image tensors of a batch (each row's image files, in reading order) as the model's forward takes it."""

@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 from hf_zero.core.errors import UserError
-from hf_zero.data.model_names import resolve_model_path
 from hf_zero.data.multimodal import ModalitySpec
-from hf_zero.data.multimodal_check import config_input_shape
+from hf_zero.data.multimodal_check import config_input_shape, pretrained_config
 from hf_zero.integrations.transformers import without_zero3_init
 
 __all__ = ["build_encoder", "build_encoders", "build_projector", "encode"]
@@ -80,20 +79,13 @@ def _pretrained_encoder(name: str, where: str):
     vision-text pair (CLIP, SigLIP: a config with a vision_config) its vision tower. Built without weights on the
     meta device (hf-zero estimate and check count it there), and without zero.Init: it is measured by a forward
     before any engine exists, and the engine partitions it when it wraps the model."""
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
-
-    try:
-        path = resolve_model_path(name)
-        config = AutoConfig.from_pretrained(path)
-        cls = MODEL_MAPPING[type(config)]
-    except UserError as err:  # resolve_model_path's own line names model_name_or_path: say which key it was
-        raise UserError(where, f"cannot read {name!r} ({err.problem})",
-                        "give a hub id in the offline cache or a folder with config.json and its weights") from None
-    except (OSError, ValueError, KeyError) as err:
-        raise UserError(where, f"cannot read {name!r} ({type(err).__name__}: {str(err).splitlines()[0][:120]})",
-                        "give a hub id in the offline cache or a folder with config.json and its weights") from None
+    path, config = pretrained_config(name, where)
+    cls = MODEL_MAPPING.get(type(config), None)
+    if cls is None:
+        raise UserError(where, f"{name!r} is a {config.model_type} model with no transformers base model class",
+                        "give a vision encoder (ViT, DINOv2, SigLIP, CLIP, ...)")
     vision = getattr(config, "vision_config", None)
     if torch.empty(0).device.type == "meta":
         inner = MODEL_MAPPING[type(vision)] if vision is not None else cls

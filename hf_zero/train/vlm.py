@@ -65,6 +65,10 @@ def unread_vision(config, family: Family) -> tuple[str, ...]:
     return (*(f"{tower}encoder.layers.{i}." for i in range(read, layers)), f"{tower}post_layernorm.")
 
 
+def _is_unread(name: str, unread: tuple[str, ...]) -> bool:
+    return bool(unread) and (_WRAPPERS.sub("", name) + ".").startswith(unread)
+
+
 def vlm_parts(model, family: Family, use_peft: bool) -> dict[str, list]:
     """{part: [(name, parameter)]} of what can train: every weight by its part, or under LoRA the adapters, the full
     copies peft keeps for modules_to_save, and what else trains in the language model (grown embedding rows); never
@@ -72,7 +76,7 @@ def vlm_parts(model, family: Family, use_peft: bool) -> dict[str, list]:
     parts: dict = {}
     unread = unread_vision(model.config, family)
     for name, param in model.named_parameters():
-        if unread and (_WRAPPERS.sub("", name) + ".").startswith(unread):
+        if _is_unread(name, unread):
             continue
         part = part_of(name, family)
         if use_peft:
@@ -207,7 +211,7 @@ def adapt_vlm(model, model_args, family: Family, plan, grown: bool = False, anno
             train_embeddings(model)
     unread = unread_vision(model.config, family)
     for name, param in model.named_parameters():
-        if unread and (_WRAPPERS.sub("", name) + ".").startswith(unread):
+        if _is_unread(name, unread):
             param.requires_grad_(False)
     for part, params in vlm_parts(model, family, model_args.use_peft).items():
         for _, param in params:
