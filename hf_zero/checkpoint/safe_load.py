@@ -16,15 +16,13 @@ with the same allowlist), which builds tensors, containers and the few types bel
   no weights-only switch reaches: under the guard, every such read is preceded by the same check of that file.
 - `python -m hf_zero.checkpoint.safe_load MODULE ARGS`: runs a module (DeepSpeed's ds_to_universal) under the guard.
 
-The allowlist is what DeepSpeed, the Trainer, accelerate and torch's distributed checkpoint write into checkpoints
-of the zero1/2/3, fsdp2 and ddp profiles (found with torch.serialization.get_unsafe_globals_in_checkpoint on real
-ones; tests/checkpoint/test_safe_load.py loads every file of a real checkpoint with it).
+The allowlist (hf_zero/checkpoint/allowlist.py) is what DeepSpeed, the Trainer, accelerate and torch's distributed
+checkpoint write into checkpoints of the zero1/2/3, fsdp2 and ddp profiles.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import os
 import pickle
@@ -34,83 +32,20 @@ import sys
 import zipfile
 from pathlib import Path
 
+from hf_zero.checkpoint.allowlist import ALLOWED, allowed_globals
 from hf_zero.checkpoint.paths import checkpoint_files, inside, read_tag
 from hf_zero.core.errors import EXIT_USAGE, UserError
 from hf_zero.integrations.torch import check_dcp_metadata_first, restore_dcp_read_metadata, set_torch_load
 
-__all__ = ["FORCE_ENV", "ALLOWED", "allowed_globals", "safe_checkpoint_loading", "check_checkpoint", "safe_load",
-           "refusal"]
+__all__ = ["FORCE_ENV", "safe_checkpoint_loading", "check_checkpoint", "safe_load", "refusal"]
 
 FORCE_ENV = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 
-# "module.name" of every type a checkpoint may hold beyond torch's own defaults (tensors, containers, dtypes).
-ALLOWED = (
-    # DeepSpeed optimizer shards (ZeRO-1/2/3) and universal checkpoints
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-    # the Trainer's rng_state*.pth (numpy's RNG state), as transformers.trainer_pt_utils.safe_globals allows
-    "numpy._core.multiarray._reconstruct",
-    "numpy.ndarray",
-    "numpy.dtype",
-    "numpy.dtypes.UInt32DType",
-    # training_args.bin: the recipes' TrainingArguments and what they hold (under their names before the move to
-    # plan/arguments.py too: a checkpoint written then records those, _MOVED)
-    "hf_zero.plan.arguments.CurriculumArguments",
-    "hf_zero.plan.arguments.ClassificationArguments",
-    "hf_zero.plan.arguments.MultimodalArguments",
-    "hf_zero.plan.vlm_args.VlmArguments",
-    "hf_zero.core.config.CurriculumArguments",
-    "hf_zero.data.classification.ClassificationArguments",
-    "hf_zero.core.multimodal_args.MultimodalArguments",
-    "transformers.training_args.OptimizerNames",
-    "transformers.trainer_utils.SchedulerType",
-    "transformers.trainer_utils.SaveStrategy",
-    "transformers.trainer_utils.IntervalStrategy",
-    "transformers.trainer_utils.HubStrategy",
-    "transformers.trainer_pt_utils.AcceleratorConfig",
-    "transformers.integrations.deepspeed.HfDeepSpeedConfig",
-    "transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig",
-    "accelerate.state.PartialState",
-    "accelerate.utils.dataclasses.DistributedType",
-    "accelerate.utils.dataclasses.DeepSpeedPlugin",
-    # sequence parallelism (zero3_sp): TrainingArguments.parallelism_config
-    "accelerate.parallelism_config.ParallelismConfig",
-    "accelerate.utils.dataclasses.DeepSpeedSequenceParallelConfig",
-    # torch distributed checkpoint (FSDP2): the .metadata file, read by torch with plain pickle
-    "torch.distributed.checkpoint.metadata.Metadata",
-    "torch.distributed.checkpoint.metadata.MetadataIndex",
-    "torch.distributed.checkpoint.metadata.StorageMeta",
-    "torch.distributed.checkpoint.metadata.TensorProperties",
-    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
-    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
-    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
-    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
-    "torch.serialization._get_layout",
-    "torch.Size",
-    "pathlib.PosixPath",
-)
 _ORIGINAL_LOAD: list = []  # torch.load as torch defines it, kept while the guard wraps it
 _FIX = ("hf_zero loads only tensors and the training state DeepSpeed, the Trainer and torch write; use a checkpoint "
         "from a run you trust, or re-save its weights as safetensors")
 _STATE = {"depth": 0, "registered": False}
 _DCP_METADATA = re.compile(r"^(__\d+)?\.metadata$")  # torch's distributed checkpoint: global, or one rank's
-
-
-_MOVED = {f"hf_zero.{old}.{cls}": f"hf_zero.plan.arguments.{cls}" for old, cls in (
-    ("core.config", "CurriculumArguments"), ("data.classification", "ClassificationArguments"),
-    ("core.multimodal_args", "MultimodalArguments"))}
-
-
-def _resolve(name: str):
-    module, attr = _MOVED.get(name, name).rsplit(".", 1)
-    return getattr(importlib.import_module(module), attr)
-
-
-def allowed_globals() -> list:
-    """The allowlisted objects, each under the name checkpoints record it by (numpy's moved modules included)."""
-    return [(_resolve(name), name) for name in ALLOWED]
 
 
 def _register() -> None:

@@ -17,16 +17,10 @@ import torch
 import yaml
 from testing_utils import REPO, TINY
 
+from hf_zero.checkpoint.allowlist import ALLOWED, allowed_globals
 from hf_zero.checkpoint.convert import convert_to_universal
 from hf_zero.checkpoint.resume import _choose
-from hf_zero.checkpoint.safe_load import (
-    ALLOWED,
-    FORCE_ENV,
-    _is_pickle,
-    allowed_globals,
-    check_checkpoint,
-    safe_checkpoint_loading,
-)
+from hf_zero.checkpoint.safe_load import FORCE_ENV, _is_pickle, check_checkpoint, safe_checkpoint_loading
 from hf_zero.checkpoint.store import MANIFEST_NAME, crc32_of, file_sizes, write_manifest
 from hf_zero.cli import main
 from hf_zero.core.errors import UserError

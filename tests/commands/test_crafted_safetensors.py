@@ -90,5 +90,6 @@ def test_a_crafted_adapter_is_refused_for_generate(tmp_path, capsys):
     (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "tiny-llama"}))
     _file(adapter / "adapter_model.safetensors", *CRAFTED["offsets outside"][:3])
     assert main(["generate", "--adapter", str(adapter), "--prompt", "hi"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    # another test process may be building the tiny Llama into the shared cache: its wait is said, not an error
+    err = [ln for ln in capsys.readouterr().err.strip().splitlines() if not ln.startswith("hf-zero: waiting up to ")]
     assert len(err) == 1 and err[0].startswith("hf-zero: error: --adapter: ") and "adapter_model.safetensors" in err[0]
