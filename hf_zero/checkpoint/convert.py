@@ -27,9 +27,7 @@ convert again; an interrupted, altered or damaged one is redone. Every folder na
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -43,9 +41,12 @@ from hf_zero.checkpoint.safe_load import check_checkpoint, safe_checkpoint_loadi
 from hf_zero.checkpoint.store import (
     METADATA_NAME,
     checkpoint_step,
+    clear_partial_mark,
     crc32_of,
     file_sizes,
+    mark_partial,
     read_metadata,
+    remove_marked_partial,
     validate_checkpoint,
     write_json_atomic,
     write_manifest,
@@ -62,8 +63,6 @@ __all__ = ["UNIVERSAL_SUFFIX", "convert_to_universal", "engine_of", "needs_conve
 UNIVERSAL_SUFFIX = "_universal"
 _REFUSED = "hf-zero: error: checkpoint: "
 # In --out while `hf-zero convert` writes there: names its partial folder, which the next convert removes.
-_PARTIAL_MARK = ".hf_zero_convert.json"
-_PARTIAL_NAME = re.compile(r"^\.checkpoint-\d+\.partial$")
 
 # The files of a checkpoint no engine owns: carried as they are by `hf-zero convert`.
 _ENGINE_FREE = ("trainer_state.json", "scheduler.pt", "rng_state*.pth", "training_args.bin", "config.json",
@@ -194,7 +193,7 @@ def convert_checkpoint(checkpoint, profile_name: str, out, nproc: int | None = N
     if root.absolute() == source.absolute() or source.resolve() in (root.resolve(), *root.resolve().parents):
         raise UserError("--out", f"{out} is inside the checkpoint being converted ({source})",
                         "give a folder outside it")
-    _remove_own_partial(root)
+    remove_marked_partial(root)
     if root.exists() and any(root.iterdir()):
         raise UserError("--out", f"{out} is not empty", "give a new folder")
     check_checkpoint(source)
@@ -203,14 +202,14 @@ def convert_checkpoint(checkpoint, profile_name: str, out, nproc: int | None = N
     made_root = not root.exists()
     root.mkdir(parents=True, exist_ok=True)
     # The mark first, removed last: a convert killed at any point leaves a partial folder the next one removes.
-    write_json_atomic(root / _PARTIAL_MARK, {"partial": tmp.name})
+    mark_partial(root, tmp)
     try:
         tmp.mkdir()
         _write_converted(source, tmp, target, written, meta, profile, nproc or meta.get("world_size") or 1)
         os.rename(tmp, dest)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)  # this command's own (the mark names it)
-        (root / _PARTIAL_MARK).unlink(missing_ok=True)
+        clear_partial_mark(root)
         if made_root:
             with contextlib.suppress(OSError):
                 root.rmdir()
@@ -218,26 +217,8 @@ def convert_checkpoint(checkpoint, profile_name: str, out, nproc: int | None = N
         if failed is not None:
             raise failed from None
         raise
-    (root / _PARTIAL_MARK).unlink()
+    clear_partial_mark(root)
     return dest
-
-
-def _remove_own_partial(root: Path) -> None:
-    """A partial folder a failed or killed `hf-zero convert` left in --out, named by its mark: removed, so the same
-    command runs again. Nothing without the mark is touched (and the mark may only name a partial folder)."""
-    mark = root / _PARTIAL_MARK
-    if not mark.is_file() or mark.is_symlink():
-        return
-    try:
-        name = json.loads(mark.read_text())["partial"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return
-    partial = root / name if isinstance(name, str) and _PARTIAL_NAME.match(name) else None
-    if partial is not None and partial.is_symlink():
-        return
-    if partial is not None:
-        shutil.rmtree(partial, ignore_errors=True)
-    mark.unlink()
 
 
 def _write_converted(source: Path, tmp: Path, target: str, written: str, meta: dict, profile, world: int) -> None:

@@ -29,7 +29,7 @@ __all__ = [
     "METADATA_NAME", "MANIFEST_NAME", "LATEST_NAME", "STAGING_DIR", "checkpoint_step", "list_checkpoints",
     "file_sizes", "crc32_of", "write_json_atomic", "write_manifest", "read_metadata", "validate_checkpoint",
     "find_resume_checkpoint", "checkpoints_to_keep", "rotate_checkpoints", "publish_checkpoint",
-    "size_breakdown", "fsync_dir",
+    "size_breakdown", "fsync_dir", "mark_partial", "clear_partial_mark", "remove_marked_partial",
 ]
 
 METADATA_NAME = "hf_zero_checkpoint.json"
@@ -38,6 +38,9 @@ LATEST_NAME = "latest_checkpoint"  # in output_dir: the name of the newest compl
 STAGING_DIR = ".hf_zero_staging"  # in output_dir: checkpoints being written; never resumed from
 _TRASH_DIR = ".hf_zero_trash"  # rotated checkpoints are renamed here first, so a half-deleted one is never visible
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+# In `hf-zero convert`'s --out: names the partial checkpoint folder a convert is writing, until it is published
+_PARTIAL_MARK = ".hf_zero_convert.json"
+_PARTIAL_NAME = re.compile(r"^\.checkpoint-\d+\.partial$")
 
 
 def checkpoint_step(path) -> int | None:
@@ -229,3 +232,31 @@ def size_breakdown(sizes: dict[str, int]) -> dict[str, int]:
     return out
 
 
+
+
+def mark_partial(root: Path, partial: Path) -> None:
+    """Name `partial` (root/.checkpoint-N.partial) as this command's unfinished folder, before writing it: a command
+    killed at any point leaves a folder the next one removes (remove_marked_partial)."""
+    write_json_atomic(root / _PARTIAL_MARK, {"partial": partial.name})
+
+
+def clear_partial_mark(root: Path) -> None:
+    (root / _PARTIAL_MARK).unlink(missing_ok=True)
+
+
+def remove_marked_partial(root: Path) -> None:
+    """A partial folder a failed or killed `hf-zero convert` left in --out, named by its mark: removed, so the same
+    command runs again. Nothing without the mark is touched (and the mark may only name a partial folder)."""
+    mark = root / _PARTIAL_MARK
+    if not mark.is_file() or mark.is_symlink():
+        return
+    try:
+        name = json.loads(mark.read_text())["partial"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    partial = root / name if isinstance(name, str) and _PARTIAL_NAME.match(name) else None
+    if partial is not None and partial.is_symlink():
+        return
+    if partial is not None:
+        shutil.rmtree(partial, ignore_errors=True)
+    mark.unlink()
