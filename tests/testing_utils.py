@@ -520,6 +520,16 @@ def start_args(tmp_path):
     return kwargs, (m,), stages
 
 
+def check_at_start(profile, training_kwargs: dict, parsed: tuple, stages: list, world: int,
+                   config: str | None = None, env: dict | None = None) -> None:
+    """The recipe's two start-up checks in the order a run makes them (hf_zero.train.run: the launch, then, once
+    the offline assets are in the cache, the room), without a run between them."""
+    from hf_zero.preflight.at_start import check_launch_at_start, check_room_at_start
+
+    check_launch_at_start(profile, parsed, world, config, env)
+    check_room_at_start(profile, training_kwargs, parsed, stages, world, env)
+
+
 # ---------------------------------------------------------------- checkpoints
 
 def make_checkpoint(root: Path, step: int, eval_loss: float | None = None, payload: int = 1000) -> Path:

@@ -16,8 +16,8 @@ from hf_zero.core import startup
 from hf_zero.core.console import say
 from hf_zero.core.files import human_bytes
 
-__all__ = ["console_callback", "step_line", "eval_line", "eta_text", "stage_time_left", "duration", "MEAN_LOSS",
-           "EXACT_MATCH"]
+__all__ = ["console_callback", "step_line", "eval_line", "eta_text", "stage_time_left", "step_passes", "duration",
+           "MEAN_LOSS", "EXACT_MATCH"]
 
 
 def step_line(logs: dict, step: int, max_steps: int, stage: str | None, timing: tuple | None = None) -> str:
@@ -66,22 +66,25 @@ def eta_text(elapsed: float, steps_done: int, steps_left: int, stepping: float |
 
 
 def stage_time_left(measured: dict[int, tuple[float, int]], remaining: dict[int, int],
-                    tokens: tuple[float, ...] | None, stage_ends: int = 0, per_stage_end: float = 0.0) -> float | None:
+                    tokens: tuple[float, ...] | None, stage_ends: int = 0, per_stage_end: float = 0.0,
+                    passes=None) -> float | None:
     """Seconds left, stage by stage: `measured` {stage: (seconds, steps)} of the steps this process has run,
     `remaining` {stage: steps} still to run, then `stage_ends` stage ends still to come at `per_stage_end` seconds
     each (the held-out evaluation and answers that run between one stage's last step and the next one's first).
 
     A stage's steps take its own mean step time once it has one. A stage not started yet takes a + b x its rows'
     mean tokens (`tokens`, per stage), fitted over the stages that ran: a step has a fixed cost besides its tokens,
-    so seconds per token alone over-counted a stage of longer rows (1.5-2x, `make train`); with one stage run (or a
-    fit that comes out negative) there is nothing to part the two, and the seconds per token so far are used, which
-    errs high for a stage of longer rows. The mean over all steps said 47 s where 4 minutes were left, at the end
-    of `make train`'s short-line stage. Without token counts: the mean step time so far."""
+    so seconds per token alone over-counted a stage of longer rows (1.5-2x, `make train`). With one stage run (or a
+    fit that comes out negative) the steps cannot part the two: `passes`, a step's forward and backward seconds at
+    t tokens a row (step_passes: from the held-out sets' batches before training, whose rows are each stage's),
+    else the seconds per token so far, which errs high for a stage of longer rows (`make train` said 5m12s at its
+    first stage's end where 2m40s were left). The mean over all steps said 47 s where 4 minutes were left, at the
+    end of `make train`'s short-line stage. Without token counts: the mean step time so far."""
     runs = {i: (s, n) for i, (s, n) in measured.items() if n > 0}
     if not runs:
         return None
     seconds, steps = sum(s for s, _ in runs.values()), sum(n for _, n in runs.values())
-    step_time = _step_time_by_tokens(runs, tokens) if tokens else None
+    step_time = _step_time_by_tokens(runs, tokens, passes) if tokens else None
     left = stage_ends * per_stage_end
     for stage, count in remaining.items():
         if stage in runs:
@@ -93,20 +96,53 @@ def stage_time_left(measured: dict[int, tuple[float, int]], remaining: dict[int,
     return left
 
 
-def _step_time_by_tokens(runs: dict[int, tuple[float, int]], tokens: tuple[float, ...]):
-    """Seconds a step of rows of t mean tokens, from the stages run: least squares a + b t over each stage's mean
-    step time where two or more stages with different token counts ran and both terms come out non-negative, else
-    the seconds per token so far (a = 0)."""
-    points = [(tokens[i], s / n) for i, (s, n) in runs.items()]
-    if len({t for t, _ in points}) > 1:
-        mean_t = sum(t for t, _ in points) / len(points)
-        mean_s = sum(s for _, s in points) / len(points)
-        b = (sum((t - mean_t) * (s - mean_s) for t, s in points) / sum((t - mean_t) ** 2 for t, _ in points))
-        a = mean_s - b * mean_t
-        if a >= 0 and b >= 0:
-            return lambda t: a + b * t
-    per_token = sum(s for s, _ in runs.values()) / sum(tokens[i] * n for i, (_, n) in runs.items())
-    return lambda t: t * per_token
+def _step_time_by_tokens(runs: dict[int, tuple[float, int]], tokens: tuple[float, ...], passes=None):
+    """Seconds a step of rows of t tokens, from the stages run: least squares a + b t over each stage's mean step
+    time where two or more stages with different token counts ran and both terms come out non-negative; else
+    `passes(t)`, the seconds its forward and backward passes take (step_passes), plus the rest of a step (the
+    optimizer, the gradients' exchange) as the steps run left it, or `passes` scaled to the steps run where that
+    rest comes out negative; else the seconds per token so far."""
+    fitted = _affine([(tokens[i], s / n) for i, (s, n) in runs.items()])
+    if fitted is not None:
+        return fitted
+    seconds, steps = sum(s for s, _ in runs.values()), sum(n for _, n in runs.values())
+    if passes is not None:
+        rest = (seconds - sum(passes(tokens[i]) * n for i, (_, n) in runs.items())) / steps
+        if rest >= 0:
+            return lambda t: rest + passes(t)
+    shape = passes or (lambda t: t)
+    scale = seconds / sum(shape(tokens[i]) * n for i, (_, n) in runs.items())
+    return lambda t: scale * shape(t)
+
+
+def _affine(points: list[tuple[float, float]]):
+    """a + b x by least squares over (x, y) points, or None: fewer than two distinct x, or a or b negative."""
+    if len({x for x, _ in points}) < 2:
+        return None
+    mean_x, mean_y = sum(x for x, _ in points) / len(points), sum(y for _, y in points) / len(points)
+    b = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    a = mean_y - b * mean_x
+    return (lambda x: a + b * x) if a >= 0 and b >= 0 else None
+
+
+def step_passes(batch_seconds: dict[int, list[float]], set_tokens: tuple[float, ...], eval_rows: int,
+                train_rows: int, micro_batches: int, checkpointing: bool = False):
+    """Seconds a training step's forward and backward passes take at t tokens a row, from the held-out sets'
+    batches before training: `batch_seconds` {set: seconds of each batch timed}, `set_tokens` each set's tokens
+    a row; a forward batch of `eval_rows` rows costs a + b x its tokens, fitted over the sets. A step runs
+    `micro_batches` micro-batches of `train_rows` rows, each forward and backward taken as 3.5 forwards (the
+    backward computes two products per forward product, and autograd keeps what the no-grad evaluation does not;
+    one more with gradient checkpointing, which runs the forward again). None where the sets do not part a and b
+    (one set timed, or the fit negative). Measured on two runs of `make train` (2 CPU ranks, ZeRO-2, LoRA): its
+    three stages' steps took 1.0-1.2, 3.6-3.9 and 5.0 s, 2.8-3.8 forwards besides a rest of about 0.6 s; seconds
+    per token alone, as the first stage left them, made the later steps 2-3x too slow."""
+    points = [(eval_rows * set_tokens[k], sum(times) / len(times))
+              for k, times in batch_seconds.items() if times and k < len(set_tokens)]
+    forward = _affine(points)
+    if forward is None:
+        return None
+    per_forward = micro_batches * (4.5 if checkpointing else 3.5)
+    return lambda t: per_forward * forward(train_rows * t)
 
 
 _NOT_SHOWN = ("_runtime", "_samples_per_second", "_steps_per_second", "_perplexity")
@@ -138,10 +174,12 @@ def eval_line(metrics: dict, when: str, exact_match: tuple | None = None) -> str
     return f"eval {when}: " + " | ".join(shown)
 
 
-def console_callback(schedule=None, eval_sets: int = 1, stage_tokens: tuple[float, ...] | None = None):
+def console_callback(schedule=None, eval_sets: int = 1, stage_tokens: tuple[float, ...] | None = None,
+                     eval_tokens: tuple[float, ...] | None = None):
     """The Trainer's progress callback, replaced: see the module docstring. `eval_sets`: how many logs one
     evaluation makes (each held-out set's, and the mean's; its line is printed when the last one is in).
-    `stage_tokens`: each stage's mean tokens per row, for the time left (stage_time_left)."""
+    `stage_tokens`: each stage's mean tokens per row, for the time left (stage_time_left); `eval_tokens`: each
+    held-out set's, in the order they are evaluated, for a step's cost by its rows' length (step_passes)."""
     from transformers import TrainerCallback
 
     class ConsoleCallback(TrainerCallback):
@@ -155,10 +193,15 @@ def console_callback(schedule=None, eval_sets: int = 1, stage_tokens: tuple[floa
             # next one's first (its evaluation and answers), and those before the first step (the same work).
             self.stage_seconds, self.warm_up, self.stage_ends, self.before_first = {}, None, [], None
             self.step_began, self.step_ended, self.between = None, None, 0.0
+            # The held-out batches before the first step, timed per set (step_passes), from the previous batch's
+            # or set's end; the first batch of all is left out (the engine's first forward, the answers before it).
+            self.batch_seconds, self.batch_mark, self.rows = {}, None, (1, 1, 1, False)
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.done = self.first_step = state.global_step
             self.started = time.monotonic()
+            self.rows = (args.per_device_eval_batch_size, args.per_device_train_batch_size,
+                         args.gradient_accumulation_steps, bool(args.gradient_checkpointing))
 
         def on_step_begin(self, args, state, control, **kwargs):
             now = time.monotonic()
@@ -185,6 +228,9 @@ def console_callback(schedule=None, eval_sets: int = 1, stage_tokens: tuple[floa
             if startup.current() is None or eval_dataloader is None:
                 return
             now = time.monotonic()
+            if self.batch_mark is not None:
+                self.batch_seconds.setdefault(self.sets_done, []).append(now - self.batch_mark)
+            self.batch_mark = now
             if self.batches_since is None:
                 self.batches_since = now
             self.batches += 1
@@ -225,6 +271,8 @@ def console_callback(schedule=None, eval_sets: int = 1, stage_tokens: tuple[floa
                 return
             if any(k.startswith("eval_") for k in logs):
                 self.batches, self.batches_since, self.sets_done = 0, None, self.sets_done + 1  # a set is done
+                if self.batch_mark is not None:
+                    self.batch_mark = time.monotonic()  # the next set's first batch counts from here
                 if self.pending_step not in (None, state.global_step):
                     self._flush(state)
                 self.pending.update(logs)
@@ -275,8 +323,9 @@ def console_callback(schedule=None, eval_sets: int = 1, stage_tokens: tuple[floa
             # which do the same work (for every stage's prompts at once: it errs high in the meantime).
             ends = [s for s in spans if state.global_step <= s.end_step <= state.max_steps]
             each = (sum(self.stage_ends) / len(self.stage_ends) if self.stage_ends else self.before_first or 0.0)
+            passes = step_passes(self.batch_seconds, eval_tokens, *self.rows) if eval_tokens else None
             return stage_time_left(measured, {i: n for i, n in remaining.items() if n > 0},
-                                   stage_tokens if spans else None, len(ends), each)
+                                   stage_tokens if spans else None, len(ends), each, passes)
 
         def _stage(self, index):
             if schedule is None or index is None:

@@ -1,6 +1,6 @@
 """The checks behind `hf-zero check`, each a function that raises UserError (field + fix) or returns a one-line
-verdict. `hf_zero.preflight.checks` runs all of them before a launch; `check_at_start` runs the cheap ones inside the
-recipe, before the engine is built, and stops at the first failure."""
+verdict. `hf_zero.preflight.checks` runs all of them before a launch; hf_zero.preflight.at_start runs the cheap ones
+inside the recipe, before the engine is built, and stops at the first failure."""
 
 from __future__ import annotations
 
@@ -18,17 +18,14 @@ from hf_zero.data.vlm import vlm_lora_targets
 from hf_zero.estimate.memory import estimate
 from hf_zero.estimate.model_count import count_model
 from hf_zero.integrations.parsers import group_dests
-from hf_zero.plan.fsdp import verify_fsdp
 from hf_zero.plan.hostfile import find_machine_rank, read_hostfile
-from hf_zero.plan.profiles import gpu_count, precision_name
-from hf_zero.plan.quantization import verify_quantization
+from hf_zero.plan.profiles import precision_name
 from hf_zero.plan.reconcile import profile_precision
-from hf_zero.plan.sequence_parallel import verify_recipe_sp
-from hf_zero.plan.world import per_machine_from_env, world_from_env
+from hf_zero.plan.world import world_from_env
 
 __all__ = ["verify_profile_keys", "verify_devices", "verify_precision", "verify_launch", "verify_hostfile",
            "verify_offload", "verify_output", "strategy_of", "count_for", "checkpoint_plan", "output_needs",
-           "check_at_start", "check_launch_at_start", "check_room_at_start", "verify_seq_length"]
+           "verify_seq_length"]
 
 
 def _accelerate_deepspeed_keys(title: str = "DeepSpeed Arguments") -> set[str]:
@@ -263,51 +260,3 @@ def verify_output(output_dir: str, needed: int, what: str) -> str:
         raise UserError("output_dir", f"{output_dir} has {human_bytes(free)} free but {what} need "
                         f"{human_bytes(needed)}", fix + " or set save_total_limit")
     return f"{output_dir} writable, {human_bytes(free)} free for ~{human_bytes(needed)} ({what})"
-
-
-def check_at_start(profile, training_kwargs: dict, parsed: tuple, stages: list, world: int,
-                   config: str | None = None, env: dict | None = None) -> None:
-    """The cheap checks, inside the recipe before any engine exists; raises the first failure as UserError. Data,
-    model and batch errors come from the recipe's own steps; cpu_adam is built by `make install`, not here."""
-    check_launch_at_start(profile, parsed, world, config, env)
-    check_room_at_start(profile, training_kwargs, parsed, stages, world, env)
-
-
-def _nproc(profile, world: int, env: dict) -> int:
-    return per_machine_from_env(env, world, profile.num_machines)
-
-
-def check_launch_at_start(profile, parsed: tuple, world: int, config: str | None = None, env: dict | None = None):
-    """Launch, profile keys and devices: before any process group exists."""
-    env = dict(os.environ if env is None else env)
-    verify_launch(profile, env, config)
-    ds_fields = env.get("ACCELERATE_CONFIG_DS_FIELDS")  # the profile's deepspeed_config keys, as accelerate read them
-    if (profile.uses_deepspeed or profile.uses_fsdp) and (ds_fields or profile.raw):
-        verify_profile_keys(profile, [k for k in ds_fields.split(",") if k] if ds_fields else None)
-    gpus = gpu_count()
-    verify_devices(profile, _nproc(profile, world, env), gpus)
-    verify_precision(profile, profile.mixed_precision, {}, gpus, real_gpus=gpus > 0)
-    model = next((a for a in parsed if hasattr(a, "load_in_4bit")), None)
-    if model is not None:
-        verify_quantization(model, profile, gpus)
-    if not any(hasattr(a, "model_name_or_path") for a in parsed):
-        verify_offload(profile, None, build_cpu_adam=False)
-
-
-def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: list, world: int,
-                        env: dict | None = None) -> None:
-    """NVMe and output room for the model's size: after its offline assets are in the cache (it reads its config)."""
-    model = next((a for a in parsed if hasattr(a, "model_name_or_path")), None)
-    config = None
-    if profile.uses_fsdp and model is not None:
-        config = get_model_config(model.model_name_or_path)
-    verify_fsdp(profile, training_kwargs, gpu_count(), config)
-    if model is None:
-        return
-    verify_seq_length(get_model_config(model.model_name_or_path), training_kwargs.get("max_seq_length"), stages)
-    verify_recipe_sp(profile.sp_size, world, model, training_kwargs, stages)
-    nproc = _nproc(profile, world, dict(os.environ if env is None else env))
-    steps = sum(s.steps or 0 for s in stages)  # epoch-based stages are sized after tokenization: not counted here
-    needed, what, est = output_needs(count_for(model), profile, nproc, training_kwargs, steps)
-    verify_offload(profile, est["nvme_bytes"], build_cpu_adam=False)
-    verify_output(str(training_kwargs.get("output_dir")), needed, what)

@@ -24,7 +24,7 @@ from hf_zero.plan.profiles import Profile, one_rank_note, profile_from_env
 from hf_zero.plan.run_plan import PLAN_ENV, RunPlan, plan_in_worker
 from hf_zero.plan.sequence_parallel import parallelism_config, verify_recipe_kind
 from hf_zero.plan.shipped import check_recipe_matches
-from hf_zero.preflight.check_rules import check_launch_at_start, check_room_at_start
+from hf_zero.preflight.at_start import check_launch_at_start, check_room_at_start
 from hf_zero.train.loss_plot import LOSS_PLOT, plot_losses
 
 __all__ = ["RunContext", "setup_run", "print_banner", "write_summary"]

@@ -16,7 +16,7 @@ from hf_zero.core import startup
 from hf_zero.core.console import say
 from hf_zero.core.distributed import waiting_for
 from hf_zero.core.progress import MEAN_LOSS, console_callback
-from hf_zero.data.curriculum import CurriculumSchedule
+from hf_zero.data.curriculum import CurriculumSchedule, mean_row_tokens
 from hf_zero.integrations.accelerate import enable_fsdp_on_cpu
 from hf_zero.integrations.lean_import import import_trainer
 from hf_zero.integrations.torch import last_lr, set_last_lr
@@ -54,8 +54,13 @@ class CurriculumTrainer(PreferenceMixin, HeldOutLossMixin, SequenceParallelMixin
             self.remove_callback(noisy)
         # Each held-out set logs its own losses, then evaluate() logs their mean.
         sets = len(self.eval_dataset) + 1 if isinstance(self.eval_dataset, dict) else 1
-        tokens = getattr(self.train_dataset, "mean_tokens_per_stage", lambda n: None)(len(schedule.spans))
-        self.add_callback(console_callback(schedule, sets, tokens))  # before the stage-switch line: eval lines first
+        # the time left by rows' length: tokens a row takes through a micro-batch, padding included
+        tokens = getattr(self.train_dataset, "mean_tokens_per_stage",
+                         lambda *_: None)(len(schedule.spans), batch=self.args.per_device_train_batch_size)
+        held_out = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else ()
+        eval_tokens = tuple(mean_row_tokens(rows, batch=self.args.per_device_eval_batch_size) for rows in held_out)
+        # before the stage-switch line: eval lines first
+        self.add_callback(console_callback(schedule, sets, tokens, eval_tokens if all(eval_tokens) else None))
         self.add_callback(CurriculumCallback(schedule, has_eval=self.eval_dataset is not None, log=say))
         self.throughput = throughput_callback(self.model, plan.precision)
         self.add_callback(self.throughput)

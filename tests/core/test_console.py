@@ -103,6 +103,8 @@ def test_mean_tokens_per_stage_reads_the_scheduled_rows():
     order = np.array([[0, 0, i % 4] for i in range(8)] + [[1, 0, i % 2] for i in range(8)] + [[2, 0, 0]] * 4)
     data = CurriculumDataset([[short], [long], [pairs]], order)
     assert data.mean_tokens_per_stage(3) == (3.0, 16.0, 12.0)  # a pair: the prompt twice and both answers
+    # in micro-batches of 2 consecutive rows, each padded to its longest: 12 and 20 take 20 tokens each
+    assert data.mean_tokens_per_stage(3, batch=2) == (3.0, 20.0, 12.0)
     assert CurriculumDataset([[[{"pixel_values": [0.0]}]]], order[:1]).mean_tokens_per_stage(1) is None
 
 

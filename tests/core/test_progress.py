@@ -201,3 +201,57 @@ def test_the_stage_end_evaluation_and_the_first_step_are_booked_apart(monkeypatc
     assert lines[0].endswith("| elapsed 45s | left 1m10s"), lines
     # step 3: the long stage's own 6 s + its end at the 20 s the short stage's end took
     assert lines[1].endswith("| elapsed 1m11s | left 26s"), lines
+
+
+def test_while_one_stage_has_run_a_longer_stage_takes_the_passes_the_batches_before_training_show(monkeypatch):
+    """Issue 41 (2): during `make train`'s first stage (short lines) the seconds per token said 2-3x the time its
+    longer stages took: a step there is mostly the optimizer and the gradients' exchange. The held-out batches
+    before training (one set per stage, 4 rows a batch) cost 0.4 s + 0.01 s a token: 0.8 s at 10 tokens a row,
+    2.0 s at 40. A step of 2 rows then runs forward and backward (3.5 forwards) in 3.5 x (0.4 + 0.02 t): 2.1 s at
+    10 tokens, so of the short stage's 3 s steps 0.9 s are the rest; the long stage's steps take 0.9 + 4.2 = 5.1 s,
+    not the 12 s of seconds per token."""
+    from transformers import TrainerState, TrainingArguments
+
+    from hf_zero.core import startup
+
+    clock = [0.0]
+    monkeypatch.setattr("hf_zero.core.progress.time.monotonic", lambda: clock[0])
+    args = TrainingArguments(output_dir="unused", disable_tqdm=True, report_to=[], per_device_eval_batch_size=4,
+                             per_device_train_batch_size=2)
+    state = TrainerState(max_steps=4, global_step=0)
+    lines = []
+    monkeypatch.setattr("hf_zero.core.progress.say", lines.append)
+
+    def left_at_step_2(eval_tokens):
+        console = console_callback(SCHEDULE, eval_sets=3, stage_tokens=(10.0, 40.0), eval_tokens=eval_tokens)
+        startup.start_clock({})
+        try:
+            startup.phase("evaluating before training")
+            clock[0], state.global_step = 0.0, 0
+            console.on_train_begin(args, state, None)
+            for at, what in ((1.0, "batch"), (1.8, "batch"), (1.8, {"eval_short_loss": 6.0}), (3.8, "batch"),
+                             (5.8, "batch"), (5.8, {"eval_long_loss": 7.0}), (5.8, {MEAN_LOSS: 6.5})):
+                clock[0] = at
+                if what == "batch":
+                    console.on_prediction_step(args, state, None, eval_dataloader=[0, 1])
+                else:
+                    console.on_log(args, state, None, logs=what)
+        finally:
+            startup.finish()
+            startup.start_clock({})
+        for at, hook, step in ((6, "step_begin", 0), (9, "step_end", 1), (9, "step_begin", 1), (12, "step_end", 2)):
+            clock[0], state.global_step = at, step
+            getattr(console, f"on_{hook}")(args, state, None)
+        console.on_log(args, state, None, logs={"loss": 2.0, "stage": 0})
+        return lines[-1]
+
+    from hf_zero.core.progress import step_passes
+
+    passes = step_passes({0: [0.8], 1: [2.0, 2.0]}, (10.0, 40.0), eval_rows=4, train_rows=2, micro_batches=1)
+    assert abs(passes(10.0) - 2.1) < 1e-9 and abs(passes(40.0) - 4.2) < 1e-9
+    accumulating = step_passes({0: [0.8], 1: [2.0]}, (10.0, 40.0), 4, 2, micro_batches=2, checkpointing=True)
+    assert abs(accumulating(10.0) - 2 * 4.5 * 0.6) < 1e-9  # 2 micro-batches, the forward run again
+    assert step_passes({0: [0.8]}, (10.0, 40.0), 4, 2, 1) is None  # one set timed: nothing parts a and b
+    # 2 steps of 5.1 s, and 2 stage ends like the 6 s before the first step
+    assert left_at_step_2((10.0, 40.0)).endswith("| elapsed 12s | left 22s"), lines
+    assert left_at_step_2(None).endswith("| elapsed 12s | left 36s"), lines  # seconds per token: 2 x 12 s + 12 s

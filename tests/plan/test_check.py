@@ -8,7 +8,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from testing_utils import RECIPE, REPO, TINY, check, failed, profile, run_cmd, skipped, start_args
+from testing_utils import (
+    RECIPE,
+    REPO,
+    TINY,
+    check,
+    check_at_start,
+    failed,
+    profile,
+    run_cmd,
+    skipped,
+    start_args,
+)
 
 from hf_zero.cli import main
 from hf_zero.core.errors import UserError
@@ -274,8 +285,6 @@ def test_plain_python_on_a_multi_process_profile_says_what_to_run(tmp_path):
 
 def test_recipe_start_checks_raise_the_first_failure(tmp_path):
     from hf_zero.plan.profiles import load_profile
-    from hf_zero.preflight.check_rules import check_at_start
-
     kwargs, parsed, stages = start_args(tmp_path)
     zero2 = load_profile("zero2")
     launched = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}

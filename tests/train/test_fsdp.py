@@ -14,6 +14,7 @@ from testing_utils import (
     TINY,
     OutAndRun,
     check,
+    check_at_start,
     failed,
     launch_recipe,
     losses_after,
@@ -118,8 +119,6 @@ def test_misspelled_fsdp_key_is_refused_with_a_hint(capsys, tmp_path):
 
 
 def test_recipe_refuses_fsdp_mistakes_before_the_engine(tmp_path):
-    from hf_zero.preflight.check_rules import check_at_start
-
     kwargs, parsed, stages = start_args(tmp_path)
     launched = {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_WORLD_SIZE": "2"}
     fsdp2 = load_profile("fsdp2")
