@@ -530,6 +530,14 @@ def check_at_start(profile, training_kwargs: dict, parsed: tuple, stages: list, 
     check_room_at_start(profile, training_kwargs, parsed, stages, world, env)
 
 
+def read_activations(output_dir) -> list[dict]:
+    """Every rank's activation record ({"rank", "steps": [{"step", "saved_bytes", "tokens"}]}, written by
+    hf_zero.estimate.measure.ActivationRecorder), ordered by rank."""
+    files = sorted(Path(output_dir).glob("activations_rank*.json"),
+                   key=lambda p: int(p.stem[len("activations_rank"):]))
+    return [json.loads(f.read_text()) for f in files]
+
+
 # ---------------------------------------------------------------- checkpoints
 
 def make_checkpoint(root: Path, step: int, eval_loss: float | None = None, payload: int = 1000) -> Path:

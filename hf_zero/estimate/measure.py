@@ -33,7 +33,7 @@ from hf_zero.core.files import write_json_atomic
 from hf_zero.integrations.deepspeed import before_gradients_freed, gradients_freed_as_before
 
 __all__ = ["count_parameters", "parameter_numel", "StepPeakRecorder", "MemoryMeasureCallback", "measure_engine_bytes",
-           "measure_requested", "read_measurements", "MEASURE_ENV", "ActivationRecorder", "read_activations"]
+           "measure_requested", "read_measurements", "MEASURE_ENV", "ActivationRecorder"]
 
 MEASURE_ENV = "HF_ZERO_MEASURE_MEMORY"
 KINDS = ("params", "grads", "optimizer", "gathered_params", "buffers")
@@ -190,13 +190,6 @@ class MemoryMeasureCallback(TrainerCallback):
 def read_measurements(output_dir) -> list[dict]:
     """Every rank's record, ordered by rank."""
     files = sorted(Path(output_dir).glob("memory_rank*.json"), key=lambda p: int(p.stem[len("memory_rank"):]))
-    return [json.loads(f.read_text()) for f in files]
-
-
-def read_activations(output_dir) -> list[dict]:
-    """Every rank's activation record ({"rank", "steps": [{"step", "saved_bytes", "tokens"}]}), ordered by rank."""
-    files = sorted(Path(output_dir).glob("activations_rank*.json"),
-                   key=lambda p: int(p.stem[len("activations_rank"):]))
     return [json.loads(f.read_text()) for f in files]
 
 

@@ -41,7 +41,6 @@ import sys
 from dataclasses import replace
 
 from hf_zero.core.errors import UserError
-from hf_zero.core.files import human_bytes
 from hf_zero.estimate import fsdp as fsdp_memory
 from hf_zero.estimate.activations import ATTENTION, step_bytes
 from hf_zero.estimate.model_count import ModelCount, nf4_bytes
@@ -49,15 +48,10 @@ from hf_zero.plan.liger import liger_installed
 from hf_zero.plan.profiles import PRECISIONS, list_profiles, load_profile
 from hf_zero.plan.world import launch_shape
 
-__all__ = ["strategies_for", "STRATEGIES", "SPEED_ORDER", "QLORA_STRATEGIES", "estimate", "estimate_all", "recommend",
-           "largest_micro_batch"]
+__all__ = ["strategies_for", "STRATEGIES", "QLORA_STRATEGIES", "estimate", "largest_micro_batch"]
 
 STRATEGIES = ("ddp", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload_optimizer", "zero3_offload",
               "zero3_nvme", "fsdp2", "fsdp2_offload")
-# ZeRO before FSDP2 at equal footing: it is hf_zero's established path, so FSDP2 is picked only where it fits and
-# the ZeRO strategy just ahead of it does not.
-SPEED_ORDER = ("ddp", "zero1", "zero2", "zero3", "fsdp2", "zero2_offload", "zero3_offload_optimizer", "zero3_offload",
-               "fsdp2_offload", "zero3_nvme")
 # Where a 4-bit base (QLoRA) runs, as hf_zero.plan.quantization.verify_quantization allows it: not with NVMe offload
 QLORA_STRATEGIES = tuple(s for s in STRATEGIES if s != "zero3_nvme")
 CONVENTIONS = ("deepspeed", "paper")
@@ -273,30 +267,6 @@ def estimate(count: ModelCount, strategy: str, world_size: int | None = None, gp
             "cpu_bytes_per_node": int(cpu), "offloaded_bytes_per_rank": int(cpu_rank),
             "nvme_bytes": int(gpn * nvme_rank), "checkpoint_bytes": int(ckpt),
             "fits": fits}
-
-
-def _gib(b) -> str:
-    return human_bytes(b, unit="GiB")
-
-
-def estimate_all(count: ModelCount, strategies=STRATEGIES, **kwargs) -> list[dict]:
-    return [estimate(count, s, **kwargs) for s in strategies]
-
-
-def recommend(estimates, gpu_memory_bytes: int, cpu_memory_bytes: int | None = None):
-    """(the fastest strategy that fits, reason), or (None, reason) when none does. Speed order: SPEED_ORDER."""
-    by_name = {e["name"]: e for e in (estimates.values() if isinstance(estimates, dict) else estimates)}
-    ranked = [by_name[s] for s in SPEED_ORDER if s in by_name]
-    slower = []  # why each faster strategy does not fit
-    for e in ranked:
-        gpu, cpu = e["gpu_bytes_per_rank"]["total"], e["cpu_bytes_per_node"]
-        if gpu <= gpu_memory_bytes and (cpu_memory_bytes is None or cpu <= cpu_memory_bytes):
-            why = f"fastest that fits: {_gib(gpu)} of {_gib(gpu_memory_bytes)} per GPU"
-            return e["name"], why + (f"; {', '.join(slower)}" if slower else "")
-        slower.append(f"{e['name']} needs {_gib(gpu)}/GPU" if gpu > gpu_memory_bytes
-                      else f"{e['name']} needs {_gib(cpu)} CPU RAM/node")
-    return None, (f"nothing fits {_gib(gpu_memory_bytes)} per GPU ({'; '.join(slower) or 'no estimates'}): use "
-                  "more GPUs, LoRA, gradient checkpointing or a shorter sequence")
 
 
 def largest_micro_batch(count: ModelCount, strategy: str, gpu_memory_bytes: int, cpu_memory_bytes=None,

@@ -16,7 +16,7 @@ from testing_utils import REPO, launch_recipe, read_summary
 from hf_zero.cli import main
 from hf_zero.estimate import fsdp as fsdp_memory
 from hf_zero.estimate.measure import read_measurements
-from hf_zero.estimate.memory import estimate, estimate_all, recommend
+from hf_zero.estimate.memory import estimate
 from hf_zero.estimate.model_count import ModelCount, count_model
 
 GIB = 2**30
@@ -94,19 +94,31 @@ def test_offload_keeps_only_the_working_layers_on_the_device(llama7b):
     assert short["checkpoint_bytes"] == 12 * llama7b.total_params
 
 
-def test_recommend_picks_fsdp2_only_where_zero3_does_not_fit(llama7b):
+def test_the_pick_takes_fsdp2_only_where_zero3_does_not_fit(llama7b):
+    """hf_zero.estimate.pick's order (candidates): FSDP2 right after its ZeRO counterpart, so ZeRO wins where both
+    fit; Llama-7B in full on 8 GPUs in fp32."""
+    from transformers import LlamaConfig
+
+    from hf_zero.estimate.pick import HEADROOM, candidates, plan
+    from hf_zero.estimate.recipe import RecipeMemory
+
     kw = dict(gpus_per_node=8, precision="fp32", micro_batch=1, seq_len=1024, grad_checkpointing=True)
-    ests = estimate_all(llama7b, **kw)
-    total = {e["name"]: e["gpu_bytes_per_rank"]["total"] for e in ests}
+    total = {s: estimate(llama7b, s, **kw)["gpu_bytes_per_rank"]["total"]
+             for s in ("zero2", "zero3", "fsdp2", "zero3_offload", "fsdp2_offload")}
     assert total["fsdp2"] < total["zero3"] < total["zero2"]
-    name, reason = recommend(ests, (total["fsdp2"] + total["zero3"]) // 2)
-    assert name == "fsdp2" and "zero3 needs" in reason
-    assert recommend(ests, total["zero3"])[0] == "zero3"  # both fit: ZeRO wins
-    # Offloaded: after zero3_offload, which wins where both fit
-    budget = max(total["zero3_offload"], total["fsdp2_offload"])
-    assert recommend([e for e in ests if e["name"] in ("zero3_offload", "fsdp2_offload")], budget)[0] == \
-        "zero3_offload"
-    assert recommend([e for e in ests if e["name"] == "fsdp2_offload"], total["fsdp2_offload"])[0] == "fsdp2_offload"
+    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                         vocab_size=32000, max_position_embeddings=4096)
+    recipe = RecipeMemory(model=config, micro=1, accumulation=1, seq_len=1024, gradient_checkpointing=True)
+
+    def pick(usable, choices=None):  # on a GPU whose memory less the headroom is `usable`
+        return plan(recipe, 8, int(usable / (1 - HEADROOM)) + 1, precision="fp32", choices=choices)["profile"]
+
+    assert pick((total["fsdp2"] + total["zero3"]) // 2) == "fsdp2"
+    assert pick(total["zero3"]) == "zero3"  # both fit: ZeRO wins
+    offloaded = [c for c in candidates(8) if "offload" in c[0]]
+    assert [p for p, _ in offloaded] == ["zero3_offload", "fsdp2_offload"]
+    assert pick(max(total["zero3_offload"], total["fsdp2_offload"]), offloaded) == "zero3_offload"
+    assert pick(total["fsdp2_offload"], offloaded[1:]) == "fsdp2_offload"
 
 
 def test_train_without_profile_picks_fsdp2_where_it_alone_fits(llama7b):

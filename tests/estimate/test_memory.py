@@ -12,7 +12,7 @@ from testing_utils import REPO
 from hf_zero.cli import main
 from hf_zero.data.model_names import get_model_config
 from hf_zero.estimate import memory
-from hf_zero.estimate.memory import estimate, estimate_all, largest_micro_batch, recommend
+from hf_zero.estimate.memory import estimate, largest_micro_batch
 from hf_zero.estimate.model_count import ModelCount, count_model
 
 GB, GIB = 10**9, 2**30
@@ -117,19 +117,36 @@ def test_lora_keeps_frozen_weights_but_no_their_gradients_or_adam_state(llama7b)
     assert adapt["grads"] < full["grads"] / 100
 
 
-def test_recommend_picks_zero3_when_zero2_does_not_fit(llama7b):
+def test_the_pick_takes_zero3_where_zero2_does_not_fit(llama7b):
+    """hf_zero.estimate.pick, the one "fastest that fits" (what `hf-zero estimate --config` recommends and
+    `hf-zero train` picks): 8 GPUs, Llama-7B in full, 1024 tokens with gradient checkpointing."""
+    from transformers import LlamaConfig
+
+    from hf_zero.estimate.pick import HEADROOM, plan
+    from hf_zero.estimate.recipe import RecipeMemory
+
     kw = dict(gpus_per_node=8, precision="bf16", micro_batch=1, seq_len=1024, grad_checkpointing=True)
-    ests = estimate_all(llama7b, **kw)
-    total = {e["name"]: e["gpu_bytes_per_rank"]["total"] for e in ests}
+    total = {s: estimate(llama7b, s, **kw)["gpu_bytes_per_rank"]["total"] for s in ("zero2", "zero3",
+                                                                                  "zero3_offload")}
     assert total["zero3"] < total["zero2"]
-    budget = (total["zero3"] + total["zero2"]) // 2
-    name, reason = recommend(ests, budget)
-    assert name == "zero3" and "zero2 needs" in reason
-    assert recommend(ests, 10**15)[0] == "ddp"
-    assert recommend(ests, 1)[0] is None
-    # a CPU budget too small for offloading rules the offload strategies out
-    assert recommend(ests, total["zero3_offload"] + 1, cpu_memory_bytes=GIB)[0] is None
+    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                         vocab_size=32000, max_position_embeddings=4096)
+    recipe = RecipeMemory(model=config, micro=1, accumulation=1, seq_len=1024, gradient_checkpointing=True)
+
+    def device_for(usable):  # the GPU whose memory less the headroom is `usable`
+        return int(usable / (1 - HEADROOM)) + 1
+
+    found = plan(recipe, 8, device_for((total["zero3"] + total["zero2"]) // 2))
+    assert found["profile"] == "zero3" and found["peak_bytes"] == total["zero3"], found
+    assert plan(recipe, 8, device_for(total["zero2"]))["profile"] == "zero2"
+    assert plan(recipe, 8, 1)["profile"] is None
+    # a CPU budget too small for offloading rules the offloaded profiles out
+    assert plan(recipe, 8, device_for(total["zero3_offload"]), cpu_memory_bytes=GIB, choices=[
+        ("zero3_offload", "zero3_offload")])["profile"] is None
+    assert plan(recipe, 8, device_for(total["zero3_offload"]), choices=[
+        ("zero3_offload", "zero3_offload")])["profile"] == "zero3_offload"
     assert estimate(llama7b, "zero3", **kw)["fits"] is None
+    budget = (total["zero3"] + total["zero2"]) // 2
     assert estimate(llama7b, "zero3", gpu_memory_bytes=budget, **kw)["fits"] is True
 
 

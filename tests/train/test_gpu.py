@@ -195,10 +195,10 @@ def test_sequence_parallel_long_stage_memory_against_the_estimate(tmp_path):
     lower, and `hf-zero estimate`'s peak for each within ESTIMATE_RTOL of the measured device peak."""
     import torch
     import yaml
+    from testing_utils import read_activations
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from hf_zero.data.model_names import TINY_TOKENIZER_DIR
-    from hf_zero.estimate.measure import read_activations
 
     model = tmp_path / "llama-sp"  # 8 heads and 4 key/value heads: sp_size 2 divides both (SmolLM2's 9 do not)
     tokenizer = AutoTokenizer.from_pretrained(TINY_TOKENIZER_DIR)

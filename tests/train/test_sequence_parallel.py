@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from testing_utils import REPO, launch_recipe, read_summary, readme_command
+from testing_utils import REPO, launch_recipe, read_activations, read_summary, readme_command
 from transformers import LlamaConfig
 
 from hf_zero.cli import main
@@ -181,8 +181,6 @@ def step_losses(summary) -> list[float]:
 
 def activations_by_step(out) -> dict[int, dict]:
     """Per optimizer step, the rank that saved the most for backward (hf_zero.estimate.measure)."""
-    from hf_zero.estimate.measure import read_activations
-
     records = read_activations(out)
     assert records, f"no activations_rank*.json in {out}"
     steps = [s for r in records for s in r["steps"]]
