@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from hf_zero.core import startup
 from hf_zero.core.console import say
 from hf_zero.core.distributed import waiting_for
@@ -14,9 +16,9 @@ from hf_zero.plan.arguments import ModelArguments
 from hf_zero.plan.profiles import TORCH_DTYPES
 from hf_zero.plan.quantization import quantization_config
 
-__all__ = ["build_causal_lm", "causal_lm_load_kwargs", "pick_attention", "apply_lora", "lora_kwargs",
-           "count_parameters", "is_zero3_partitioned", "base_precision", "base_dtype", "trainable_in_fp32",
-           "describe_weights"]
+__all__ = ["build_causal_lm", "drawing_nothing", "causal_lm_load_kwargs", "pick_attention", "apply_lora",
+           "lora_kwargs", "count_parameters", "is_zero3_partitioned", "base_precision", "base_dtype",
+           "trainable_in_fp32", "describe_weights"]
 
 
 
@@ -95,7 +97,8 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
                         f"{vocab} embeddings", "use the model's own tokenizer")
     with waiting_for("the other ranks to build the model (zero.Init under ZeRO-3)"):
         startup.phase(f"building the model{' under zero.Init' if profile.zero_stage == 3 else ''}")
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        with drawing_nothing():
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     grown = grow_embeddings(model, tokenizer, vocab)
     if quantized is not None:
         from peft import prepare_model_for_kbit_training
@@ -110,6 +113,19 @@ def build_causal_lm(model_args: ModelArguments, tokenizer, profile, packing: boo
             train_embeddings(model)
         trainable_in_fp32(model)
     return model
+
+
+@contextmanager
+def drawing_nothing():
+    """Loading a pretrained base leaves the run's random state as it found it, under every engine: a plain load
+    builds the model on the meta device (nothing drawn), zero.Init builds it on the device, where an `__init__` that
+    calls torch.randn draws (CLIP's class_embedding, in LLaVA's vision tower). LoRA's initial weights, drawn next,
+    then started elsewhere under ZeRO-3 than under DDP (lora_A 0.33 apart) and the two runs' losses parted at the
+    first step that trained LoRA (issue 44)."""
+    import torch
+
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+        yield
 
 
 def embeddings_in_16bit(model, dtype) -> None:

@@ -29,7 +29,7 @@ from hf_zero.data.chat_template import grow_embeddings, train_embeddings
 from hf_zero.data.model_names import resolve_model_path
 from hf_zero.data.vlm import Family, default_targets
 from hf_zero.integrations.transformers import add_to_embeddings_without_images
-from hf_zero.train.model import apply_lora, base_dtype, trainable_in_fp32
+from hf_zero.train.model import apply_lora, base_dtype, drawing_nothing, trainable_in_fp32
 
 __all__ = ["part_names", "part_of", "vlm_parts", "target_counts", "build_vlm", "adapt_vlm", "rope_index_of",
            "llava_feature_kwargs", "unread_vision",
@@ -180,7 +180,8 @@ def build_vlm(model_args, processing, profile, plan):
 
     family, path = processing.family, resolve_model_path(model_args.model_name_or_path)
     with waiting_for("the other ranks to build the model (zero.Init under ZeRO-3)"):
-        model = AutoModelForImageTextToText.from_pretrained(path, dtype=base_dtype(model_args.use_peft, profile))
+        with drawing_nothing():
+            model = AutoModelForImageTextToText.from_pretrained(path, dtype=base_dtype(model_args.use_peft, profile))
     text = model.config.get_text_config()
     grown = grow_embeddings(model, processing.tokenizer, getattr(text, "vocab_size", None))
     keep_vision_in_step(model, family, processing)
