@@ -124,7 +124,8 @@ def drawing_nothing():
     first step that trained LoRA (issue 44)."""
     import torch
 
-    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
+    # this rank's own GPU only: reading another device's random state would open a CUDA context on it
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         yield
 
 
