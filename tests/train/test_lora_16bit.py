@@ -247,3 +247,22 @@ def test_bf16_lora_checkpoint_resumes_and_exports(ddp_runs, tmp_path):
     ids = torch.tensor([[3, 17, 42, 99, 7, 250]])
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, peft_model(ids).logits, atol=1e-4)
+
+
+def test_loading_a_base_draws_nothing_from_the_runs_random_state():
+    """zero.Init builds a model on the device, where an __init__ calling torch.randn draws (CLIP's class_embedding in
+    LLaVA); a plain load on meta draws nothing. LoRA's weights come next: under drawing_nothing both engines start
+    them from the same state (tests/vlm/test_vlm_profiles.py: LLaVA under ZeRO-3 equals DDP to the bit)."""
+    import torch
+
+    from hf_zero.train.model import drawing_nothing
+
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    with drawing_nothing():
+        torch.nn.Parameter(torch.randn(64))  # what CLIP's vision embeddings do in their __init__
+    assert torch.equal(torch.rand(3), expected)
+    torch.manual_seed(7)
+    torch.randn(64)
+    assert not torch.equal(torch.rand(3), expected)  # without it the draw moves the state
