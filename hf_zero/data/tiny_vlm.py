@@ -9,11 +9,16 @@
 - `hf-zero/tiny-llava`: LLaVA-1.5 as llava-hf builds it (`LlavaForConditionalGeneration`: a 1-layer CLIP vision tower,
   the MLP `multi_modal_projector`, a 2-layer Llama; the last layer's patches, CLS dropped) and `LlavaProcessor`
   (images resized and cropped to 8 x 8: 2 x 2 patches, 4 image tokens).
+- `hf-zero/tiny-qwen3-vl`: Qwen3-VL (`Qwen3VLForConditionalGeneration`: a 2-layer vision tower with learned,
+  interpolated positions, its `merger` and one DeepStack merger after its first layer, whose features are added
+  into the language model's first layer; a 2-layer Qwen3 language model, hidden 64, with interleaved multimodal
+  RoPE) and the Qwen2-VL image processor the real ones use, at the tiny Qwen2-VL's sizes (4 image tokens at most).
 
-Both use the tiny Llama's tokenizer (hf_zero/data/tiny_assets) with the family's image tokens and ChatML markers added
+Each uses the tiny Llama's tokenizer (hf_zero/data/tiny_assets) with the family's image tokens and ChatML markers added
 as special tokens, and ChatML as chat template. Each is written once into the hub cache under its hub id (as the
 tiny Llamas are: hf_zero.data.model_names), so plain `AutoModelForImageTextToText.from_pretrained("hf-zero/tiny-
-qwen2-vl")` and `AutoProcessor.from_pretrained(...)` load it offline with no hf_zero import.
+qwen2-vl")` and `AutoProcessor.from_pretrained(...)` load it offline with no hf_zero import (the Qwen ones' processors
+where torchvision is installed: they need a video processor; without it `AutoImageProcessor` and `AutoTokenizer`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ __all__ = ["TINY_VLMS", "TINY_VLM_REVISION", "is_tiny_vlm", "get_tiny_vlm_path",
 
 # short name -> hub id; the revision names the build, so a change in how they are built gets a new snapshot.
 TINY_VLMS = {"tiny-qwen2-vl": "hf-zero/tiny-qwen2-vl", "tiny-smolvlm": "hf-zero/tiny-smolvlm",
-             "tiny-llava": "hf-zero/tiny-llava"}
+             "tiny-llava": "hf-zero/tiny-llava", "tiny-qwen3-vl": "hf-zero/tiny-qwen3-vl"}
 TINY_VLM_REVISION = hashlib.sha1(b"hf_zero config-built vlm v1").hexdigest()
 _TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              max_position_embeddings=512)
@@ -81,6 +86,48 @@ def _qwen2_vl(folder: Path) -> None:
     # The processor's parts, not Qwen2VLProcessor: it needs a video processor, which needs torchvision; AutoProcessor
     # builds the processor from these where torchvision is installed.
     images.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _qwen3_vl(folder: Path) -> None:
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    tokenizer = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"], _QWEN_IMAGE)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                             "<|video_pad|>")}
+    hidden, heads = 64, 4
+    # Interleaved MRoPE as Qwen3-VL's configs set it: the rotary frequencies split 2:1:1 between the temporal, height
+    # and width positions (24/20/20 of 64 in the real models), interleaved by transformers.
+    config = Qwen3VLConfig(
+        text_config=dict(hidden_size=hidden, intermediate_size=128, num_hidden_layers=2, num_attention_heads=heads,
+                         num_key_value_heads=2, head_dim=hidden // heads, max_position_embeddings=512,
+                         vocab_size=len(tokenizer), rope_parameters={
+                             "rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                             "mrope_section": [hidden // heads // 4, hidden // heads // 8, hidden // heads // 8]},
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                         bos_token_id=tokenizer.eos_token_id, attention_dropout=0.0),
+        # 2 vision layers, DeepStack after the first (an intermediate layer, as in the real models), its features
+        # added after the language model's first layer: added after its last, image positions' outputs would reach
+        # no loss (the merger got a zero gradient). The learned position grid 4 x 4: the patches of the largest
+        # default image (16 x 16 pixels).
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden,
+                           num_position_embeddings=16, deepstack_visual_indexes=[0]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen3VLForConditionalGeneration(config).save_pretrained(folder)
+    # The real models' processor is Qwen2-VL's image processor at patch 16 (image mean and std 0.5); here patch 4 as
+    # the tiny Qwen2-VL's: 8 x 8 to 16 x 16 pixels, 1 to 4 image tokens. Its parts, not Qwen3VLProcessor, which
+    # cannot be built without torchvision; where it is installed AutoProcessor builds one from them, with
+    # Qwen3VLVideoProcessor (its frame timestamps) by the video settings saved here.
+    sizes = dict(patch_size=4, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    Qwen2VLImageProcessorPil(**sizes, size={"shortest_edge": 64, "longest_edge": 256}).save_pretrained(folder)
+    Qwen3VLVideoProcessor(**sizes).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
 
@@ -146,7 +193,7 @@ def chat_template(image: str) -> str:
             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
-_BUILDERS = {"tiny-qwen2-vl": _qwen2_vl, "tiny-smolvlm": _smolvlm, "tiny-llava": _llava}
+_BUILDERS = {"tiny-qwen2-vl": _qwen2_vl, "tiny-smolvlm": _smolvlm, "tiny-llava": _llava, "tiny-qwen3-vl": _qwen3_vl}
 
 
 def tiny_vlm_folder(name: str) -> Path:

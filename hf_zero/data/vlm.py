@@ -2,10 +2,11 @@
 tokenization), with the model's own image token and processor.
 
 Each image item stands in the rendered conversation as the family's image token, which becomes the run its processor
-writes for that image (Qwen2-VL: `<|vision_start|>` + one `<|image_pad|>` per merged patch + `<|vision_end|>`, their
-count from the image's size after the processor's resizing; Idefics3/SmolVLM: `<fake_token_around_image>
-<global-img>` + `image_seq_len` x `<image>` per tile + the row/column markers). The collator runs the image processor
-on the batch's images in reading order, which is the order the model fills its image tokens in.
+writes for that image (Qwen2-VL, Qwen3-VL: `<|vision_start|>` + one `<|image_pad|>` per merged patch +
+`<|vision_end|>`, their count from the image's size after the processor's resizing; Idefics3/SmolVLM:
+`<fake_token_around_image><global-img>` + `image_seq_len` x `<image>` per tile + the row/column markers). The
+collator runs the image processor on the batch's images in reading order, which is the order the model fills its
+image tokens in.
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ class Family:
     vision_tower: str  # dotted prefix of the vision tower's parameters (the projector's excluded)
     projector: str  # the projector (Qwen2-VL's merger, Idefics3's connector)
     language_model: tuple  # the language model's prefixes (its LM head included)
-    mrope: bool = False  # multimodal RoPE (Qwen2-VL): packed rows need its positions per conversation
+    mrope: bool = False  # multimodal RoPE (Qwen2-VL, Qwen3-VL): packed rows need its positions per conversation
+    # Qwen3-VL's DeepStack mergers: they map intermediate vision layers into the language model's first layers, so
+    # they belong to the projector (as the merger does; ms-swift's aligner too)
+    deepstack: str = ""
+
+    @property
+    def projectors(self) -> tuple[str, ...]:
+        """Every prefix of the projector part."""
+        return (self.projector, self.deepstack) if self.deepstack else (self.projector,)
 
 
 _QWEN = Family("qwen2_vl", "<|image_pad|>", "model.visual.", "model.visual.merger.",
@@ -42,6 +51,9 @@ FAMILIES = {
     "qwen2_vl": _QWEN,
     "qwen2_5_vl": Family("qwen2_5_vl", **{k: getattr(_QWEN, k) for k in ("image_token", "vision_tower", "projector",
                                                                          "language_model", "mrope")}),
+    "qwen3_vl": Family("qwen3_vl", "<|image_pad|>", "model.visual.", "model.visual.merger.",
+                       ("model.language_model.", "lm_head."), mrope=True,
+                       deepstack="model.visual.deepstack_merger_list."),
     "idefics3": Family("idefics3", "<image>", "model.vision_model.", "model.connector.",
                        ("model.text_model.", "lm_head.")),
     "llava": Family("llava", "<image>", "model.vision_tower.", "model.multi_modal_projector.",
@@ -58,8 +70,8 @@ def family_of(config, name: str) -> Family:
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         raise UserError("model_name_or_path", f"{name} is a {model_type} model, not a vision-language model hf_zero "
-                        f"trains ({', '.join(FAMILIES)})", "use a Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM or LLaVA "
-                        "model, or recipes/multimodal.py to compose an LLM with encoders")
+                        f"trains ({', '.join(FAMILIES)})", "use a Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Idefics3/SmolVLM or "
+                        "LLaVA model, or recipes/multimodal.py to compose an LLM with encoders")
     return FAMILIES[model_type]
 
 
@@ -168,11 +180,11 @@ class VlmCollator(MultimodalCollator):
     """hf_zero's multimodal collator for the text (padding, labels; packed rows' positions), and the model's own
     image tensors.
 
-    Packed rows of Qwen2-VL need its multimodal RoPE per conversation: `rope_index` (the model's own
+    Packed rows of Qwen2-VL and Qwen3-VL need their multimodal RoPE per conversation: `rope_index` (the model's own
     `get_rope_index`, hf_zero.train.vlm.rope_index_of) numbers each conversation of a row from 0 as if it were alone,
-    and the row's 1-D positions go first, (4, rows, length) as transformers' Qwen2-VL reads packed rows: its mask
-    keeps conversations apart by the 1-D positions' restarts. Idefics3's and LLaVA's positions are 1-D: the text
-    path's."""
+    and the row's 1-D positions go first, (4, rows, length) as transformers' Qwen2-VL and Qwen3-VL read packed rows:
+    their mask keeps conversations apart by the 1-D positions' restarts. Idefics3's and LLaVA's positions are 1-D:
+    the text path's."""
 
     def __init__(self, processing: VlmProcessing, rope_index=None):
         super().__init__(processing.tokenizer, {})

@@ -1,8 +1,9 @@
-"""A stock vision-language model (Qwen2-VL, Qwen2.5-VL, Idefics3/SmolVLM) loaded by `AutoModelForImageTextToText`,
-trained stage by stage in parts as the composed model is (hf_zero.train.parts):
+"""A stock vision-language model (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Idefics3/SmolVLM, LLaVA) loaded by
+`AutoModelForImageTextToText`, trained stage by stage in parts as the composed model is (hf_zero.train.parts):
 
 - `vision_tower`: the vision encoder (Qwen2-VL's `visual` without its merger; Idefics3's `vision_model`);
-- `projector`: what maps its output into the language model (Qwen2-VL's `merger`; Idefics3's `connector`);
+- `projector`: what maps its output into the language model (Qwen2-VL's `merger`; Qwen3-VL's `merger` and its
+  DeepStack mergers; Idefics3's `connector`);
 - `language_model` (full fine-tune), or under LoRA `lora`: the adapters in the language model and the embedding rows
   grown for added tokens.
 
@@ -45,7 +46,7 @@ def part_names(use_peft: bool) -> list[str]:
 def part_of(name: str, family: Family) -> str:
     """The part a parameter or module belongs to, by its name (peft's wrappers stripped)."""
     name = _WRAPPERS.sub("", name) + "."
-    if name.startswith(family.projector):
+    if name.startswith(family.projectors):
         return "projector"
     if name.startswith(family.vision_tower):
         return "vision_tower"
@@ -115,23 +116,30 @@ def vision_warning(counts: dict, trains_vision: bool, linear: list[str]) -> str 
 
 
 def _full_parts(model, family: Family, plan, counts: dict | None) -> list[str]:
-    """modules_to_save: the module of each part a stage trains that holds no adapter (an outer one covers an inner)."""
+    """modules_to_save: the module of each part a stage trains that holds no adapter (an outer one covers an inner).
+    A module list (Qwen3-VL's DeepStack mergers) by its members: the forward indexes it, which peft's wrapper of a
+    module cannot take."""
     names = []
-    for part, prefix in (("vision_tower", family.vision_tower), ("projector", family.projector)):
+    modules = dict(model.named_modules())
+    for part, prefixes in (("vision_tower", (family.vision_tower,)), ("projector", family.projectors)):
         if part in plan.ever_trained and (counts is None or not any(counts[part].values())):
-            names.append(prefix.rstrip("."))
+            for prefix in prefixes:
+                module = modules.get(prefix.rstrip("."))
+                names += ([f"{prefix}{i}" for i in range(len(module))] if isinstance(module, torch.nn.ModuleList)
+                          else [prefix.rstrip(".")])
     return [n for n in names if not any(n != o and n.startswith(o + ".") for o in names)]
 
 
 def _total(out) -> torch.Tensor:
     """The sum of the image features a vision forward gives the language model: its `pooler_output` (the projector's
-    output, what an image batch scatters into the text), a tensor or a list of them. Not the vision tower's own last
-    hidden state beside it: a gradient reaching the tower by another path than an image batch's would reach its
-    modules in another order, and ZeRO-3 gathers them again for backward in that order."""
+    output, what an image batch scatters into the text), a tensor or a list of them, and Qwen3-VL's
+    `deepstack_features` (its DeepStack mergers' outputs, which an image batch adds into the first layers). Not the
+    vision tower's own last hidden state beside them: a gradient reaching the tower by another path than an image
+    batch's would reach its modules in another order, and ZeRO-3 gathers them again for backward in that order."""
+    deepstack = getattr(out, "deepstack_features", None) or ()
     out = getattr(out, "pooler_output", out)
-    if isinstance(out, torch.Tensor):
-        return out.float().sum()
-    return sum((_total(v) for v in out), torch.zeros(()))
+    total = out.float().sum() if isinstance(out, torch.Tensor) else sum((_total(v) for v in out), torch.zeros(()))
+    return total + sum((_total(v) for v in deepstack), torch.zeros(())) if deepstack else total
 
 
 def llava_feature_kwargs(config) -> dict:
@@ -167,8 +175,8 @@ def keep_vision_in_step(model, family: Family, processing) -> None:
 
 
 def rope_index_of(model):
-    """The model's own multimodal RoPE numbering (Qwen2-VL's `get_rope_index`), which packed rows need per
-    conversation (hf_zero.data.vlm.VlmCollator); None for a family with 1-D positions."""
+    """The model's own multimodal RoPE numbering (Qwen2-VL's and Qwen3-VL's `get_rope_index`), which packed rows
+    need per conversation (hf_zero.data.vlm.VlmCollator); None for a family with 1-D positions."""
     return next((m.get_rope_index for m in model.modules() if hasattr(m, "get_rope_index")), None)
 
 

@@ -7,7 +7,9 @@ The vision tower's saved bytes are counted by autograd's saved-tensor hooks on a
 forward cannot run it: Qwen2-VL's patch positions and Idefics3's image mask are computed from the input's values),
 of the tower built at its real widths with 1 and then 2 layers (beside a 1-layer language model with a 64-row token
 table, which is not run), on the real image's pixels: every layer of a tower is the same module, so the count for
-all its layers is the first count plus (layers - 1) x the difference.
+all its layers is the first count plus (layers - 1) x the difference. Qwen3-VL's DeepStack mergers (one after each
+layer its config lists) are counted apart, each the same module on the same shape: the 1- and 2-layer towers are
+built without them, and each adds what one adds to the 1-layer tower.
 """
 
 from __future__ import annotations
@@ -89,12 +91,19 @@ def largest_image_side(processing: VlmProcessing) -> int:
     return edge if processing.family.name == "idefics3" else math.isqrt(edge)
 
 
-def _with_vision_layers(config, layers: int):
+def _with_vision_layers(config, layers: int, deepstack: tuple | None = None):
     config = copy.deepcopy(config)
     vision = config.vision_config
     field = next(f for f in _LAYER_FIELDS if hasattr(vision, f))
     setattr(vision, field, layers)
+    if deepstack is not None:
+        vision.deepstack_visual_indexes = list(deepstack)
     return config
+
+
+def _deepstack_layers(config) -> int:
+    """How many vision layers feed a DeepStack merger (Qwen3-VL's `deepstack_visual_indexes`; none elsewhere)."""
+    return len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
 
 
 def _vision_layers(config) -> int:
@@ -104,17 +113,23 @@ def _vision_layers(config) -> int:
 def vision_saved_bytes(config, family: Family, pixels: dict, layers: int | None = None) -> int:
     """fp32 bytes the vision tower and projector save for backward on `pixels` (the image processor's output for
     the batch) with `layers` vision layers (default: the config's), weights trainable: counted at 1 and 2 layers
-    and extended layer by layer."""
-    one, two = saved_at_layers(config, family, pixels, 1), saved_at_layers(config, family, pixels, 2)
-    return one + ((layers or _vision_layers(config)) - 1) * (two - one)
+    and extended layer by layer, then each DeepStack merger added."""
+    deepstack = _deepstack_layers(config)
+    plain = () if deepstack else None
+    one, two = (saved_at_layers(config, family, pixels, n, plain) for n in (1, 2))
+    total = one + ((layers or _vision_layers(config)) - 1) * (two - one)
+    if deepstack:
+        total += deepstack * (saved_at_layers(config, family, pixels, 1, (0,)) - one)
+    return total
 
 
-def saved_at_layers(config, family: Family, pixels: dict, layers: int) -> int:
-    """vision_saved_bytes counted directly, the vision tower built with `layers` layers."""
+def saved_at_layers(config, family: Family, pixels: dict, layers: int, deepstack: tuple | None = None) -> int:
+    """vision_saved_bytes counted directly, the vision tower built with `layers` layers (and DeepStack mergers after
+    the layers `deepstack` lists; None: the config's)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
-    cfg = _with_vision_layers(config, layers)
+    cfg = _with_vision_layers(config, layers, deepstack)
     text = cfg.get_text_config()  # the language model is not run: one layer and a token table of 64 rows
     text.num_hidden_layers, text.vocab_size, text.pad_token_id = 1, 64, None
     with torch.device("cpu"), without_zero3_init():

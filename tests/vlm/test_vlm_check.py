@@ -17,6 +17,19 @@ def test_check_counts_each_lora_target_per_part(tmp_path, capsys):
             "qkv 0; language_model: q_proj 2, v_proj 2, qkv 0") in line
 
 
+def test_check_counts_qwen3_vls_parts_with_its_deepstack_merger_in_the_projector(tmp_path, capsys):
+    rc, results = check(capsys, "--config", str(CONFIG), "--model_name_or_path", "hf-zero/tiny-qwen3-vl",
+                        output_dir=tmp_path / "o")
+    ok, line = results["data"]
+    assert rc == 0 and ok is True, line
+    # the projector: the merger (24,832 weights) and the DeepStack merger, whose LayerNorm is on the merged width
+    # (25,024); the vision tower: patches, positions, 2 blocks with a fused qkv each
+    assert ("qwen3_vl weights per part: vision_tower 20,704 (80.88 KiB in fp32), projector 49,856 (194.75 KiB in "
+            "fp32), language_model 140,416 (548.50 KiB in fp32)") in line
+    assert ("LoRA targets matched per part: vision_tower: q_proj 0, v_proj 0, qkv 2; projector: q_proj 0, v_proj 0, "
+            "qkv 0; language_model: q_proj 2, v_proj 2, qkv 0") in line
+
+
 def test_check_warns_when_the_vision_tower_trains_but_no_target_is_in_it(tmp_path, capsys):
     from hf_zero.cli import main
 
@@ -36,7 +49,8 @@ def test_check_says_a_text_model_is_not_a_vlm_in_one_line(tmp_path, capsys):
                        output_dir=tmp_path / "o")
     ok, line = results["data"]
     assert ok is False and line.startswith("model_name_or_path: tiny-llama is a llama model, not a vision-language "
-                                           "model hf_zero trains (qwen2_vl, qwen2_5_vl, idefics3, llava)"), line
+                                           "model hf_zero trains (qwen2_vl, qwen2_5_vl, qwen3_vl, idefics3, "
+                                           "llava)"), line
 
 
 def test_check_refuses_a_bound_on_image_size_that_is_not_positive(tmp_path, capsys):

@@ -3,6 +3,7 @@ transformers, an image item becomes exactly the run the family's processor write
 image_max_pixels bounds the visual tokens, a text-only batch still runs the vision tower with the loss unchanged, and
 LoRA targets are counted per part."""
 
+import importlib.util
 import itertools
 import json
 from pathlib import Path
@@ -20,6 +21,7 @@ from hf_zero.train.parts import PartPlan
 from hf_zero.train.vlm import (
     keep_vision_in_step,
     part_names,
+    part_of,
     target_counts,
     unread_vision,
     vision_warning,
@@ -27,7 +29,8 @@ from hf_zero.train.vlm import (
 )
 
 DIGITS = REPO / "recipes" / "data" / "tiny_multimodal" / "digits.jsonl"
-MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm", "hf-zero/tiny-llava")
+MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm", "hf-zero/tiny-llava", "hf-zero/tiny-qwen3-vl")
+QWENS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-qwen3-vl")  # the same image processor and token runs
 
 
 def processing(name: str, max_pixels=None) -> VlmProcessing:
@@ -53,15 +56,21 @@ def test_the_tiny_vlms_load_with_plain_transformers(name):
     model = AutoModelForImageTextToText.from_pretrained(name)  # by hub id, offline, no hf_zero
     assert type(model).__name__ == {"hf-zero/tiny-qwen2-vl": "Qwen2VLForConditionalGeneration",
                                     "hf-zero/tiny-smolvlm": "Idefics3ForConditionalGeneration",
-                                    "hf-zero/tiny-llava": "LlavaForConditionalGeneration"}[name]
+                                    "hf-zero/tiny-llava": "LlavaForConditionalGeneration",
+                                    "hf-zero/tiny-qwen3-vl": "Qwen3VLForConditionalGeneration"}[name]
     tok = AutoTokenizer.from_pretrained(name)
     assert len(tok) == model.config.get_text_config().vocab_size and tok.chat_template
     assert AutoImageProcessor.from_pretrained(folder) is not None
-    if not name.endswith("qwen2-vl"):  # Qwen2-VL's AutoProcessor needs torchvision (its video processor): not here
-        from transformers import AutoProcessor
+    from transformers import AutoProcessor
 
-        assert type(AutoProcessor.from_pretrained(name)).__name__ == {"hf-zero/tiny-smolvlm": "Idefics3Processor",
-                                                                      "hf-zero/tiny-llava": "LlavaProcessor"}[name]
+    if name in QWENS and importlib.util.find_spec("torchvision") is None:
+        # the Qwen processors need a video processor, which needs torchvision: not installed here
+        with pytest.raises(ImportError, match="Torchvision"):
+            AutoProcessor.from_pretrained(name)
+        return
+    assert type(AutoProcessor.from_pretrained(name)).__name__ == {
+        "hf-zero/tiny-qwen2-vl": "Qwen2VLProcessor", "hf-zero/tiny-smolvlm": "Idefics3Processor",
+        "hf-zero/tiny-llava": "LlavaProcessor", "hf-zero/tiny-qwen3-vl": "Qwen3VLProcessor"}[name]
 
 
 @pytest.mark.parametrize("name", ["hf-zero/tiny-smolvlm", "hf-zero/tiny-llava"])
@@ -84,8 +93,9 @@ def test_an_image_is_the_run_the_familys_own_processor_writes(name):
     assert sample["input_ids"].count(proc.image_token_id) == 4
 
 
-def test_qwen2_vl_images_are_wrapped_and_sized_by_the_processor():
-    proc = processing("hf-zero/tiny-qwen2-vl")
+@pytest.mark.parametrize("name", QWENS)
+def test_qwen_vl_images_are_wrapped_and_sized_by_the_processor(name):
+    proc = processing(name)
     (sample,), report = encode(proc, digit_rows(1), DIGITS.parent)
     ids, cfg = sample["input_ids"], proc.config
     start = ids.index(cfg.vision_start_token_id)
@@ -96,7 +106,8 @@ def test_qwen2_vl_images_are_wrapped_and_sized_by_the_processor():
     assert proc.tokenizer.decode(trained) == "6<|im_end|>" and report.loss_tokens == len(trained)
 
 
-def test_image_max_pixels_bounds_the_visual_tokens(tmp_path):
+@pytest.mark.parametrize("name", QWENS)
+def test_image_max_pixels_bounds_the_visual_tokens(tmp_path, name):
     from PIL import Image
 
     Image.new("RGB", (32, 32), (200, 10, 10)).save(tmp_path / "big.png")
@@ -104,7 +115,7 @@ def test_image_max_pixels_bounds_the_visual_tokens(tmp_path):
            {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
     counts = {}
     for bound in (None, 64):  # the processor's own bound (256 pixels: 16 x 16), then 64 (8 x 8)
-        proc = processing("hf-zero/tiny-qwen2-vl", bound)
+        proc = processing(name, bound)
         (sample,), _ = encode(proc, [row], tmp_path)
         counts[bound] = sample["input_ids"].count(proc.image_token_id)
         batch = VlmCollator(proc)([sample])
@@ -149,6 +160,10 @@ def test_an_image_batch_trains_through_every_part(name):
     model(**VlmCollator(proc)(samples)).loss.backward()
     for part, params in vlm_parts(model, proc.family, use_peft=False).items():
         assert any(p.grad is not None and p.grad.abs().sum() > 0 for _, p in params), part
+    # Qwen3-VL: each DeepStack merger too (its features go into a language model layer whose output a later one reads)
+    deepstack = [p for n, p in model.named_parameters() if proc.family.deepstack and
+                 n.startswith(proc.family.deepstack)]
+    assert bool(deepstack) == name.endswith("qwen3-vl") and all(p.grad.abs().sum() > 0 for p in deepstack)
 
 
 def test_lora_targets_are_counted_per_part_and_a_missed_vision_tower_is_said():
@@ -163,6 +178,15 @@ def test_lora_targets_are_counted_per_part_and_a_missed_vision_tower_is_said():
     assert q == {"vision_tower": {"q_proj": 0, "v_proj": 0, "qkv": 1}, "projector": {"q_proj": 0, "v_proj": 0,
                  "qkv": 0}, "language_model": {"q_proj": 2, "v_proj": 2, "qkv": 0}}
     assert s["vision_tower"] == {"q_proj": 1, "v_proj": 1} and s["language_model"] == {"q_proj": 2, "v_proj": 2}
+    # Qwen3-VL: the same fused qkv in its 2 vision blocks; its DeepStack mergers are the projector's, as its merger
+    qwen3 = processing("hf-zero/tiny-qwen3-vl")
+    q3_model = AutoModelForImageTextToText.from_pretrained(resolve_model_path("hf-zero/tiny-qwen3-vl"))
+    assert target_counts(q3_model, qwen3.family, ["q_proj", "qkv", "linear_fc1"]) == {
+        "vision_tower": {"q_proj": 0, "qkv": 2, "linear_fc1": 2}, "projector": {"q_proj": 0, "qkv": 0,
+                                                                               "linear_fc1": 2},
+        "language_model": {"q_proj": 2, "qkv": 0, "linear_fc1": 0}}
+    assert {part_of(n, qwen3.family) for n, _ in q3_model.named_parameters() if ".deepstack_merger_list." in n} == {
+        "projector"}
     missed = target_counts(q_model, qwen.family, ["q_proj", "v_proj"])
     assert "no entry matched a vision tower module" in vision_warning(missed, True, ["qkv", "proj"])
     assert vision_warning(missed, False, ["qkv"]) is None and vision_warning(q, True, ["qkv"]) is None

@@ -13,7 +13,8 @@ from testing_utils import REPO, run_cmd
 from hf_zero.cli import main
 
 CONFIG = REPO / "recipes" / "configs" / "tiny_vlm.yaml"
-MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm", "hf-zero/tiny-llava")
+MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm", "hf-zero/tiny-llava", "hf-zero/tiny-qwen3-vl")
+QWENS = {"hf-zero/tiny-qwen2-vl": "qwen2_vl", "hf-zero/tiny-qwen3-vl": "qwen3_vl"}
 
 
 def config_copy(dst, **overrides):
@@ -30,17 +31,20 @@ def estimate_json(capsys, config, *flags):
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.parametrize("name", QWENS)
 @pytest.mark.parametrize("bound,side,tokens", [(256, 16, 4), (64, 8, 1)])
-def test_the_estimate_counts_the_images_tokens_at_the_size_bound(tmp_path, capsys, bound, side, tokens):
-    """Qwen2-VL: image_max_pixels is an area; 16 x 16 pixels are 4 x 4 patches of 4, merged 2 x 2: 4 tokens; the
-    vision tower's saved bytes grow with the image."""
-    est = estimate_json(capsys, config_copy(tmp_path / "c.yaml", image_max_pixels=bound), "--profile", "ddp")
+def test_the_estimate_counts_the_images_tokens_at_the_size_bound(tmp_path, capsys, bound, side, tokens, name):
+    """Qwen2-VL, Qwen3-VL: image_max_pixels is an area; 16 x 16 pixels are 4 x 4 patches of 4, merged 2 x 2: 4
+    tokens; the vision tower's saved bytes grow with the image."""
+    est = estimate_json(capsys, config_copy(tmp_path / "c.yaml", image_max_pixels=bound, model_name_or_path=name),
+                        "--profile", "ddp")
     vlm = est["multimodal"]
-    assert (vlm["family"], vlm["image_side"], vlm["image_tokens_per_image"]) == ("qwen2_vl", side, tokens)
+    assert (vlm["family"], vlm["image_side"], vlm["image_tokens_per_image"]) == (QWENS[name], side, tokens)
     assert vlm["activation_bytes"] == est["inputs"]["micro_batch"] * vlm["activation_bytes_per_row"] > 0
     assert [s["trains"] for s in vlm["stages"]] == [["projector"], ["vision_tower", "projector", "lora"]]
     if bound == 256:
-        small = estimate_json(capsys, config_copy(tmp_path / "s.yaml", image_max_pixels=64), "--profile", "ddp")
+        small = estimate_json(capsys, config_copy(tmp_path / "s.yaml", image_max_pixels=64, model_name_or_path=name),
+                              "--profile", "ddp")
         assert small["multimodal"]["activation_bytes_per_row"] < vlm["activation_bytes_per_row"]
 
 
@@ -60,6 +64,8 @@ def test_the_vision_towers_saved_bytes_extend_layer_by_layer_exactly(name, tmp_p
     counted = saved_at_layers(proc.config, proc.family, pixels, 4)
     assert vision_saved_bytes(proc.config, proc.family, pixels, layers=4) == counted
     assert counted > saved_at_layers(proc.config, proc.family, pixels, 3) > 0
+    if name.endswith("qwen3-vl"):  # its DeepStack merger (after layer 0) is in the direct count
+        assert saved_at_layers(proc.config, proc.family, pixels, 4, ()) < counted
 
 
 @pytest.mark.recipe_run

@@ -18,7 +18,7 @@ CONFIG = REPO / "recipes" / "configs" / "tiny_vlm.yaml"
 DIGITS = REPO / "recipes" / "data" / "tiny_multimodal" / "digits.jsonl"
 FLAGS = ["--global_batch_size", "4"]
 STEPS = 2
-MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm", "hf-zero/tiny-llava")
+MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm", "hf-zero/tiny-llava", "hf-zero/tiny-qwen3-vl")
 
 
 def short_config(dst: Path, model: str) -> Path:
@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
 
     def make(key):
         model, profile = key
-        name = model.rsplit("-", 1)[-1]
+        name = model.rsplit("/", 1)[-1]  # tiny-qwen2-vl and tiny-qwen3-vl: their last words are the same
         out = root / f"{name}-{profile}"
         launch_recipe(profile, out, *FLAGS, config=short_config(root / f"{name}.yaml", model), recipe=RECIPE)
         return out
@@ -92,13 +92,15 @@ WRAPPER = textwrap.dedent('''\
 ''')
 
 
+# Qwen3-VL too: its DeepStack mergers are more of the vision side a text-only rank must run
+@pytest.mark.parametrize("model", ["hf-zero/tiny-qwen2-vl", "hf-zero/tiny-qwen3-vl"])
 @pytest.mark.parametrize("profile", ["zero3", "fsdp2"])
-def test_text_only_rank_beside_image_only_rank_completes(tmp_path, profile):
+def test_text_only_rank_beside_image_only_rank_completes(tmp_path, profile, model):
     text = tmp_path / "text.jsonl"
     text.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Say {w}."},
                                                      {"role": "assistant", "content": w}]}) + "\n"
                             for w in ("one", "two", "three", "four", "five", "six", "seven", "eight")))
-    config = yaml.safe_load(short_config(tmp_path / "base.yaml", MODELS[0]).read_text())
+    config = yaml.safe_load(short_config(tmp_path / "base.yaml", model).read_text())
     config["stages"] = [{"name": "mixed", "data": [str(text), str(DIGITS)], "steps": 3,
                          "train": ["vision_tower", "projector", "lora"]}]
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

@@ -1,4 +1,4 @@
-"""recipes/vlm.py on recipes/configs/tiny_vlm.yaml in one process, for both tiny families: image chat rows train
+"""recipes/vlm.py on recipes/configs/tiny_vlm.yaml in one process, for each tiny family: image chat rows train
 (the held-out loss falls), a stage trains only the parts it names (LoRA untouched while the projector aligns), the
 final folder is an adapter with the projector trained in full and the processor's files, and packed rows train."""
 
@@ -11,9 +11,11 @@ from testing_utils import REPO, read_summary, run_cmd
 
 RECIPE = REPO / "recipes" / "vlm.py"
 CONFIG = REPO / "recipes" / "configs" / "tiny_vlm.yaml"
-MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm", "hf-zero/tiny-llava")
-PROJECTOR = {"hf-zero/tiny-qwen2-vl": "visual.merger", "hf-zero/tiny-smolvlm": "connector",
-             "hf-zero/tiny-llava": "multi_modal_projector"}
+MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm", "hf-zero/tiny-llava", "hf-zero/tiny-qwen3-vl")
+# the projector's modules, each kept whole by peft's modules_to_save (Qwen3-VL: its merger and its DeepStack merger)
+PROJECTOR = {"hf-zero/tiny-qwen2-vl": ("visual.merger",), "hf-zero/tiny-smolvlm": ("connector",),
+             "hf-zero/tiny-llava": ("multi_modal_projector",),
+             "hf-zero/tiny-qwen3-vl": ("visual.merger", "visual.deepstack_merger_list.0")}
 
 # Each test here runs the recipe: `make test`, not `make test-fast`.
 pytestmark = pytest.mark.recipe_run
@@ -48,7 +50,7 @@ def test_image_rows_train_and_the_loss_falls(run):
     name, out, console = run
     s = read_summary(out)
     assert s["vlm_family"] == {"hf-zero/tiny-qwen2-vl": "qwen2_vl", "hf-zero/tiny-smolvlm": "idefics3",
-                               "hf-zero/tiny-llava": "llava"}[name]
+                               "hf-zero/tiny-llava": "llava", "hf-zero/tiny-qwen3-vl": "qwen3_vl"}[name]
     assert len(s["losses"]) == 6 and s["eval_loss_after"] < s["eval_loss_before"]
     assert s["parts"]["align"] == {"vision_tower": 0.0, "projector": 1.0, "lora": 0.0}
     assert s["parts"]["tune"]["projector"] == 0.5 and s["parts"]["tune"]["lora"] == 1.0
@@ -66,8 +68,9 @@ def test_a_stage_trains_only_the_parts_it_names(run):
     assert lora_b
     assert all(torch.count_nonzero(boundary[k]) == 0 for k in lora_b)
     assert any(torch.count_nonzero(final[k]) > 0 for k in lora_b)
-    projector = [k for k in final if PROJECTOR[name] in k]
-    assert projector and any(not torch.equal(boundary[k], final[k]) for k in projector)
+    for module in PROJECTOR[name]:
+        projector = [k for k in final if f".{module}." in k]
+        assert projector and any(not torch.equal(boundary[k], final[k]) for k in projector), module
 
 
 def test_the_final_folder_is_an_adapter_with_the_processor(run):
@@ -77,7 +80,7 @@ def test_the_final_folder_is_an_adapter_with_the_processor(run):
     final = out / "final"
     config = json.loads((final / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == name
-    assert config["modules_to_save"] == [f"model.{PROJECTOR[name]}"]
+    assert config["modules_to_save"] == [f"model.{m}" for m in PROJECTOR[name]]
     for file in ("preprocessor_config.json", "tokenizer.json", "chat_template.jinja"):
         assert (final / file).is_file(), file
 
