@@ -151,8 +151,7 @@ def run(args) -> int:
          "global_batch_size": recipe.global_batch}, shape.world)
     try:
         composed = _composed(recipe)  # a multimodal recipe: the LLM with its encoders and projectors, counted
-        count = count_model(composed.model) if composed else count_model(get_model_config(recipe.model),
-                                                                          lora=recipe.lora)
+        count = _count_of(composed) if composed else count_model(get_model_config(recipe.model), lora=recipe.lora)
     except ValueError as err:  # peft: target modules not in the model
         raise UserError("--lora-target-modules" if recipe.lora else "--model", str(err).splitlines()[0]) from None
     usable = int(gpu_mem * (1 - HEADROOM)) if gpu_mem else None
@@ -244,6 +243,13 @@ def _composed(recipe):
     from hf_zero.train.vlm_count import count_vlm
 
     return count_composed(recipe.path, _overrides(recipe)) or count_vlm(recipe.path, _overrides(recipe))
+
+
+def _count_of(composed):
+    """A composed model's or a VLM's counts, its optimizer groups one pair per part (as its run makes them)."""
+    from hf_zero.train.composed_count import model_count_of
+
+    return model_count_of(composed)
 
 
 def _sequence_parallel(recipe, count, world: int, usable, args, batch, kw) -> dict | None:

@@ -2,17 +2,19 @@
 
 Ψ all params, Ψt trainable (LoRA: peft's A/B), N world size, L / Lt largest (trainable) layer = one module's own
 params as DeepSpeed counts it, p = 2 (bf16/fp16) or 4 (fp32), g = 4 (the flat fp32 gradient partition the
-optimizer steps on; fp32 below), K = 12 mixed (fp32 master + 2 Adam moments) or 8 fp32, f = the frozen base's
+optimizer steps on, made one parameter group at a time: G is the largest group's Ψt, ModelCount.
+largest_group_params; fp32 below), K = 12 mixed (fp32 master + 2 Adam moments) or 8 fp32, f = the frozen base's
 bytes under the Trainer and FSDP2: p (hf_zero loads a LoRA base in the run's precision, hf_zero.train.model.
 base_precision) unless `frozen_base="fp32"`. GPU bytes per rank, "deepspeed" | "paper":
   ddp            f(Ψ-Ψt) + 4Ψt + 4Ψt + 8Ψt (fp32 trainable weights)   | pΨ + pΨt + KΨt            (16Ψ)
-  zero1          pΨ + pΨt + (g+12)Ψt/N                               | pΨ + pΨt + KΨt/N          (4Ψ+12Ψ/N)
-  zero2          pΨ + (p+g)Ψt/N + 12Ψt/N                             | pΨ + pΨt/N + KΨt/N        (2Ψ+14Ψ/N)
-  zero3          pΨ/N + pL + 4Ψt/N + pLt + 12Ψt/N                    | (pΨ + pΨt + KΨt)/N        (16Ψ/N)
+  zero1          pΨ + pΨt + gG/N + 12Ψt/N                            | pΨ + pΨt + KΨt/N          (4Ψ+12Ψ/N)
+  zero2          pΨ + (pΨt + gG)/N + 12Ψt/N                          | pΨ + pΨt/N + KΨt/N        (2Ψ+14Ψ/N)
+  zero3          pΨ/N + pL + gG/N + pLt + 12Ψt/N                     | (pΨ + pΨt + KΨt)/N        (16Ψ/N)
   zero2_offload  pΨ;  zero3_offload_optimizer pΨ/N + pL + pLt;  zero3_offload / zero3_nvme  pL + pLt
 ZeRO-3's pL + pLt (the largest layer gathered, and its gradient) is its own key, "gathered", inside model_states.
-fp32 "deepspeed", measured on 2 CPU ranks (tests/estimate/test_estimate_measured.py): gradients ZeRO-1 max(4Ψt, 8Ψt/N),
-ZeRO-2 8Ψt/N, ZeRO-3 8Ψt/N (its partition buffer + the step's flat copy; offloaded: CPU 20Ψt/N + 4Ψ/N).
+fp32 "deepspeed", measured on 2 CPU ranks (tests/estimate/test_estimate_measured.py, a composed model's one group per
+part in tests/multimodal/test_multimodal_tools.py): gradients ZeRO-1 max(4Ψt, 4(Ψt+G)/N), ZeRO-2 4(Ψt+G)/N, ZeRO-3
+4(Ψt+G)/N (its partition buffer + the step's flat copy; offloaded: CPU 20Ψt/N + 4Ψ/N).
 "paper" is the ZeRO paper (arXiv:1910.02054). For "deepspeed" in bf16/fp16 without LoRA, ZeRO-2/3 (GPU and CPU)
 are DeepSpeed's estimate_zero{2,3}_model_states_mem_needs, called directly; the formulas reproduce them and cover
 the rest. The fp32 master (4) exists in fp32 too: DeepSpeed clones it (ZeRO-3's alias branch compares a
@@ -107,16 +109,20 @@ def _states(s, c: ModelCount, n, mixed, convention, f=4):
         return gpu, cpu, (k * t + p * psi) / n if s == "zero3_nvme" else 0
     # The optimizer steps on a flat fp32 copy of the gradient partition (g32): in 16-bit DeepSpeed's fp32 partition,
     # in fp32 flatten()'s own copy (measured: ZeRO-2/3 hold the partition twice at the step; ZeRO-1's whole fp32
-    # gradients outweigh that for N >= 2). ZeRO-3 also keeps its partition buffer all run (offloaded with the
-    # optimizer): g3. DeepSpeed's 16-bit ZeRO-3 estimator leaves that buffer out; we follow it there.
-    g32, g3 = 4, (4 if mixed else 8)
+    # gradients outweigh that for N >= 2). DeepSpeed makes that copy one parameter group at a time and frees it after
+    # the group's step, so it is the largest group's, G: the Trainer's decay group (nearly all), a composed model's
+    # or a VLM's largest part (one group per part: its 2-rank gradients were 15-24% below G = Ψt). ZeRO-3 also keeps
+    # its partition buffer all run (offloaded with the optimizer): g3. DeepSpeed's 16-bit ZeRO-3 estimator leaves that
+    # buffer out; we follow it there.
+    g32, g3, group = 4, (0 if mixed else 4), c.largest_group_params or t
     gath = p * (L + Lt) if s.startswith("zero3") else 0  # ZeRO-3: the largest layer gathered + its gradient
-    zero1_grads = p * t + g32 * t / n if mixed else max(4 * t, 8 * t / n)
+    zero1_grads = p * t + g32 * group / n if mixed else max(4 * t, (4 * t + g32 * group) / n)
     gpu = {"ddp": (f * (psi - t) + 4 * t, 4 * t, 8 * t), "zero1": (p * psi, zero1_grads, 12 * t / n),
-           "zero2": (p * psi, (p + g32) * t / n, 12 * t / n), "zero2_offload": (p * psi, 0, 0),
-           "zero3": (p * psi / n, g3 * t / n, 12 * t / n), "zero3_offload_optimizer": (p * psi / n, 0, 0)}
+           "zero2": (p * psi, (p * t + g32 * group) / n, 12 * t / n), "zero2_offload": (p * psi, 0, 0),
+           "zero3": (p * psi / n, (g3 * t + g32 * group) / n, 12 * t / n),
+           "zero3_offload_optimizer": (p * psi / n, 0, 0)}
     gpu = (*gpu.get(s, (0, 0, 0)), gath)
-    off = (12 + (g3 if s.startswith("zero3") else g32)) * t / n  # gradients + fp32 master + moments, on the CPU
+    off = (12 + (g3 + g32 if s.startswith("zero3") else g32)) * t / n  # gradients + fp32 master + moments, on the CPU
     cpu = {"zero3_offload": off + p * psi / n, "zero3_nvme": 4 * t / n}.get(s, off if "offload" in s else 0)
     # On disk DeepSpeed also swaps fp32 gradient partitions (<id>_gradient_<offset>_<len>.tensor.swp, measured in
     # tests/train/test_nvme.py): up to 4 bytes per trainable parameter more than the optimizer state.

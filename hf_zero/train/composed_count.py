@@ -11,7 +11,7 @@ row of the shipped data holds (a row with more items: that many times its modali
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
@@ -20,6 +20,7 @@ from hf_zero.data.chat_template import added_template_tokens, prepare_chat_templ
 from hf_zero.data.model_names import get_model_config, get_tokenizer
 from hf_zero.data.multimodal import add_placeholders, load_multimodal_stage
 from hf_zero.data.multimodal_check import check_multimodal_data
+from hf_zero.estimate.model_count import ModelCount, count_model
 from hf_zero.integrations.torch import saved_bytes
 from hf_zero.plan.arguments import CurriculumArguments
 from hf_zero.plan.parse import parse_recipe_args, recipe_fields
@@ -27,10 +28,10 @@ from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_scri
 from hf_zero.train.composed import ComposedModel, freeze_unread_embeddings
 from hf_zero.train.composed_build import build_encoders, encode
 from hf_zero.train.model import lora_kwargs
-from hf_zero.train.parts import part_sizes, plan_parts
+from hf_zero.train.parts import largest_group_params, part_sizes, plan_parts
 
-__all__ = ["ComposedCount", "count_composed", "composed_on_meta", "item_activation_bytes", "stage_lines",
-           "estimate_summary", "estimate_lines", "check_multimodal", "multimodal_data"]
+__all__ = ["ComposedCount", "count_composed", "model_count_of", "composed_on_meta", "item_activation_bytes",
+           "stage_lines", "estimate_summary", "estimate_lines", "check_multimodal", "multimodal_data"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,13 @@ def count_composed(path: str, overrides=()) -> ComposedCount | None:
     model, specs, plan, sizes = composed_on_meta(model_args, training["encoders"], stages,
                                                  training.get("learning_rate", 5e-5), training.get("chat_template"))
     return ComposedCount(model, specs, plan, sizes, item_activation_bytes(model, specs))
+
+
+def model_count_of(count) -> ModelCount:
+    """The estimate's counts of a composed model or a stock VLM (a ComposedCount or hf_zero.train.vlm_count's
+    VlmCount: its model on meta and its PartPlan), with the optimizer's groups as the run makes them: one pair per
+    part (hf_zero.train.parts.param_groups), not the Trainer's one pair for the whole model."""
+    return replace(count_model(count.model), largest_group_params=largest_group_params(count.model, count.plan))
 
 
 def stage_lines(count: ComposedCount) -> list[str]:

@@ -18,7 +18,8 @@ from __future__ import annotations
 from hf_zero.core.errors import UserError
 from hf_zero.train.trainer import CurriculumTrainer
 
-__all__ = ["model_parts", "part_sizes", "PartPlan", "plan_parts", "PartsTrainer"]
+__all__ = ["model_parts", "part_sizes", "PartPlan", "plan_parts", "PartsTrainer", "param_groups",
+           "largest_group_params"]
 
 KINDS = ("encoder", "projector")
 
@@ -43,6 +44,28 @@ def part_sizes(model) -> dict[str, int]:
     """Parameters per part; under ZeRO-3 the full count (`ds_numel`), not this rank's shard."""
     return {part: sum(getattr(p, "ds_numel", p.numel()) for _, p in params)
             for part, params in model_parts(model).items()}
+
+
+def param_groups(model, plan: PartPlan, decayed) -> list[tuple[str, bool, list]]:
+    """The optimizer's parameter groups: (part, weight decay or not, its parameters that train) for every part that
+    trains in some stage, the empty groups left out. `decayed(name, parameter)`: whether the weight decays."""
+    groups = []
+    for part, params in plan.parts_of(model).items():
+        if part in plan.ever_trained:
+            for wd in (True, False):
+                chosen = [p for n, p in params if p.requires_grad and decayed(n, p) == wd]
+                if chosen:
+                    groups.append((part, wd, chosen))
+    return groups
+
+
+def largest_group_params(model, plan: PartPlan) -> int:
+    """Elements of the largest parameter group the run's optimizer will hold (param_groups), for the estimate: ZeRO
+    makes its flat fp32 copy of the gradients one group at a time (hf_zero.estimate.memory). The transformers'
+    decay rule (no decay on biases and norms) is taken as no decay on 1-D weights, which is the same rule for the
+    encoders, projectors and adapters hf_zero builds."""
+    groups = param_groups(model, plan, lambda _, p: p.dim() >= 2)
+    return max((sum(p.numel() for p in params) for _, _, params in groups), default=0)
 
 
 class PartPlan:
@@ -124,15 +147,8 @@ class PartsTrainer(CurriculumTrainer):
             from transformers import Trainer
 
             decay = set(self.get_decay_parameter_names(self.model))
-            groups = []
-            for part, params in self.parts.parts_of(self.model).items():
-                if part not in self.parts.ever_trained:
-                    continue
-                for wd in (True, False):
-                    chosen = [p for n, p in params if p.requires_grad and (n in decay) == wd]
-                    if chosen:
-                        groups.append({"params": chosen, "part": part,
-                                       "weight_decay": self.args.weight_decay if wd else 0.0})
+            groups = [{"params": params, "part": part, "weight_decay": self.args.weight_decay if wd else 0.0}
+                      for part, wd, params in param_groups(self.model, self.parts, lambda name, _: name in decay)]
             cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(self.args, self.model)
             self.optimizer = cls(groups, **kwargs)
         self.fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
