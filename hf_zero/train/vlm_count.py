@@ -164,9 +164,10 @@ def count_vlm(path: str, overrides=()) -> VlmCount | None:
     processing = VlmProcessing(resolve_model_path(model_args.model_name_or_path), tokenizer, args.image_max_pixels)
     model, family = vlm_on_meta(model_args)
     names = part_names(model_args.use_peft)
-    plan = PartPlan(stages, names, training.get("learning_rate", 5e-5), default=names[-1:])
+    plan = PartPlan(stages, names, training.get("learning_rate", 5e-5), default=names[-1:],
+                    parts_of=lambda m: vlm_parts(m, family, model_args.use_peft))  # recipes/vlm.py's parts
     model, _ = adapt_vlm(model, replace(model_args), family, plan, announce=False)
-    sizes = {p: sum(t.numel() for _, t in ps) for p, ps in vlm_parts(model, family, model_args.use_peft).items()}
+    sizes = {p: sum(t.numel() for _, t in ps) for p, ps in plan.parts_of(model).items()}
     side = largest_image_side(processing)
     with tempfile.TemporaryDirectory() as tmp:
         image = Path(tmp) / "largest.png"
