@@ -23,7 +23,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from hf_zero.core import startup
-from hf_zero.core.progress import EXACT_MATCH, duration
+from hf_zero.core.progress import EXACT_MATCH
+from hf_zero.core.time_left import duration
 from hf_zero.train.generate import contains, exact_match, generate_answers
 
 __all__ = ["SampleCallback", "exact_match_summary", "with_stage_exact_match"]

@@ -1,16 +1,8 @@
-"""The lines a training run prints per step and per evaluation, and its time left (hf_zero.core.progress), from
-callback events with a clock the test sets (no run needed)."""
+"""The lines a training run prints per step and per evaluation, and its time left (hf_zero.core.progress and
+hf_zero.core.time_left), from callback events with a clock the test sets (no run needed)."""
 
-from hf_zero.core.progress import (
-    EXACT_MATCH,
-    MEAN_LOSS,
-    console_callback,
-    duration,
-    eta_text,
-    eval_line,
-    stage_time_left,
-    step_line,
-)
+from hf_zero.core.progress import EXACT_MATCH, MEAN_LOSS, console_callback, eval_line, step_line
+from hf_zero.core.time_left import duration, eta_text, stage_time_left, step_passes
 from hf_zero.data.curriculum import CurriculumSchedule, StageSpan
 
 SCHEDULE = CurriculumSchedule((StageSpan(0, "short", 0, 2, 1e-3, 0, "cosine", 0.1),
@@ -244,8 +236,6 @@ def test_while_one_stage_has_run_a_longer_stage_takes_the_passes_the_batches_bef
             getattr(console, f"on_{hook}")(args, state, None)
         console.on_log(args, state, None, logs={"loss": 2.0, "stage": 0})
         return lines[-1]
-
-    from hf_zero.core.progress import step_passes
 
     passes = step_passes({0: [0.8], 1: [2.0, 2.0]}, (10.0, 40.0), eval_rows=4, train_rows=2, micro_batches=1)
     assert abs(passes(10.0) - 2.1) < 1e-9 and abs(passes(40.0) - 4.2) < 1e-9
