@@ -55,8 +55,8 @@ class CurriculumTrainer(PreferenceMixin, HeldOutLossMixin, SequenceParallelMixin
         # Each held-out set logs its own losses, then evaluate() logs their mean.
         sets = len(self.eval_dataset) + 1 if isinstance(self.eval_dataset, dict) else 1
         # the time left by rows' length: tokens a row takes through a micro-batch, padding included
-        tokens = getattr(self.train_dataset, "mean_tokens_per_stage",
-                         lambda *_: None)(len(schedule.spans), batch=self.args.per_device_train_batch_size)
+        by_stage = getattr(self.train_dataset, "mean_tokens_per_stage", None)  # a curriculum's rows, not SP's
+        tokens = by_stage(len(schedule.spans), batch=self.args.per_device_train_batch_size) if by_stage else None
         held_out = self.eval_dataset.values() if isinstance(self.eval_dataset, dict) else ()
         eval_tokens = tuple(mean_row_tokens(rows, batch=self.args.per_device_eval_batch_size) for rows in held_out)
         # before the stage-switch line: eval lines first

@@ -162,7 +162,7 @@ def test_no_sequence_parallel_rows_where_it_cannot_apply(capsys):
 
 
 def test_the_recommended_command_names_the_shipped_sp_size():
-    from hf_zero.commands.estimate import ZERO3_SP_SIZE
+    from hf_zero.estimate.table import ZERO3_SP_SIZE
     from hf_zero.plan.profiles import load_profile
 
     assert load_profile("zero3_sp").sp_size == ZERO3_SP_SIZE
