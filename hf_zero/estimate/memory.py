@@ -84,8 +84,7 @@ def _launch(job: MemoryJob) -> tuple[int, int, int]:
     nodes = (1 if job.world_size is None else job.world_size // per_node) if job.nodes is None else int(job.nodes)
     world = launch_shape(nproc=per_node, nodes=max(nodes, 1)).world
     if per_node < 1 or nodes < 1 or job.world_size not in (None, world):
-        raise ValueError(f"world_size={job.world_size!r} is not gpus_per_node={job.gpus_per_node!r} x "
-                         f"nodes={job.nodes!r}")
+        raise ValueError(f"world_size={job.world_size!r} is not gpus_per_node={job.gpus_per_node!r} x {nodes=}")
     return per_node, nodes, world
 
 

@@ -9,11 +9,15 @@ __all__ = ["MemoryJob"]
 
 
 def _field(default, help: str):
+    """A field documented as the project's config dataclasses document theirs (metadata help)."""
     return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class MemoryJob:
+    """One run as the estimate sees it: the defaults are a one-GPU bf16 run of one 2048-token sequence per step;
+    `MemoryJob(**fields)` takes what estimate() took as keywords."""
+
     world_size: int | None = _field(None, "ranks in all; without `nodes`, machines of gpus_per_node each")
     gpus_per_node: int = _field(1, "ranks per machine")
     nodes: int | None = _field(None, "machines (default world_size / gpus_per_node, or 1)")

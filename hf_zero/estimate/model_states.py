@@ -93,21 +93,7 @@ def states(strategy: str, count: ModelCount, world: int, mixed: bool, convention
         layer if trainable == all_params else min(layer, trainable))
     weight_bytes = 2 if mixed else 4
     if convention == "paper":
-        optimizer_bytes = 12 if mixed else 8
-        gpu = {"ddp": (weight_bytes * all_params, weight_bytes * trainable, optimizer_bytes * trainable),
-               "zero1": (weight_bytes * all_params, weight_bytes * trainable, optimizer_bytes * trainable / world),
-               "zero2": (weight_bytes * all_params, weight_bytes * trainable / world,
-                         optimizer_bytes * trainable / world),
-               "zero3": (weight_bytes * all_params / world, weight_bytes * trainable / world,
-                         optimizer_bytes * trainable / world),
-               "zero2_offload": (weight_bytes * all_params, 0, 0),
-               "zero3_offload_optimizer": (weight_bytes * all_params / world, 0, 0)}.get(strategy, (0, 0, 0))
-        gpu = (*gpu, 0)
-        offloaded = (weight_bytes + optimizer_bytes) * trainable / world
-        cpu = {"zero3_offload": offloaded + weight_bytes * all_params / world,
-               "zero3_nvme": weight_bytes * trainable / world}.get(strategy, offloaded if "offload" in strategy else 0)
-        nvme = (optimizer_bytes * trainable + weight_bytes * all_params) / world if strategy == "zero3_nvme" else 0
-        return gpu, cpu, nvme
+        return _paper_states(strategy, all_params, trainable, world, mixed)
     # The optimizer steps on a flat fp32 copy of the gradient partition (copy_bytes): in 16-bit DeepSpeed's fp32
     # partition, in fp32 flatten()'s own copy (measured: ZeRO-2/3 hold the partition twice at the step; ZeRO-1's
     # whole fp32 gradients outweigh that for N >= 2). DeepSpeed makes that copy one parameter group at a time and
@@ -135,6 +121,24 @@ def states(strategy: str, count: ModelCount, world: int, mixed: bool, convention
     # On disk DeepSpeed also swaps fp32 gradient partitions (<id>_gradient_<offset>_<len>.tensor.swp, measured in
     # tests/train/test_nvme.py): up to 4 bytes per trainable parameter more than the optimizer state.
     return gpu, cpu, (16 * trainable + weight_bytes * all_params) / world if strategy == "zero3_nvme" else 0
+
+
+def _paper_states(strategy: str, all_params: int, trainable: int, world: int, mixed: bool):
+    """states() under the "paper" convention: the ZeRO paper's sums, which know no gathered layer, no flat gradient
+    copy and no FSDP2, so that its table can be checked term by term."""
+    weight_bytes, optimizer_bytes = (2, 12) if mixed else (4, 8)
+    gpu = {"ddp": (weight_bytes * all_params, weight_bytes * trainable, optimizer_bytes * trainable),
+           "zero1": (weight_bytes * all_params, weight_bytes * trainable, optimizer_bytes * trainable / world),
+           "zero2": (weight_bytes * all_params, weight_bytes * trainable / world, optimizer_bytes * trainable / world),
+           "zero3": (weight_bytes * all_params / world, weight_bytes * trainable / world,
+                     optimizer_bytes * trainable / world),
+           "zero2_offload": (weight_bytes * all_params, 0, 0),
+           "zero3_offload_optimizer": (weight_bytes * all_params / world, 0, 0)}.get(strategy, (0, 0, 0))
+    offloaded = (weight_bytes + optimizer_bytes) * trainable / world
+    cpu = {"zero3_offload": offloaded + weight_bytes * all_params / world,
+           "zero3_nvme": weight_bytes * trainable / world}.get(strategy, offloaded if "offload" in strategy else 0)
+    nvme = (optimizer_bytes * trainable + weight_bytes * all_params) / world if strategy == "zero3_nvme" else 0
+    return (*gpu, 0), cpu, nvme
 
 
 def resident(strategy: str, count: ModelCount, world: int, mixed: bool, max_reuse_distance: float,
