@@ -55,7 +55,7 @@ def test_load_in_4bit_needs_lora_and_a_profile_without_nvme():
 
 @pytest.mark.recipe_run
 def test_check_and_the_recipe_refuse_load_in_4bit_without_lora(tmp_path):
-    from hf_zero.preflight.check_rules import check_launch_at_start
+    from hf_zero.preflight.at_start import check_launch_at_start
 
     with pytest.raises(UserError, match="^load_in_4bit"):
         check_launch_at_start(_profile("single_gpu"), (replace(QLORA, use_peft=False),), 1, env={})
