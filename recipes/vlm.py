@@ -32,10 +32,10 @@ def main(argv=None):
     from hf_zero.data.vlm import VlmCollator, VlmProcessing
     from hf_zero.train import recipe_steps as steps
     from hf_zero.train.model import count_parameters, describe_weights
-    from hf_zero.train.parts import PartPlan, PartsTrainer
+    from hf_zero.train.parts import PartsTrainer
     from hf_zero.train.run import setup_run, write_summary
     from hf_zero.train.trainer import eval_means, stage_table
-    from hf_zero.train.vlm import build_vlm, part_names, rope_index_of, vlm_parts
+    from hf_zero.train.vlm import build_vlm, plan_vlm_parts, rope_index_of
     from hf_zero.train.vlm_check import save_vlm
 
     # Parse: YAML + flags, reconciled with the profile before any engine exists; the checkpoint to resume from.
@@ -55,15 +55,10 @@ def main(argv=None):
     args = ctx.training_args
 
     # Model: per stage, what trains; the parts a stage trains get their weights (or their adapters) trainable.
-    names = part_names(model_args.use_peft)
     family = processing.family
-
-    def parts_of(m):
-        return vlm_parts(m, family, model_args.use_peft)
-
-    parts = PartPlan(ctx.stages, names, args.learning_rate, default=names[-1:], parts_of=parts_of)
+    parts = plan_vlm_parts(ctx.stages, family, model_args.use_peft, args.learning_rate)
     model, _ = build_vlm(model_args, processing, ctx.profile, parts)
-    sizes = {p: sum(getattr(t, "ds_numel", t.numel()) for _, t in ps) for p, ps in parts_of(model).items()}
+    sizes = {p: sum(getattr(t, "ds_numel", t.numel()) for _, t in ps) for p, ps in parts.parts_of(model).items()}
     trainable, total = count_parameters(model)
 
     trainer = PartsTrainer(

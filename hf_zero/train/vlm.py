@@ -31,8 +31,10 @@ from hf_zero.data.model_names import resolve_model_path
 from hf_zero.data.vlm import Family, default_targets
 from hf_zero.integrations.transformers import add_to_embeddings_without_images
 from hf_zero.train.model import apply_lora, base_dtype, drawing_nothing, trainable_in_fp32
+from hf_zero.train.parts import PartPlan
 
-__all__ = ["part_names", "part_of", "vlm_parts", "target_counts", "build_vlm", "adapt_vlm", "rope_index_of",
+__all__ = ["part_names", "plan_vlm_parts", "part_of", "vlm_parts", "target_counts", "build_vlm", "adapt_vlm",
+           "rope_index_of",
            "llava_feature_kwargs", "unread_vision",
            "describe_targets", "vision_warning"]
 
@@ -41,6 +43,13 @@ _WRAPPERS = re.compile(r"^(base_model\.model\.)|\.modules_to_save\.default|\.ori
 
 def part_names(use_peft: bool) -> list[str]:
     return ["vision_tower", "projector", "lora" if use_peft else "language_model"]
+
+
+def plan_vlm_parts(stages, family: Family, use_peft: bool, base_lr: float) -> PartPlan:
+    """The stages' part plan over a VLM's parts (part_names, vlm_parts), as the run, its check and its estimate read
+    it; a stage without `train:` trains the language model (or its LoRA)."""
+    names = part_names(use_peft)
+    return PartPlan(stages, names, base_lr, default=names[-1:], parts_of=lambda m: vlm_parts(m, family, use_peft))
 
 
 def part_of(name: str, family: Family) -> str:

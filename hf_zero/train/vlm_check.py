@@ -18,8 +18,7 @@ from hf_zero.data.multimodal_check import check_multimodal_data
 from hf_zero.data.vlm import VlmProcessing, family_of
 from hf_zero.plan.parse import recipe_fields
 from hf_zero.plan.vlm_args import VlmArguments
-from hf_zero.train.parts import PartPlan
-from hf_zero.train.vlm import describe_targets, part_names, part_of, target_counts, vision_warning
+from hf_zero.train.vlm import describe_targets, part_of, plan_vlm_parts, target_counts, vision_warning
 
 __all__ = ["check_vlm", "vlm_on_meta", "vlm_data", "save_vlm"]
 
@@ -60,8 +59,7 @@ def check_vlm(stages, args, model_args=None) -> str:
         return line
     model, family = vlm_on_meta(model_args)
     use_peft = model_args.use_peft
-    names = part_names(use_peft)
-    plan = PartPlan(stages, names, 5e-5, default=names[-1:])
+    plan = plan_vlm_parts(stages, family, use_peft, 5e-5)
     sizes: dict = {}
     for name, param in model.named_parameters():
         part = part_of(name, family)

@@ -30,7 +30,7 @@ from hf_zero.plan.parse import parse_recipe_args, recipe_fields
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
 from hf_zero.plan.vlm_args import VlmArguments
 from hf_zero.train.parts import PartPlan
-from hf_zero.train.vlm import adapt_vlm, llava_feature_kwargs, part_names, vlm_parts
+from hf_zero.train.vlm import adapt_vlm, llava_feature_kwargs, plan_vlm_parts
 from hf_zero.train.vlm_check import vlm_on_meta
 
 __all__ = ["VlmCount", "count_vlm", "largest_image_side", "vision_saved_bytes", "saved_at_layers"]
@@ -163,9 +163,7 @@ def count_vlm(path: str, overrides=()) -> VlmCount | None:
     prepare_chat_template(tokenizer, getattr(args, "chat_template", None))
     processing = VlmProcessing(resolve_model_path(model_args.model_name_or_path), tokenizer, args.image_max_pixels)
     model, family = vlm_on_meta(model_args)
-    names = part_names(model_args.use_peft)
-    plan = PartPlan(stages, names, training.get("learning_rate", 5e-5), default=names[-1:],
-                    parts_of=lambda m: vlm_parts(m, family, model_args.use_peft))  # recipes/vlm.py's parts
+    plan = plan_vlm_parts(stages, family, model_args.use_peft, training.get("learning_rate", 5e-5))
     model, _ = adapt_vlm(model, replace(model_args), family, plan, announce=False)
     sizes = {p: sum(t.numel() for _, t in ps) for p, ps in plan.parts_of(model).items()}
     side = largest_image_side(processing)
