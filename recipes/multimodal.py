@@ -12,11 +12,14 @@ import sys
 from hf_zero.launch.worker import recipe_entry
 from hf_zero.plan.arguments import ModelArguments, MultimodalArguments
 from hf_zero.train.composed_count import check_multimodal
+from hf_zero.train.recipe_count import count_parts
 
 # What the tools know of this recipe (`hf-zero check`): the argument classes its YAMLs set (the last one extends
-# TrainingArguments) and how to check their data (every image and array opened; per stage, what trains).
+# TrainingArguments), how to check their data (every image and array opened; per stage, what trains) and how
+# to count the model whole (its encoders and projectors with the LLM).
 ARGUMENT_TYPES = (ModelArguments, MultimodalArguments)
 CHECK_DATA = check_multimodal
+COUNT_PARTS = count_parts
 
 
 @recipe_entry  # one line for a mistake, a clean stop on Ctrl-C, rank 0's console only

@@ -14,12 +14,14 @@ import sys
 from hf_zero.launch.worker import recipe_entry
 from hf_zero.plan.arguments import ModelArguments
 from hf_zero.plan.vlm_args import VlmArguments
+from hf_zero.train.recipe_count import count_parts
 from hf_zero.train.vlm_check import check_vlm
 
 # What the tools know of this recipe (`hf-zero check`): its argument classes and its data check (every image opened;
-# per stage, what trains; per part, what each LoRA target matched).
+# per stage, what trains; per part, what each LoRA target matched) and how to count the model whole.
 ARGUMENT_TYPES = (ModelArguments, VlmArguments)
 CHECK_DATA = check_vlm
+COUNT_PARTS = count_parts
 
 
 @recipe_entry  # one line for a mistake, a clean stop on Ctrl-C, rank 0's console only

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 from hf_zero.core.console import quiet_environment
 from hf_zero.core.errors import UserError
@@ -84,7 +85,6 @@ def add_arguments(parser) -> None:
 
 def _recipe(args):
     """The run to estimate: the recipe as it will run (with these flags as its overrides), or a bare model."""
-    from dataclasses import replace
 
     if args.flash_attention and args.attn_implementation not in (None, "flash_attention_2"):
         raise UserError("--flash-attention", f"contradicts --attn-implementation {args.attn_implementation}",
@@ -143,8 +143,11 @@ def run(args) -> int:
         {"per_device_train_batch_size": recipe.micro, "gradient_accumulation_steps": recipe.accumulation,
          "global_batch_size": recipe.global_batch}, shape.world)
     try:
-        composed = _composed(recipe)  # a multimodal recipe: the LLM with its encoders and projectors, counted
-        count = _count_of(composed) if composed else count_model(get_model_config(recipe.model), lora=recipe.lora)
+        # a multimodal or VLM recipe: the LLM with its encoders and projectors or vision tower, counted once for the
+        # table and the recommendation alike
+        composed, parts = _composed(recipe) or (None, None)
+        recipe = replace(recipe, parts=parts)
+        count = parts.count if parts else count_model(get_model_config(recipe.model), lora=recipe.lora)
     except ValueError as err:  # peft: target modules not in the model
         raise UserError("--lora-target-modules" if recipe.lora else "--model", str(err).splitlines()[0]) from None
     usable = int(gpu_mem * (1 - HEADROOM)) if gpu_mem else None
@@ -152,7 +155,7 @@ def run(args) -> int:
               grad_checkpointing=recipe.gradient_checkpointing, convention=args.convention,
               attn_implementation=recipe.attn_implementation, sp_size=sp,
               fused_cross_entropy=recipe.fused_cross_entropy, use_liger_kernel=recipe.use_liger_kernel,
-              extra_activations=composed.activation_bytes_per_row(precision) if composed else 0,
+              extra_activations=parts.activation_bytes(precision) if parts else 0,
               sequences_per_row=recipe.sequences_per_row)  # a dpo stage's peak: chosen + rejected per row
     # LoRA over every strategy: QLoRA's 4-bit base as rows of their own where it is most used; a 4-bit recipe: only
     # those, under every strategy that runs it
@@ -177,7 +180,7 @@ def run(args) -> int:
                 **{**kw, "sp_size": rec["sp_size"]})
     seq_par = _sequence_parallel(recipe, count, shape.world, usable, args, batch, kw)
     layer = count.layer
-    name = recipe.model + (composed.label if composed else "")
+    name = recipe.model + (parts.label if parts else "")
     summary = {"name": name, "params": count.total_params, "largest_layer_params": count.largest_layer_params,
                "trainable_params": count.trainable_params, "num_layers": count.num_layers,
                "hidden_size": count.hidden_size, "vocab_size": count.vocab_size}
@@ -227,22 +230,13 @@ def _overrides(recipe) -> list[str]:
 
 
 def _composed(recipe):
-    """A multimodal recipe's composed model (hf_zero.train.composed_count) or a stock VLM's recipe
-    (hf_zero.train.vlm_count) counted on the meta device, with the estimate's flags as its overrides; None for any
-    other recipe or a bare model."""
+    """(A multimodal recipe's composed model or a stock VLM's, counted on the meta device with the estimate's flags
+    as its overrides; its CountedParts): hf_zero.train.recipe_count. None for any other recipe or a bare model."""
     if not recipe.path:
         return None
-    from hf_zero.train.composed_count import count_composed
-    from hf_zero.train.vlm_count import count_vlm
+    from hf_zero.train.recipe_count import count_recipe_model
 
-    return count_composed(recipe.path, _overrides(recipe)) or count_vlm(recipe.path, _overrides(recipe))
-
-
-def _count_of(composed):
-    """A composed model's or a VLM's counts, its optimizer groups one pair per part (as its run makes them)."""
-    from hf_zero.train.composed_count import model_count_of
-
-    return model_count_of(composed)
+    return count_recipe_model(recipe.path, _overrides(recipe))
 
 
 def _sequence_parallel(recipe, count, world: int, usable, args, batch, kw) -> dict | None:

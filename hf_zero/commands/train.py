@@ -97,10 +97,12 @@ ACCEPTS_EXTRA = True  # unknown flags go on to the recipe (e.g. --learning_rate 
 
 
 def _recipe_memory(config: str, extra: list[str]):
-    """The recipe as it will run (flags after it included), for sizing the profile; None when unreadable: the recipe
-    itself then reports what is wrong."""
+    """The recipe as it will run (flags after it included), for sizing the profile, its model counted whole where it
+    has encoders or a vision tower; None when unreadable: the recipe itself then reports what is wrong."""
+    from hf_zero.train.recipe_count import with_parts
+
     try:
-        return read_recipe(config, extra)
+        return with_parts(read_recipe(config, extra), extra)
     except (UserError, OSError):
         return None
 

@@ -3,6 +3,8 @@
 A plan keeps the recipe's global batch (hf_zero.estimate.recipe reads it as it will run): it tries profiles fastest
 first and, in each, the largest micro-batch (accumulation making up the rest) whose estimated peak fits the GPU less
 HEADROOM; where none fits, sequence parallelism at the smallest size that fits the longest stage.
+A model with parts (a multimodal recipe's encoders and projectors, a stock VLM's vision tower: `recipe.parts`,
+hf_zero.train.recipe_count) is sized whole, its encoders' activations included, as `hf-zero estimate`'s table sizes it.
 """
 
 from __future__ import annotations
@@ -100,19 +102,17 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
                            "global_batch_size": recipe.global_batch}, world, sp=sp_size)
     per_rank = batch.global_batch // batch.dp  # the ranks that take their own micro-batches share the global batch
     recipe = replace(recipe, accumulation=batch.accumulation)
-    try:
-        config = get_model_config(recipe.model) if isinstance(recipe.model, str) else recipe.model
-        count = count_model(config, lora=recipe.lora)
-    except ValueError as err:  # peft: target modules not in the model
-        raise UserError("lora_target_modules", str(err).splitlines()[0], "name modules the model has") from None
+    count = recipe.parts.count if recipe.parts else _text_count(recipe)
     kw = dict(gpus_per_node=gpus_per_node, nodes=nodes, precision=precision, seq_len=recipe.seq_len,
               grad_checkpointing=recipe.gradient_checkpointing, attn_implementation=recipe.attn_implementation,
               sp_size=sp_size, fused_cross_entropy=recipe.fused_cross_entropy,
               use_liger_kernel=recipe.use_liger_kernel,
-              sequences_per_row=recipe.sequences_per_row)  # a dpo stage's peak: chosen + rejected per row
+              sequences_per_row=recipe.sequences_per_row,  # a dpo stage's peak: chosen + rejected per row
+              extra_activations=recipe.parts.activation_bytes(precision) if recipe.parts else 0)
     usable = int(gpu_memory_bytes * (1 - HEADROOM))
     any_profile = choices is None
-    choices = choices or candidates(world, recipe.lora is not None, recipe.load_in_4bit)
+    # QLoRA as an offer for a text model's LoRA only: a composed model's or VLM's 4-bit base is not estimated
+    choices = choices or candidates(world, recipe.lora is not None and not recipe.parts, recipe.load_in_4bit)
     # Sequence parallelism (exact, its all-to-all on the GPUs' own links) before an offload or a 4-bit base
     cut = next((i for i, (name, _, *base) in enumerate(choices) if base or "offload" in name), len(choices))
     found = _first_fit(count, recipe, per_rank, kw, usable, cpu_memory_bytes, choices[:cut], only_own)
@@ -140,6 +140,15 @@ def plan(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes:
             "peak_bytes": peak, "headroom_bytes": gpu_memory_bytes - peak, "reason": reason, "load_in_4bit": qlora,
             "command": _command(recipe, profile, gpus_per_node, nodes, precision, micro, accum, switch),
             "sp_size": sp_size}
+
+
+def _text_count(recipe: RecipeMemory):
+    """The recipe's text model counted from its config (with its LoRA)."""
+    try:
+        config = get_model_config(recipe.model) if isinstance(recipe.model, str) else recipe.model
+        return count_model(config, lora=recipe.lora)
+    except ValueError as err:  # peft: target modules not in the model
+        raise UserError("lora_target_modules", str(err).splitlines()[0], "name modules the model has") from None
 
 
 def _sequence_parallel_fit(recipe: RecipeMemory, gpus_per_node: int, gpu_memory_bytes: int, nodes: int,

@@ -8,18 +8,20 @@ sizes the recipe can run with, and each stage's peak at those sizes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hf_zero.core.errors import UserError
 from hf_zero.data.model_names import get_model_config
 from hf_zero.data.stages import check_stage_files
 from hf_zero.estimate.memory import estimate
+from hf_zero.estimate.model_count import ModelCount
 from hf_zero.plan.parse import parse_recipe_args
 from hf_zero.plan.reconcile import resolve_batch
 from hf_zero.plan.sequence_parallel import verify_sequence_parallel
 from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_script
 
-__all__ = ["RecipeMemory", "read_recipe", "lora_fields", "sp_sizes", "sp_by_stage"]
+__all__ = ["RecipeMemory", "CountedParts", "read_recipe", "lora_fields", "sp_sizes", "sp_by_stage"]
 
 @dataclass(frozen=True)
 class RecipeMemory:
@@ -44,6 +46,20 @@ class RecipeMemory:
     use_liger_kernel: object = "auto"  # the recipe's: auto, True or False (Liger's norm and SwiGLU kernels)
     sequences_per_row: int = 1  # 2 when the stage setting the peak is a dpo stage: its chosen + rejected sequences
     preference: tuple = ()  # per dpo stage: (name, loss_type, rows of its reference; None: reference-free or unread)
+    # A model with parts besides its language model (a multimodal recipe's encoders and projectors, a stock VLM's
+    # vision tower), counted by the layer that builds it (hf_zero.train.recipe_count): None for a text model,
+    # counted here from its config alone. The recommendation and the automatic profile size this, not the LLM.
+    parts: CountedParts | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class CountedParts:
+    """A model counted part by part on the meta device (hf_zero.train.recipe_count), as the estimate sizes it."""
+
+    count: ModelCount  # every part's parameters, what trains in some stage, one optimizer group per part
+    activation_bytes: Callable[[str], int]  # at a precision: what the encoders or vision tower keep per row
+    label: str = ""  # what the estimate adds to the model's name (" + encoders points, image")
+    trains: tuple = ()  # the parts that train in some stage, which hold gradients and optimizer state
 
 
 def lora_fields(model_args) -> dict | None:

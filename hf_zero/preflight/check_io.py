@@ -65,8 +65,13 @@ def model_check(st):
         raise UserError("tokenizer_name_or_path", f"the tokenizer has {len(st.tokenizer)} tokens but the model only "
                         f"{vocab} embeddings", "use the model's own tokenizer")
     verify_seq_length(config, st.value("max_seq_length"), st.parsed[-2])
-    st.count = c = count_for(model_args)
+    # a model with parts (encoders, a vision tower) counted whole, by the recipe's own counter: the LLM with its
+    # LoRA alone would understate what trains and what the final folder holds
+    parts = st.count_parts(st.args.config, st.args.extra) if st.count_parts else None
+    st.count = c = parts.count if parts else count_for(model_args)
     lora = f", LoRA r={model_args.lora_r}: {c.trainable_params:,} trainable" if model_args.use_peft else ""
+    if parts:
+        lora = f"{parts.label}; {c.trainable_params:,} trainable in some stage ({', '.join(parts.trains)})"
     quantized = verify_quantization(model_args, st.profile, gpu_count() if st.args.gpus is None else st.args.gpus) \
         if st.profile is not None else None
     return f"{name}: {type(config).__name__.replace('Config', '')}, {c.total_params:,} parameters{lora}" + (

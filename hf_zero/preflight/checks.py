@@ -61,6 +61,8 @@ class _State:
         recipe = load_recipe(getattr(args, "recipe", None))
         self.types = recipe_argument_types(recipe)
         self.check_data = getattr(recipe, "CHECK_DATA", None)  # a recipe's own data checker (curriculum: built in)
+        # a recipe's own model counter (a model with parts: hf_zero.train.recipe_count), for the model line
+        self.count_parts = getattr(recipe, "COUNT_PARTS", None)
         self.tokenizer = self.count = self.pool_sizes = self.batch = None
         self.plan = None  # hf_zero.plan.run_plan.RunPlan, once the batch check has resolved it
         self.hosts = None
