@@ -1,6 +1,7 @@
 """The composed model (tiny Llama + LoRA, a PointNet and a ViT through MLP projectors) on 2 CPU ranks under every
-engine: the same losses as DDP, and a run resumed at its stage boundary (where what trains changes) on 1 rank, under
-the same engine or another, continues with the losses and weights of the uninterrupted run.
+engine (and single_gpu's one process): the same losses as DDP, and a run resumed at its stage boundary (where what
+trains changes) on 1 rank, under the same engine or another, continues with the losses and weights of the
+uninterrupted run.
 
 Each run: tiny_multimodal.yaml cut to 2 stages x 3 steps (points, then images + shapes), a global batch of 4 whatever
 the rank count, a checkpoint at the boundary (step 3)."""
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from safetensors.torch import load_file
-from testing_utils import REPO, Lazy, launch_recipe, read_summary
+from testing_utils import REPO, Lazy, launch_recipe, profile, read_summary
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.extended]
 
@@ -40,9 +41,12 @@ def config(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(config):
     """profile -> output folder of its uninterrupted 2-rank run, launched when a test first reads it."""
-    def make(profile):
-        out = config.parent / profile
-        launch_recipe(profile, out, *FLAGS, config=config, recipe=RECIPE)
+    def make(name):
+        out = config.parent / name
+        # single_gpu's own precision is bf16: compared with DDP in the fp32 the cpu profiles run
+        launch = profile(config.parent, "single_gpu", {"mixed_precision: bf16": "mixed_precision: 'no'"})[:-5] \
+            if name == "single_gpu" else name
+        launch_recipe(launch, out, *FLAGS, config=config, recipe=RECIPE)
         return out
     return Lazy(make)
 
@@ -57,10 +61,12 @@ def max_weight_diff(a: Path, b: Path) -> float:
     return max((wa[k] - wb[k]).abs().max().item() for k in wa)
 
 
-@pytest.mark.parametrize("profile", ["zero2", "zero3", "fsdp2"])
+@pytest.mark.parametrize("profile", ["zero2", "zero3", "zero3_offload", "fsdp2", "single_gpu"])
 def test_losses_match_ddp(runs, profile):
+    """single_gpu: one process (its summary's engine: "single"), the same global batch of 4 as 2 micro-batches."""
     base, s = read_summary(runs["ddp"]), read_summary(runs[profile])
-    assert (s["profile"], s["world_size"], s["global_batch"]) == (profile, 2, 4)
+    one = profile == "single_gpu"
+    assert (s["profile"], s["world_size"], s["global_batch"]) == ("single" if one else profile, 1 if one else 2, 4)
     assert len(s["losses"]) == len(base["losses"]) == 2 * BOUNDARY
     diffs = [abs(a - b) for a, b in zip(s["losses"], base["losses"])]
     assert max(diffs) <= 1e-4, diffs
