@@ -30,7 +30,7 @@ from hf_zero.integrations.huggingface_hub import go_offline
 
 __all__ = ["OFFLINE_MODELS", "TINY_LLAMA", "HUB_IDS", "resolve_model_path", "get_tiny_llama_path",
            "get_model_config", "get_tokenizer", "is_tiny", "short_name", "hub_model_id", "tiny_llama_folder",
-           "BASE_PATH_ATTR", "read_config_json", "tokenizer_size", "weight_module_names"]
+           "BASE_PATH_ATTR", "read_config_json", "tokenizer_size", "weight_module_names", "shape_folder"]
 
 TINY_LLAMA = "tiny-llama"
 # Llamas built from config with the bundled tiny tokenizer: name -> shape.
@@ -43,9 +43,10 @@ CONFIG_BUILT = {
     "small-llama": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
                         num_key_value_heads=8),
 }
-# Configs (no weights) of hub models the docs estimate, read when the hub cannot give them (offline, or gated).
+# Configs (no weights) of hub models the docs estimate, read when the hub cannot give them (offline, or gated); a
+# VLM's folder holds its image processor's settings too (preprocessor_config.json), which its estimate needs.
 SHAPES_DIR = Path(__file__).parent / "model_shapes"
-SHAPES = {"meta-llama/Llama-3.1-8B-Instruct": "llama31_8b"}
+SHAPES = {"meta-llama/Llama-3.1-8B-Instruct": "llama31_8b", "Qwen/Qwen2.5-VL-3B-Instruct": "qwen25_vl_3b"}
 OFFLINE_MODELS = (TINY_LLAMA, "mid-llama", "small-llama", "smollm2-135m-instruct", "minilm")
 # The id each offline causal LM is kept and named under; the tiny ones are hf_zero's own (no such hub repository).
 HUB_IDS = {**{name: f"hf-zero/{name}" for name in CONFIG_BUILT}, "smollm2-135m-instruct": SMOLLM2_HUB_ID,
@@ -174,6 +175,22 @@ def get_model_config(name_or_path: str, vocab_size: int | None = None):
         raise UserError("model_name_or_path", f"{name_or_path}: transformers cannot read its config.json "
                         f"({type(err).__name__}{': ' + first[:160] if first else ''})",
                         "fix config.json (model_type and the sizes its class needs), or use another model") from None
+
+
+def shape_folder(name_or_path: str) -> Path | None:
+    """The folder of the shape hf_zero ships for a hub id (SHAPES: config.json, and a VLM's image processor settings)
+    when the hub cannot give the model's own config (offline and not in the cache, or gated), as get_model_config
+    reads it; None otherwise. Enough to count the model (`hf-zero estimate`), never to train it: no weights, no
+    tokenizer."""
+    if name_or_path not in SHAPES:
+        return None
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(resolve_model_path(name_or_path))
+    except OSError:
+        return SHAPES_DIR / SHAPES[name_or_path]
+    return None
 
 
 def _unknown_model_fix(name: str) -> str:

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from hf_zero.data.cache import build_hub_snapshot, hub_snapshot_dir, model_folder_problem
 
-__all__ = ["TINY_VLMS", "TINY_VLM_REVISION", "is_tiny_vlm", "get_tiny_vlm_path", "tiny_vlm_folder"]
+__all__ = ["TINY_VLMS", "TINY_VLM_REVISION", "is_tiny_vlm", "get_tiny_vlm_path", "tiny_vlm_folder",
+           "qwen_tokenizer"]
 
 # short name -> hub id; the revision names the build, so a change in how they are built gets a new snapshot.
 TINY_VLMS = {"tiny-qwen2-vl": "hf-zero/tiny-qwen2-vl", "tiny-smolvlm": "hf-zero/tiny-smolvlm",
@@ -39,6 +40,7 @@ _TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_atte
 _CHATML = ["<|im_start|>", "<|im_end|>"]
 _TINY_TOKENIZER_DIR = Path(__file__).resolve().parent / "tiny_assets" / "tiny_tokenizer"  # the tiny Llamas' one
 _QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"  # an image item, as Qwen2-VL's template writes it
+_QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
 def _short(name: str) -> str | None:
@@ -58,14 +60,21 @@ def _tokenizer(tokens: list[str], image: str):
     return tokenizer
 
 
+def qwen_tokenizer():
+    """The tiny Qwen VLMs' tokenizer (the tiny Llama's, with Qwen's image tokens and ChatML), built in memory: what
+    hf_zero.train.vlm_count counts a real Qwen VLM's images with when hf_zero ships only its shape (no tokenizer
+    offline). No number depends on it: the count looks up `<|image_pad|>` in it and counts that id in the run the
+    image processor's arithmetic sizes."""
+    return _tokenizer(_QWEN_TOKENS, _QWEN_IMAGE)
+
+
 def _qwen2_vl(folder: Path) -> None:
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tokenizer = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"], _QWEN_IMAGE)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-                                                             "<|video_pad|>")}
+    tokenizer = qwen_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _QWEN_TOKENS}
     head_dim = _TEXT["hidden_size"] // _TEXT["num_attention_heads"]
     config = Qwen2VLConfig(
         text_config=dict(**_TEXT, vocab_size=len(tokenizer), rope_parameters={
@@ -95,9 +104,8 @@ def _qwen3_vl(folder: Path) -> None:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-    tokenizer = _tokenizer(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"], _QWEN_IMAGE)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-                                                             "<|video_pad|>")}
+    tokenizer = qwen_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _QWEN_TOKENS}
     hidden, heads = 64, 4
     # Interleaved MRoPE as Qwen3-VL's configs set it: the rotary frequencies split 2:1:1 between the temporal, height
     # and width positions (24/20/20 of 64 in the real models), interleaved by transformers.

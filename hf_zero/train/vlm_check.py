@@ -12,7 +12,7 @@ from hf_zero.checkpoint.final import save_final_model
 from hf_zero.core.files import human_bytes
 from hf_zero.data.chat import FormatOptions
 from hf_zero.data.chat_template import prepare_chat_template
-from hf_zero.data.model_names import get_tokenizer, resolve_model_path
+from hf_zero.data.model_names import get_model_config, get_tokenizer, resolve_model_path
 from hf_zero.data.multimodal import ModalitySpec, add_placeholders, load_multimodal_stage
 from hf_zero.data.multimodal_check import check_multimodal_data
 from hf_zero.data.vlm import VlmProcessing, family_of
@@ -26,10 +26,9 @@ __all__ = ["check_vlm", "vlm_on_meta", "vlm_data", "save_vlm"]
 def vlm_on_meta(model_args):
     """(model on the meta device, family): the architecture the run builds, without its weights."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoModelForImageTextToText
 
-    path = resolve_model_path(model_args.model_name_or_path)
-    config = AutoConfig.from_pretrained(path)
+    config = get_model_config(model_args.model_name_or_path)  # a hub id whose shape hf_zero ships: that shape
     family = family_of(config, model_args.model_name_or_path)
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(config)

@@ -20,9 +20,11 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.data.chat_template import prepare_chat_template
-from hf_zero.data.model_names import get_tokenizer, resolve_model_path
+from hf_zero.data.model_names import get_tokenizer, resolve_model_path, shape_folder
+from hf_zero.data.tiny_vlm import qwen_tokenizer
 from hf_zero.data.vlm import Family, VlmProcessing
 from hf_zero.integrations.torch import saved_bytes
 from hf_zero.integrations.transformers import model_mapping, without_zero3_init
@@ -149,6 +151,21 @@ def saved_at_layers(config, family: Family, pixels: dict, layers: int, deepstack
                        weights)
 
 
+def _tokenizer(model_args, family: Family, shape):
+    """The model's tokenizer; for a model hf_zero ships only the shape of (no tokenizer offline), the tiny Qwen VLMs'
+    with Qwen's image tokens, which changes no number: the count only finds the image token's id in it, and counts
+    that id in the run the image processor's arithmetic sizes (the vision start and end ids are the config's), and
+    the model is counted from its config, its token table at the config's vocab_size, as the run keeps it (a tokenizer
+    no longer than that table grows nothing; Qwen2.5-VL's, 151,665 tokens, is shorter than its 151,936 rows)."""
+    if shape is None or model_args.tokenizer_name_or_path:
+        return get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)
+    if family.image_token != "<|image_pad|>":
+        raise UserError("tokenizer_name_or_path", f"hf_zero ships the shape of {model_args.model_name_or_path} but "
+                        "no tokenizer stands in for a " + family.name + " model's", "point tokenizer_name_or_path at "
+                        "its tokenizer files, or use a machine that reaches the hub")
+    return qwen_tokenizer()
+
+
 def count_vlm(path: str, overrides=()) -> VlmCount | None:
     """A recipe YAML's VLM, counted; None when its recipe is not recipes/vlm.py's."""
     import torch
@@ -159,10 +176,12 @@ def count_vlm(path: str, overrides=()) -> VlmCount | None:
         return None
     model_args, *_, stages, training, _ = parse_recipe_args(types, ["--config", path, *overrides])
     args = recipe_fields(VlmArguments, training)
-    tokenizer = get_tokenizer(model_args.model_name_or_path, model_args.tokenizer_name_or_path)
-    prepare_chat_template(tokenizer, getattr(args, "chat_template", None))
-    processing = VlmProcessing(resolve_model_path(model_args.model_name_or_path), tokenizer, args.image_max_pixels)
     model, family = vlm_on_meta(model_args)
+    shape = shape_folder(model_args.model_name_or_path)  # a hub id the hub cannot give, whose shape hf_zero ships
+    tokenizer = _tokenizer(model_args, family, shape)
+    prepare_chat_template(tokenizer, getattr(args, "chat_template", None))
+    folder = str(shape) if shape else resolve_model_path(model_args.model_name_or_path)
+    processing = VlmProcessing(folder, tokenizer, args.image_max_pixels)
     plan = plan_vlm_parts(stages, family, model_args.use_peft, training.get("learning_rate", 5e-5))
     model, _ = adapt_vlm(model, replace(model_args), family, plan, announce=False)
     sizes = {p: sum(t.numel() for _, t in ps) for p, ps in plan.parts_of(model).items()}

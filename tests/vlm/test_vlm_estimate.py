@@ -87,3 +87,63 @@ def test_the_estimates_model_states_match_what_the_run_holds(tmp_path, capsys, n
     row = est["strategies"][0]["gpu_bytes_per_rank"]
     for part in ("params", "grads", "optimizer"):
         assert measured["measured"][part] == pytest.approx(row[part], rel=0.10), (part, measured, row)
+
+
+QWEN25_3B = "Qwen/Qwen2.5-VL-3B-Instruct"  # hf_zero ships its shape (hf_zero/data/model_shapes/qwen25_vl_3b)
+
+
+def _shape(name):
+    from hf_zero.data.model_names import SHAPES, SHAPES_DIR
+
+    return SHAPES_DIR / SHAPES[name]
+
+
+def test_the_shipped_qwen25_vl_3b_shape_counts_its_published_parameters():
+    """Qwen2.5-VL-3B-Instruct as the run builds it, on the meta device from the config.json hf_zero ships (offline,
+    no weights; online the hub's own): 3,754,622,976 parameters, the 3.75B its hub page gives, within 1%; by part,
+    the vision tower 631,975,680, its merger (the projector) 36,708,608 and the language model with its tied token
+    table 3,085,938,688."""
+    from hf_zero.plan.arguments import ModelArguments
+    from hf_zero.train.vlm import part_of
+    from hf_zero.train.vlm_check import vlm_on_meta
+
+    model, family = vlm_on_meta(ModelArguments(model_name_or_path=QWEN25_3B))
+    parts: dict = {}
+    for name, param in model.named_parameters():  # each once: the LM head is the token table (tied)
+        parts[part_of(name, family)] = parts.get(part_of(name, family), 0) + param.numel()
+    assert family.name == "qwen2_5_vl" and model.config.tie_word_embeddings
+    assert sum(parts.values()) == pytest.approx(3.75e9, rel=0.01)
+    assert parts == {"vision_tower": 631_975_680, "projector": 36_708_608, "language_model": 3_085_938_688}
+
+
+@pytest.mark.parametrize("bound,side,tokens", [(451584, 672, 576), (401408, 633, 484), (None, 3584, 16384)])
+def test_qwen25_vl_3b_visual_tokens_at_the_size_bound(tmp_path, bound, side, tokens):
+    """The shipped image processor settings (patch 14, merge 2, max_pixels 12,845,056) and the tokenizer standing in
+    for Qwen's: an image at the bound is (side rounded to 28 pixels / 28)^2 tokens. 672 x 672 (= 451,584, the YAML's
+    image_max_pixels) is 24 x 24 = 576; 401,408 lets 633 x 633 through, resized to 616 x 616: 484; the processor's
+    own bound is 3584 x 3584: 16,384. The run's ids around them are the config's vision start and end."""
+    from PIL import Image
+
+    from hf_zero.data.tiny_vlm import qwen_tokenizer
+    from hf_zero.data.vlm import VlmProcessing
+    from hf_zero.train.vlm_count import largest_image_side
+
+    proc = VlmProcessing(str(_shape(QWEN25_3B)), qwen_tokenizer(), bound)
+    assert largest_image_side(proc) == side
+    Image.new("RGB", (side, side), (90, 20, 200)).save(tmp_path / "x.png")
+    ids = proc.expand(tmp_path / "x.png")
+    assert (ids[0], ids[-1]) == (151652, 151653) and ids.count(proc.image_token_id) == tokens == len(ids) - 2
+
+
+def test_a_shape_only_model_is_counted_from_its_shape_and_refused_for_training(capsys):
+    """Offline, the hub id's shape is what the estimate reads (shape_folder); training it needs the weights and
+    tokenizer, which are not here: `hf-zero train` stops in one line before any launch."""
+    from hf_zero.data.model_names import offline_unless_reachable, shape_folder
+
+    if not offline_unless_reachable():
+        pytest.skip("the hub is reachable: the model's own files are read, not the shape")
+    assert shape_folder(QWEN25_3B) == _shape(QWEN25_3B) and shape_folder("hf-zero/tiny-qwen2-vl") is None
+    config = REPO / "recipes" / "configs" / "qwen25_vl_3b.yaml"
+    assert main(["train", "--config", str(config)]) != 0  # stopped by the checks, before the launch
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hf-zero: error: ") and QWEN25_3B in err[0], err
