@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from hf_zero.checkpoint.fsdp import FSDP_MODEL_DIR
+from hf_zero.checkpoint.fsdp import FSDP_MODEL_DIR, adapter_state_key
 from hf_zero.checkpoint.safe_load import safe_load
 from hf_zero.checkpoint.universal import MODEL_STATES, MOMENTS, as_step, param_shapes, universal_groups
 
@@ -66,7 +66,7 @@ def universal_to_dcp(universal: Path, dest: Path, checkpoint: Path | None = None
         names = [n for group in groups for n in group["names"]]
     model, model_src = {}, {}
     for name in names:
-        key = _adapter_key(name) if peft else name
+        key = adapter_state_key(name) if peft else name
         model[key] = _meta_like(zero / name / "fp32.pt", shapes.get(name))
         model_src[f"model.{key}"] = _reader(zero / name / "fp32.pt", model[key].shape)
     if not peft and checkpoint is not None:
@@ -114,12 +114,6 @@ def _safetensors_tensor(path: Path, name: str):
 
     with safe_open(str(path), "pt") as f:
         return f.get_tensor(name).float().contiguous()
-
-
-def _adapter_key(name: str) -> str:
-    """A LoRA parameter's name in peft's state dict: without the adapter's name (get_peft_model_state_dict), e.g.
-    `...q_proj.lora_A.default.weight` -> `...q_proj.lora_A.weight`; hf_zero trains peft's "default" adapter."""
-    return name.replace(".default.", ".")
 
 
 def _meta_like(path: Path, shape=None):
@@ -191,7 +185,7 @@ def dcp_to_universal(source: Path, universal: Path, step: int, world: int, globa
     groups = [g for g in read_dcp_groups(optim_dir) if g["params"]]  # DeepSpeed keeps no empty group
     # The parameters' names are the optimizer's (the model's own); a LoRA model part is keyed as peft names it.
     trained = {n for g in groups for n in g["params"]}
-    names = {name: name if name in model_entries else _adapter_key(name) for name in trained}
+    names = {name: name if name in model_entries else adapter_state_key(name) for name in trained}
     names.update({key: key for key in model_entries if key not in names.values()})  # frozen weights, if saved
     zero = universal / "zero"
     for name, key in names.items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hf_zero.checkpoint.fsdp import full_tensor, save_pretrained_gathered
+from hf_zero.checkpoint.fsdp import adapter_state_key, full_tensor, save_pretrained_gathered
 from hf_zero.core.distributed import waiting_for
 
 __all__ = ["save_final_model", "verify_saved_weights", "SavedModelMismatch", "make_shareable", "write_training_args"]
@@ -29,9 +29,7 @@ def _saved_tensors(folder: Path) -> dict:
 
 
 def _file_key(param_name: str, is_peft: bool) -> str:
-    # peft saves adapter weights without the adapter name ("lora_A.default.weight" -> "lora_A.weight"), and a
-    # trained copy of a whole module (modules_to_save, e.g. a classifier head) under the module's own name.
-    return param_name.replace(".modules_to_save.default.", ".").replace(".default.", ".") if is_peft else param_name
+    return adapter_state_key(param_name) if is_peft else param_name
 
 
 def verify_saved_weights(model, folder: Path, atol: float = 0.0) -> int:

@@ -11,13 +11,22 @@ from pathlib import Path
 from hf_zero.plan.fsdp import meta_model
 
 __all__ = ["FSDP_MODEL_DIR", "is_fsdp_checkpoint", "full_tensor", "gathered_state_dict", "tied_copies",
-           "save_pretrained_gathered", "lazy_dcp_state"]
+           "save_pretrained_gathered", "lazy_dcp_state", "adapter_state_key"]
 
 FSDP_MODEL_DIR = "pytorch_model_fsdp_0"  # where accelerate's save_fsdp_model puts the model's distributed checkpoint
 
 
 def is_fsdp_checkpoint(folder) -> bool:
     return (Path(folder) / FSDP_MODEL_DIR).is_dir()
+
+
+def adapter_state_key(param_name: str) -> str:
+    """A peft model's parameter as peft's state dict names it (get_peft_model_state_dict), which the adapter files
+    and FSDP2's adapter checkpoints use: without the adapter's name (`...q_proj.lora_A.default.weight` ->
+    `...q_proj.lora_A.weight`), and a whole module trained as modules_to_save (a classifier head, a VLM's projector)
+    under the module's own name (`...merger.modules_to_save.default.mlp.0.weight` -> `...merger.mlp.0.weight`).
+    hf_zero trains peft's "default" adapter."""
+    return param_name.replace(".modules_to_save.default.", ".").replace(".default.", ".")
 
 
 def full_tensor(tensor):

@@ -60,6 +60,9 @@ class CountedParts:
     activation_bytes: Callable[[str], int]  # at a precision: what the encoders or vision tower keep per row
     label: str = ""  # what the estimate adds to the model's name (" + encoders points, image")
     trains: tuple = ()  # the parts that train in some stage, which hold gradients and optimizer state
+    # What the final folder holds, in parameters, where it is not the usual (the adapter under LoRA, else the whole
+    # model): a composed model saves itself whole and its LLM's adapter beside it (hf_zero.train.composed_export)
+    final_params: int | None = None
 
 
 def lora_fields(model_args) -> dict | None:

@@ -52,8 +52,9 @@ def check_launch_at_start(profile, parsed: tuple, world: int, config: str | None
 
 
 def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: list, world: int,
-                        env: dict | None = None) -> None:
-    """NVMe and output room for the model's size: after its offline assets are in the cache (it reads its config)."""
+                        env: dict | None = None, parts=None) -> None:
+    """NVMe and output room for the model's size: after its offline assets are in the cache (it reads its config).
+    `parts`: a model with encoders or a vision tower counted whole (hf_zero.estimate.recipe.CountedParts)."""
     model = next((a for a in parsed if hasattr(a, "model_name_or_path")), None)
     config = None
     if profile.uses_fsdp and model is not None:
@@ -65,6 +66,7 @@ def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: l
     verify_recipe_sp(profile.sp_size, world, model, training_kwargs, stages)
     nproc = _nproc(profile, world, dict(os.environ if env is None else env))
     steps = sum(s.steps or 0 for s in stages)  # epoch-based stages are sized after tokenization: not counted here
-    needed, what, est = output_needs(count_for(model), profile, nproc, training_kwargs, steps)
+    needed, what, est = output_needs(parts.count if parts else count_for(model), profile, nproc, training_kwargs,
+                                     steps, parts.final_params if parts else None)
     verify_offload(profile, est["nvme_bytes"], build_cpu_adam=False)
     verify_output(str(training_kwargs.get("output_dir")), needed, what)

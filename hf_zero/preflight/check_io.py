@@ -67,7 +67,7 @@ def model_check(st):
     verify_seq_length(config, st.value("max_seq_length"), st.parsed[-2])
     # a model with parts (encoders, a vision tower) counted whole, by the recipe's own counter: the LLM with its
     # LoRA alone would understate what trains and what the final folder holds
-    parts = st.count_parts(st.args.config, st.args.extra) if st.count_parts else None
+    st.parts = parts = st.count_parts(st.args.config, st.args.extra) if st.count_parts else None
     st.count = c = parts.count if parts else count_for(model_args)
     lora = f", LoRA r={model_args.lora_r}: {c.trainable_params:,} trainable" if model_args.use_peft else ""
     if parts:
@@ -193,7 +193,8 @@ def output_check(st):
         steps = build_schedule(stages, st.pool_sizes, st.batch.global_batch, 1.0).total_steps
     else:
         steps = sum(int(s.get("steps") or 0) for s in st.raw.get("stages") or [] if isinstance(s, dict))
-    needed, what, _ = output_needs(st.count, st.profile, st.nproc, training, steps)
+    needed, what, _ = output_needs(st.count, st.profile, st.nproc, training, steps,
+                                   st.parts.final_params if st.parts else None)
     verdict = verify_output(where, needed, what)
     return f"{verdict}; resume: {switch}" if switch else verdict
 

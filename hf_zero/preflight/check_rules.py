@@ -241,13 +241,16 @@ def checkpoint_plan(training_kwargs: dict, total_steps: int) -> int:
     return min(saves, int(limit) + 1) if limit else saves
 
 
-def output_needs(count, profile, nproc: int, training_kwargs: dict, total_steps: int) -> tuple[int, str, dict]:
-    """(bytes, what they are, the memory estimate) the run writes into output_dir: checkpoints + final model."""
+def output_needs(count, profile, nproc: int, training_kwargs: dict, total_steps: int,
+                 final_params: int | None = None) -> tuple[int, str, dict]:
+    """(bytes, what they are, the memory estimate) the run writes into output_dir: checkpoints + final model;
+    `final_params`: what the final folder holds where it is not the adapter (LoRA) or the whole model."""
     est = estimate(count, strategy_of(profile), gpus_per_node=nproc, nodes=profile.num_machines,
                    precision=profile.precision)
     ckpts = checkpoint_plan(training_kwargs, total_steps)
     lora = count.trainable_params < count.total_params
-    final = (2 if profile.precision != "fp32" else 4) * (count.trainable_params if lora else count.total_params)
+    final = (2 if profile.precision != "fp32" else 4) * (
+        final_params or (count.trainable_params if lora else count.total_params))
     what = f"final model {human_bytes(final)}" + (
         f" + {ckpts} checkpoint(s) x {human_bytes(est['checkpoint_bytes'])}" if ckpts else ", no checkpoints")
     return ckpts * est["checkpoint_bytes"] + final, what, est

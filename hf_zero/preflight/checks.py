@@ -63,6 +63,7 @@ class _State:
         self.check_data = getattr(recipe, "CHECK_DATA", None)  # a recipe's own data checker (curriculum: built in)
         # a recipe's own model counter (a model with parts: hf_zero.train.recipe_count), for the model line
         self.count_parts = getattr(recipe, "COUNT_PARTS", None)
+        self.parts = None  # what it counted: hf_zero.estimate.recipe.CountedParts
         self.tokenizer = self.count = self.pool_sizes = self.batch = None
         self.plan = None  # hf_zero.plan.run_plan.RunPlan, once the batch check has resolved it
         self.hosts = None

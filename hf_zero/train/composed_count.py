@@ -53,6 +53,11 @@ class ComposedCount:
         return int(scale * sum(self.item_bytes.values()))
 
     @property
+    def final_params(self) -> int:
+        """What `final/` holds: the whole composed model (LoRA included) and, beside it, the LLM's adapter."""
+        return sum(p.numel() for p in self.model.parameters()) + self.sizes.get("lora", 0)
+
+    @property
     def label(self) -> str:  # what the estimate adds to the model's name
         return f" + encoders {', '.join(self.specs)}"
 
@@ -160,6 +165,8 @@ def estimate_summary(count: ComposedCount, precision: str, micro_batch: int) -> 
     kinds = {k: {p: n for p, n in count.sizes.items() if p.startswith(f"{k}.")} for k in ("encoder", "projector")}
     return {"encoders": kinds["encoder"], "projectors": kinds["projector"],
             "modality_tokens_per_row": {m: s.tokens for m, s in count.specs.items()},
+            "activation_bytes_per_item": {m: int((1 if precision == "fp32" else 0.5) * n)
+                                          for m, n in count.item_bytes.items()},
             "activation_bytes_per_row": count.activation_bytes_per_row(precision),
             "activation_bytes": micro_batch * count.activation_bytes_per_row(precision),
             "trainable_params": sum(count.sizes[p] for p in count.plan.ever_trained),

@@ -23,7 +23,7 @@ def count_recipe_model(path: str, overrides=()):
     if counted is None:
         return None
     return counted, CountedParts(model_count_of(counted), counted.activation_bytes_per_row, counted.label,
-                                 tuple(counted.plan.ever_trained))
+                                 tuple(counted.plan.ever_trained), getattr(counted, "final_params", None))
 
 
 def count_parts(path: str, overrides=()) -> CountedParts | None:

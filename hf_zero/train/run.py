@@ -17,13 +17,14 @@ from hf_zero.core.errors import UserError
 from hf_zero.core.files import write_json_atomic
 from hf_zero.core.run_lock import hold_in_worker
 from hf_zero.data.assets import prepare_assets_in_worker
+from hf_zero.integrations.transformers import without_zero3_init
 from hf_zero.launch.interrupt import note_run
 from hf_zero.launch.launch_command import ensure_launched
 from hf_zero.plan.parse import pop_flag
 from hf_zero.plan.profiles import Profile, one_rank_note, profile_from_env
 from hf_zero.plan.run_plan import PLAN_ENV, RunPlan, plan_in_worker
 from hf_zero.plan.sequence_parallel import parallelism_config, verify_recipe_kind
-from hf_zero.plan.shipped import check_recipe_matches
+from hf_zero.plan.shipped import check_recipe_matches, load_recipe
 from hf_zero.preflight.at_start import check_launch_at_start, check_room_at_start
 from hf_zero.train.loss_plot import LOSS_PLOT, plot_losses
 
@@ -117,7 +118,12 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     startup.phase("checking the offline model and data")
     prepare_assets_in_worker(training_args, model, [d for s in stages for d in s.data])
     # NVMe and output room for the model's size, now that its config is in the cache; still before any engine.
-    check_room_at_start(profile, kwargs, tuple(parsed), stages, world)
+    # a model with encoders or a vision tower, counted whole by the recipe's own counter (its COUNT_PARTS): its LLM
+    # alone would understate the final folder. On the meta device, so never under ZeRO-3's zero.Init (armed by now).
+    counter = getattr(load_recipe(script or sys.argv[0]), "COUNT_PARTS", None)
+    with without_zero3_init():
+        parts = counter(config_path, pop_flag(list(argv), "--config")[1]) if counter and config_path else None
+    check_room_at_start(profile, kwargs, tuple(parsed), stages, world, parts=parts)
     startup.phase("loading the tokenizer and the data")
     settings = run_settings(tuple(parsed), stages, kwargs)  # the Trainer's checkpoints record them too
     return RunContext(tuple(parsed), stages, training_args, plan, settings=settings)

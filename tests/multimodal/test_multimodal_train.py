@@ -87,6 +87,18 @@ def test_the_final_folder_holds_the_trained_model(run):
     assert adapter["base_model_name_or_path"] == "hf-zero/tiny-llama"  # the hub id: loads offline from the cache
 
 
+def test_the_output_room_is_sized_for_the_final_folder(run):
+    """`hf-zero check` and the ranks' start-up check size the final folder as it is written: the whole composed model
+    and its LLM's adapter beside it (fp32 here), within 10%; the LLM's LoRA alone, which they once sized, is a
+    third of it."""
+    from hf_zero.train.recipe_count import count_parts
+
+    parts = count_parts(str(CONFIG))
+    written = sum(f.stat().st_size for f in (run / "final").rglob("*.safetensors"))
+    assert abs(4 * parts.final_params - written) <= 0.1 * written, (4 * parts.final_params, written)
+    assert 4 * parts.count.trainable_params < 0.6 * written
+
+
 def test_packed_rows_train_with_their_items(tmp_path):
     """`packing: true`: conversations go whole into rows of max_seq_length with their point clouds and images (the
     losses per conversation are those it has alone: tests/multimodal/test_composed.py); fewer rows, same steps."""
