@@ -12,6 +12,8 @@ and decoder layer, e = 2 (16-bit) or 4 (fp32) bytes, h hidden, q = heads x head_
   2h copies), otherwise one shared copy; a frozen one saves nothing of its input (only its weight);
 - LoRA on a linear of width n: the dropout mask (1 byte/element on CUDA) + the dropout output in e bytes (without
   dropout just the input), + e x r for lora_B's input;
+- per-head query and key norms (Qwen3's, OLMo2's `q_norm`, `k_norm`) save their input upcast to fp32 (4 (q + kv))
+  and, when their weights train, their normalised output (e (q + kv));
 - attention: sdpa with a mask (packed rows or padding; transformers repeats the KV heads then) saves q, k, v and
   the output (4 e q) and its own 16-bit copy of the mask (e s); eager saves q, k, v (3 e q) and the probabilities
   twice (fp32 softmax + 16-bit copy: 6 a s; fp32: 4 a s); flash_attention_2 saves q, k, v unrepeated + output;
@@ -31,9 +33,10 @@ from dataclasses import dataclass
 from hf_zero.integrations.transformers import attn_implementation
 from hf_zero.plan.fused_loss import chunk_tokens
 
-__all__ = ["LayerShape", "describe_layers", "step_bytes"]
+__all__ = ["LayerShape", "describe_layers", "step_bytes", "loss_work_bytes"]
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2")
+_QK_NORMS = ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
 
 
 @dataclass(frozen=True)
@@ -57,16 +60,33 @@ class LayerShape:
     lm_head: int = 0
     lm_head_trainable: bool = True
     attn_implementation: str = "sdpa"
+    qk_norm: bool = False  # per-head norms of the queries and keys (q_norm, k_norm) inside the attention
+
+
+def _decoder_layers(module, config_layers: int):
+    """The module list of the decoder layers: the one of `config_layers` modules; where several have that length (a
+    vision-language model whose vision tower has as many layers as its language model, as the tiny Qwen3-VL's 2 and
+    2), the one beside the input embeddings (the language model's), not the first (the vision tower's blocks)."""
+    import torch
+
+    lists = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == config_layers
+             and config_layers]
+    if len(lists) > 1 and hasattr(module, "get_input_embeddings"):
+        embed = module.get_input_embeddings()
+        owner = next((m for m in module.modules() if any(c is embed for c in m.children())), None)
+        inside = [m for m in lists if owner is not None and any(m is c for c in owner.modules())]
+        lists = inside or lists
+    return lists[0] if lists else None
 
 
 def _linears(module, config_layers: int):
     """(path, Linear, LoRA wrapper or None) for the first decoder layer, in registration order."""
     import torch
 
-    layer = next((m[0] for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == config_layers
-                  and config_layers), None)
-    if layer is None:
+    layers = _decoder_layers(module, config_layers)
+    if layers is None:
         return None, []
+    layer = layers[0]
     out = []
     for path, m in layer.named_modules():
         if hasattr(m, "base_layer") and hasattr(m, "lora_A"):  # peft's wrapper: one adapted linear
@@ -107,7 +127,8 @@ def describe_layers(model, config, text) -> LayerShape | None:
         linear_trainable=sum(m.weight.numel() for m in linears if m.weight.requires_grad),
         lm_head=head.weight.numel() if head is not None else 0,
         lm_head_trainable=bool(head is not None and head.weight.requires_grad),
-        attn_implementation=attn_implementation(config) or "sdpa")
+        attn_implementation=attn_implementation(config) or "sdpa",
+        qk_norm=first is not None and any(path.rsplit(".", 1)[-1] in _QK_NORMS for path, _ in first.named_modules()))
 
 
 def _layer_bytes(ls: LayerShape, mode: str, seq: int, attn: str, full: bool, frozen_inputs: bool = False,
@@ -142,8 +163,17 @@ def _layer_bytes(ls: LayerShape, mode: str, seq: int, attn: str, full: bool, fro
     else:  # sdpa; flex and others are counted like it
         core = 4 * e * q + e * seq
     mlp = (3 - liger if ls.gated else 1) * e * i
-    return (2 * norm + inputs(h, "attn_in", ls.attn_in, False) + core + inputs(q, "attn_out", 1, True)
+    qk_norm = (e if liger else 4 + (e if full else 0)) * (q + ls.kv_dim) if ls.qk_norm else 0
+    return (2 * norm + qk_norm + inputs(h, "attn_in", ls.attn_in, False) + core + inputs(q, "attn_out", 1, True)
             + inputs(h, "mlp_in", ls.mlp_in, False) + mlp + inputs(i, "mlp_out", 1, True))
+
+
+def loss_work_bytes(vocab: int, tokens: float) -> float:
+    """Of the full-logits loss's 12 V bytes per token in step_bytes' "backward", what autograd does not save: nll's
+    and log_softmax's fp32 gradients (8 V), alive only in backward. The other 4 V, log_softmax's fp32 output, is
+    saved for backward, so "backward" less this is what hf_zero.estimate.measure.ActivationRecorder measures
+    (without gradient checkpointing, autocast copies or sequence parallelism's all-to-all buffers: tests/vlm)."""
+    return 8 * vocab * tokens
 
 
 def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, seq: int, checkpointing: bool,
@@ -171,7 +201,8 @@ def step_bytes(ls: LayerShape, layers: int, vocab: int, mode: str, micro: int, s
     a2a = 2 * e * (2 * ls.q_dim + 2 * ls.kv_dim) * tokens if sp > 1 else 0  # transient: one layer's at a time
     head = (4 * ls.hidden + (r * ls.hidden if full else 0)
             + (e * ls.hidden if ls.lm_head_trainable or frozen_inputs else 0)) * tokens
-    loss_bwd, loss_fwd = 12 * vocab * tokens, (8 if mode == "fp32" else 10) * vocab * tokens
+    loss_bwd = 4 * vocab * tokens + loss_work_bytes(vocab, tokens)  # 12 V: saved output + gradients
+    loss_fwd = (8 if mode == "fp32" else 10) * vocab * tokens
     if fused_loss:
         chunk = chunk_tokens(math.ceil(tokens), vocab, ls.hidden)
         loss_bwd = loss_fwd = (r * ls.hidden * tokens + (4 * vocab * ls.hidden if ls.lm_head_trainable else 0)

@@ -17,15 +17,19 @@ fsdp2_offload (CPUOffloadPolicy) keeps all three in host RAM: the device holds o
 
 Working set (accelerate's wrapping: one shard group per decoder layer, resharded after forward; the input embeddings
 their own group; the final norm and output head — with tied embeddings, the embeddings too — one "tail" group that
-stays gathered from its forward to its backward; the root holds what is left, usually nothing):
+stays gathered from its forward to its backward; the root holds what is left, and stays gathered too — for a text
+model usually nothing, for a composed model (hf_zero.train.composed) its encoders and projectors, and the LM head and
+final norm, which accelerate finds no tail for there; T below is tail + root):
   gathered   pG + 2pGt   the largest group unsharded (G elements, in the compute precision), and in backward its
                          unsharded gradients plus the flat copy FSDP2 reduce-scatters from (Gt trainable elements)
-  resident   sharded params + optimizer (+ grads with accumulation) + pT (tail) + 2pG: the running group and the
+  resident   sharded params + optimizer (+ grads with accumulation) + pT (kept) + 2pG: the running group and the
              one FSDP2 prefetches next, through forward and backward
   buffers    pG            the all-gather output, alive until copied out into the group's parameters
 At the optimizer step every group is resharded: the step's peak is the sharded states alone. CPU per node: every
 rank reads the whole model in fp32 before sharding it (4Ψ, no zero.Init), then holds its offloaded shards.
-Checked against the bytes each rank holds after step 1 on 2 CPU ranks (tests/estimate/test_fsdp_memory.py): exact.
+Checked against the bytes each rank holds after step 1 on 2 CPU ranks (tests/estimate/test_fsdp_memory.py): exact;
+a composed model's (tests/multimodal/test_multimodal_tools.py): exact too. The working set is not measured: a CPU
+has no allocator peak.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ FSDP_STRATEGIES = ("fsdp2", "fsdp2_offload")
 def describe_shards(model) -> tuple[tuple, tuple]:
     """(param_shapes, shard_groups) of a model (meta is fine) as accelerate 1.15 would wrap it for FSDP2.
     param_shapes: (dim0, numel, trainable) per parameter, tied ones once; shard_groups: (largest group elements, its
-    trainable elements, tail group elements, tail trainable elements)."""
+    trainable elements, elements kept gathered from forward to backward — the tail group and the root's leftovers —,
+    their trainable elements)."""
     shapes = tuple((int(p.shape[0]) if p.dim() else 1, p.numel(), bool(p.requires_grad)) for p in model.parameters())
     classes = set(layer_classes(model))
 
@@ -57,16 +62,23 @@ def describe_shards(model) -> tuple[tuple, tuple]:
     # accelerate shards the input embeddings in a group of their own, so a class holding them gets none (fsdp.py)
     holders = {type(m).__name__ for m in model.modules()
                if embed is not None and m is not embed and any(x is embed for x in m.modules())}
-    groups = [size([m]) for m in model.modules() if type(m).__name__ in classes - holders]
+    layers = [m for m in model.modules() if type(m).__name__ in classes - holders]
+    groups = [size([m]) for m in layers]
     tied = embed is not None and head is not None and getattr(embed, "weight", None) is getattr(head, "weight", 0)
     if embed is not None and not tied:
         groups.append(size([embed]))
-    norm = _final_norm(model)
-    tail = size([m for m in (norm, head, embed if tied else None) if m is not None])
+    tail_modules = [m for m in (_final_norm(model), head, embed if tied else None) if m is not None]
     if not groups:  # no layer class and no embeddings: the root gathers the whole model at once
-        groups.append(size([model]))
-    largest = max(groups)
-    return shapes, (*largest, *tail)
+        return shapes, (*size([model]), 0, 0)
+    # The root group holds what no other group took (a composed model's encoders and projectors, a vision tower
+    # whose blocks are no layer class); like the tail it stays gathered from its forward to its backward
+    # (reshard_after_forward resolves to False for the root), so both count as kept.
+    grouped = {id(p) for m in (*layers, *([embed] if embed is not None and not tied else []), *tail_modules)
+               for p in m.parameters()}
+    root = [p for p in model.parameters() if id(p) not in grouped]
+    kept = size(tail_modules)
+    kept = (kept[0] + sum(p.numel() for p in root), kept[1] + sum(p.numel() for p in root if p.requires_grad))
+    return shapes, (*max(groups), *kept)
 
 
 def _get(model, method: str):

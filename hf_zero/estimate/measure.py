@@ -9,11 +9,16 @@ the Trainer, accelerate runs DeepSpeed's backward and step as one call, so no ca
 backward, when ZeRO-1/2 free the gradients the flat copy was made from, and just before the innermost torch
 optimizer steps; it reports the largest gradient bytes seen, with parameters and optimizer state after the step
 (Adam's moments exist only then). ZeRO-3's whole gradients in backward count as "gathered", like its gathered
-params: the estimate's transient working layer.
+params: the estimate's transient working layer. So do FSDP2's: its sharded parameters' hooks run after each shard
+group's reduce-scatter, and a group whose post-backward waits for the end of backward (the input embeddings, whose
+input needs no gradient; in a composed model also the root group, which holds the encoders, projectors and LM head
+there) can still hold its whole gradient then: the working set hf_zero.estimate.fsdp counts as "gathered", not as
+the sharded gradients.
 
 Activations (`ActivationRecorder`, `<output_dir>/activations_rank{R}.json`, every optimizer step): the bytes autograd
-saves for backward in one micro-batch's forward and loss (each storage once, parameters left out), the largest
-micro-batch of each step, with the tokens this rank held (under sequence parallelism its slice of the sequence).
+saves for backward in one micro-batch's forward and loss (each storage once, parameters and views of them left
+out), the largest micro-batch of each step, with the tokens this rank held (under sequence parallelism its slice of
+the sequence).
 On a CPU no allocator reports a peak; what autograd saves is the part of the activations that lives from forward to
 backward, the part sequence parallelism divides. Not in it: the loss's gradient buffers in backward and transient
 work (all-to-all buffers), which the estimate's peak adds, and under gradient checkpointing what torch's checkpoint
@@ -31,6 +36,7 @@ from transformers import TrainerCallback
 from hf_zero.core.console import rank
 from hf_zero.core.files import write_json_atomic
 from hf_zero.integrations.deepspeed import before_gradients_freed, gradients_freed_as_before
+from hf_zero.integrations.torch import viewed_base
 
 __all__ = ["count_parameters", "parameter_numel", "StepPeakRecorder", "MemoryMeasureCallback", "measure_engine_bytes",
            "measure_requested", "read_measurements", "MEASURE_ENV", "ActivationRecorder"]
@@ -121,7 +127,10 @@ class ActivationRecorder:
         self.tokens = int(ids.shape[-1]) if ids is not None else 0
 
     def _pack(self, t):
-        if not isinstance(t, self.torch.nn.Parameter):  # a weight saved by its matmul is a model state
+        # A weight saved by its matmul is a model state, whether saved as the parameter or as a view of it (a linear
+        # saves `weight.t()`, a view of the parameter). Counting the views had added every frozen linear's weight,
+        # and every trainable one's, to the activations: 253 KB of the tiny Qwen2-VL's 1.76 MB.
+        if not isinstance(t, self.torch.nn.Parameter) and not isinstance(viewed_base(t), self.torch.nn.Parameter):
             storage = t.untyped_storage()
             self.seen[(storage.data_ptr(), str(t.device))] = storage.nbytes()
         return t
@@ -218,8 +227,10 @@ def measure_engine_bytes(engine_or_model, optimizer=None) -> dict:
 
     Each storage counts once (a view of a DeepSpeed flat buffer counts the buffer), first-come in this order:
     - params: ZeRO-3 each param's `ds_tensor` (local partition; whole params gathered right now, e.g. persistent
-      ones, and their whole gradients in backward, go to "gathered_params"); otherwise `param.data` (ZeRO-1/2: views
-      of `bit16_groups_flat`); a 4-bit weight's quantization constants.
+      ones, and their whole gradients in backward, go to "gathered_params"); FSDP2 each DTensor's local shard (the
+      plain parameters an unsharded group holds in its place, and their whole gradients in backward, go to
+      "gathered_params"); otherwise `param.data` (ZeRO-1/2: views of `bit16_groups_flat`); a 4-bit weight's
+      quantization constants.
     - optimizer: fp32 master partitions (`single_partition_of_fp32_groups`, ZeRO-3 `fp32_partitioned_groups_flat`)
       + the torch optimizer's state (Adam's moments exist after the first step).
     - buffers: the IPG reduce buckets (before grads: a param.grad may be a view into one).
@@ -250,6 +261,11 @@ def measure_engine_bytes(engine_or_model, optimizer=None) -> dict:
         return [getattr(o, n, None) for o in chain for n in names]
 
     params = list(module.parameters())
+    # FSDP2's whole working copies: while a shard group is unsharded its module holds plain parameters in place of
+    # the DTensor shards, and in backward their whole gradients until the group's reduce-scatter
+    unsharded = [p for p in params if not hasattr(p, "to_local")] if any(hasattr(p, "to_local") for p in params) \
+        else []
+    add("gathered_params", *[t for p in unsharded for t in (p.data, p.grad)])
     add("params", *[getattr(p, "ds_tensor", p.data) for p in params], *attrs("bit16_groups_flat",
                                                                              "fp16_partitioned_groups_flat"))
     add("params", *[_quantization_constants(x) for x in (*params, *module.modules())])

@@ -103,7 +103,8 @@ INTERNALS: tuple[Reach, ...] = (
           "not a copy", TRL, "when TRL exposes its DPO losses as functions"),
     Reach("_base", "torch.Tensor", ("integrations/torch.py",),
           "the storage a saved activation views, so that the bytes autograd keeps for a composed model's encoders "
-          "and a VLM's vision tower are counted once per storage", TORCH,
+          "and a VLM's vision tower are counted once per storage, and the recorder of a run's saved bytes leaves a "
+          "weight saved as a view (a linear's `weight.t()`) out of the activations", TORCH,
           "when torch.Tensor exposes the viewed base publicly"),
     Reach("_get_metadata_path", "torch.distributed.checkpoint.filesystem.FileSystemReader", ("integrations/torch.py",),
           "the `.metadata` file DCP is about to unpickle with plain pickle, checked first under the safe-load guard",

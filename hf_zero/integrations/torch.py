@@ -8,7 +8,7 @@ from pathlib import Path
 
 __all__ = ["last_lr", "set_last_lr", "set_default_group_timeout", "batch_norm_base", "printed_class_name",
            "ddp_logging_data", "tensorboard_thread_file", "set_torch_load", "check_dcp_metadata_first",
-           "restore_dcp_read_metadata", "forward_replaced", "saved_bytes"]
+           "restore_dcp_read_metadata", "forward_replaced", "saved_bytes", "viewed_base"]
 
 
 def last_lr(scheduler) -> list[float]:
@@ -123,20 +123,23 @@ def forward_replaced(module, forward):
         del module.forward
 
 
+def viewed_base(t):
+    """The tensor whose storage `t` views (`t` itself when it is no view): a saved `weight.t()` is its parameter.
+    Reads Tensor._base (torch 2.13.0); can go when torch.Tensor exposes the viewed base publicly."""
+    return t._base if t._base is not None else t
+
+
 def saved_bytes(run, params) -> int:
     """Bytes autograd saves for backward while `run()` runs: each saved storage once (a view is counted by the
     tensor it views), `params` (parameters, which are held anyway) excluded; shapes and dtypes only, so it counts
-    on the meta device too.
-
-    Reads Tensor._base (torch 2.13.0): the storage a saved view shares. Can go when torch.Tensor exposes the
-    viewed base publicly."""
+    on the meta device too (a view's storage through viewed_base)."""
     import torch
 
     ids, seen, total = {id(p) for p in params}, set(), 0
 
     def pack(t):
         nonlocal total
-        base = t._base if t._base is not None else t
+        base = viewed_base(t)
         if id(base) not in ids and id(t) not in ids and id(base) not in seen:
             seen.add(id(base))
             total += base.numel() * base.element_size()

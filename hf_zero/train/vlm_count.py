@@ -9,7 +9,11 @@ of the tower built at its real widths with 1 and then 2 layers (beside a 1-layer
 table, which is not run), on the real image's pixels: every layer of a tower is the same module, so the count for
 all its layers is the first count plus (layers - 1) x the difference. Qwen3-VL's DeepStack mergers (one after each
 layer its config lists) are counted apart, each the same module on the same shape: the 1- and 2-layer towers are
-built without them, and each adds what one adds to the 1-layer tower.
+built without them, and each adds what one adds to the 1-layer tower. The towers get the run's LoRA adapters and
+trainable parts (adapt_vlm with the recipe's plan): a frozen layer whose input needs no gradient saves nothing, so a
+frozen tower before a trained projector saves only the projector's tensors. Counted on two images and halved (one
+image alone can share a storage that a batch copies). Against a run's measured saved bytes: tests/vlm/
+test_vlm_activations.py (each tiny family's vision term equals what its run saved, per image).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class VlmCount:
     sizes: dict  # {part: parameters that can train}
     image_side: int  # pixels of the square image counted (the largest the processor lets through)
     image_tokens: int  # the language model's positions one such image takes
-    image_bytes: int  # fp32 bytes the vision tower and projector save for backward on it
+    image_bytes: int  # fp32 bytes the vision tower and projector save for backward on it, as the run trains them
 
     @property
     def label(self) -> str:  # what the estimate adds to the model's name: nothing (the model is the VLM)
@@ -112,22 +116,24 @@ def _vision_layers(config) -> int:
     return next(int(getattr(config.vision_config, f)) for f in _LAYER_FIELDS if hasattr(config.vision_config, f))
 
 
-def vision_saved_bytes(config, family: Family, pixels: dict, layers: int | None = None) -> int:
+def vision_saved_bytes(config, family: Family, pixels: dict, layers: int | None = None, adapt=None) -> int:
     """fp32 bytes the vision tower and projector save for backward on `pixels` (the image processor's output for
-    the batch) with `layers` vision layers (default: the config's), weights trainable: counted at 1 and 2 layers
-    and extended layer by layer, then each DeepStack merger added."""
+    the batch) with `layers` vision layers (default: the config's): counted at 1 and 2 layers and extended layer by
+    layer, then each DeepStack merger added. `adapt` (model -> model): the run's LoRA and trainable parts put on the
+    model built (count_vlm's); None: every vision tower and projector weight trains, the most they can save."""
     deepstack = _deepstack_layers(config)
     plain = () if deepstack else None
-    one, two = (saved_at_layers(config, family, pixels, n, plain) for n in (1, 2))
+    one, two = (saved_at_layers(config, family, pixels, n, plain, adapt) for n in (1, 2))
     total = one + ((layers or _vision_layers(config)) - 1) * (two - one)
     if deepstack:
-        total += deepstack * (saved_at_layers(config, family, pixels, 1, (0,)) - one)
+        total += deepstack * (saved_at_layers(config, family, pixels, 1, (0,), adapt) - one)
     return total
 
 
-def saved_at_layers(config, family: Family, pixels: dict, layers: int, deepstack: tuple | None = None) -> int:
+def saved_at_layers(config, family: Family, pixels: dict, layers: int, deepstack: tuple | None = None,
+                    adapt=None) -> int:
     """vision_saved_bytes counted directly, the vision tower built with `layers` layers (and DeepStack mergers after
-    the layers `deepstack` lists; None: the config's)."""
+    the layers `deepstack` lists; None: the config's), adapted by `adapt` (vision_saved_bytes)."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -139,8 +145,10 @@ def saved_at_layers(config, family: Family, pixels: dict, layers: int, deepstack
     names = {"idefics3": ("vision_model", "connector"), "llava": ("vision_tower", "multi_modal_projector")}
     parts = [getattr(model.model, n) for n in names.get(family.name, ("visual",))]
     for part in parts:
-        part.float().requires_grad_(True)
-    weights = [p for part in parts for p in part.parameters()]
+        part.float().requires_grad_(adapt is None)
+    if adapt is not None:  # LoRA's adapters and modules_to_save copies go into the modules in place
+        adapt(model)
+    weights = list(model.parameters())  # frozen ones too: a frozen linear saves its weight, a model state
     if family.name == "idefics3":
         return saved_bytes(lambda: model.model.get_image_features(pixels["pixel_values"],
                                                                   pixels["pixel_attention_mask"]), weights)
@@ -190,6 +198,12 @@ def count_vlm(path: str, overrides=()) -> VlmCount | None:
         image = Path(tmp) / "largest.png"
         Image.new("RGB", (side, side), (127, 127, 127)).save(image)
         ids = processing.expand(image)
-        pixels = processing.pixels([[image]], torch.tensor([ids]))
-    saved = vision_saved_bytes(processing.config, family, pixels)
+        # two rows of one image each, halved: one image alone can save less per image than a batch (the tiny
+        # LLaVA's projector reads a view of the tower's output at one image, a copy at two or more: 8,472 bytes alone,
+        # 8,984 per image at 2, 3 and 4, as its runs save)
+        pixels = processing.pixels([[image], [image]], torch.tensor([ids, ids]))
+    # what the run's vision tower and projector save: its LoRA adapters and the parts some stage trains trainable, the
+    # rest frozen (a frozen tower before a trained projector saves nothing)
+    saved = vision_saved_bytes(processing.config, family, pixels,
+                               adapt=lambda m: adapt_vlm(m, replace(model_args), family, plan, announce=False)[0]) // 2
     return VlmCount(model, family, plan, sizes, side, ids.count(processing.image_token_id), saved)

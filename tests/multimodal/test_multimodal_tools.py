@@ -5,6 +5,7 @@ positions go and how many."""
 
 import json
 import re
+import sys
 
 import pytest
 import yaml
@@ -140,8 +141,6 @@ def test_the_estimates_model_states_match_what_the_run_holds(tmp_path, capsys):
     gradient and optimizer bytes (fp32, one rank, no wrapper) within 10% of what the run held at its first step,
     as tests/estimate/ checks the text estimate; the old estimate counted the text LLM alone (its 1,792 trainable
     parameters: a fraction of the gradients measured)."""
-    import sys
-
     from testing_utils import run_cmd
 
     from hf_zero.estimate.measure import read_measurements
@@ -160,15 +159,99 @@ def test_the_estimates_model_states_match_what_the_run_holds(tmp_path, capsys):
         assert measured["measured"][part] == pytest.approx(row[part], rel=0.10), (part, measured, row)
 
 
+# Rows of known content for the activation check: 4 questions of 4 lengths (every batch of 4 padded: the estimate
+# counts sdpa with a mask; unpadded rows save K and V unrepeated and no mask, about 8% less at the tiny shape) and
+# one short answer. FILL: plain text of as many tokens as a modality's placeholder run (tiny-llama's tokenizer: "a"
+# is a token of its own), so that a row without the item is exactly as long as the row with it.
+QUESTIONS = ("What is it?", "What is this one?", "Say what this one is.", "Which one is this, can you say?")
+FILL = {"points": "aaaa", "image": "aaaaa"}
+
+
+def known_rows_config(root):
+    """The tiny config with five 1-step stages of 4 rows each: `both` (a point cloud and an image per row: the
+    estimate's one item of each modality per row is exactly what runs), then per modality the rows with one item
+    (`points`, `image`) and the same rows without it (`no_points`, `no_image`: FILL in its place)."""
+    data_dir = CONFIG.parent.parent / "data" / "tiny_multimodal"
+    items = {"points": sorted((data_dir / "shapes").glob("*.npy"))[:4],
+             "image": sorted((data_dir / "digits").glob("*.png"))[:4]}
+
+    def item(m, i):
+        return {"type": m, m: str(items[m][i])}
+
+    def stage(name, modalities, fill=""):
+        rows = [{"messages": [
+            {"role": "user", "content": [*(item(m, i) for m in modalities), {"type": "text", "text": fill + q}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]} for i, q in enumerate(QUESTIONS)]
+        path = root / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {"name": name, "data": [str(path)], "steps": 1}
+
+    data = yaml.safe_load(CONFIG.read_text())
+    data.update(eval_samples=0, sample_prompts=0, per_device_train_batch_size=4, gradient_accumulation_steps=1,
+                stages=[stage("both", ["points", "image"]),
+                        *(s for m in FILL for s in (stage(m, [m]), stage(f"no_{m}", [], FILL[m])))])
+    config = root / "known.yaml"
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    return config
+
+
+@pytest.mark.recipe_run
+@pytest.mark.extended
+def test_the_estimates_activations_match_what_the_run_saves(tmp_path, capsys):
+    """One process, fp32, one step a stage on rows of known content, `--measure_memory true`
+    (hf_zero.estimate.measure.ActivationRecorder: the bytes autograd saves in a step's forward and loss). The
+    estimate's `activations` is the backward peak: what autograd saves (the LLM's layers, final norm and
+    log_softmax's fp32 output, and per row the encoders' and projectors' saved tensors for one item of each
+    modality) plus the loss's gradients, 8 V bytes per token alive only in backward (activations.loss_work_bytes).
+    - a whole step: less those gradients, the estimate at the step's tokens is within 10% of the bytes the `both`
+      step saved (every row one point cloud and one image);
+    - each modality's term alone: a step with 4 items less the same rows without them (the same tokens; the
+      encoder then runs on one zero item, hf_zero.train.composed: 3 items apart) is 3 x the estimate's bytes per
+      item within 10%."""
+    from testing_utils import read_activations, run_cmd
+
+    from hf_zero.estimate.activations import loss_work_bytes
+
+    config = known_rows_config(tmp_path)
+    out = tmp_path / "run"
+    run_cmd([sys.executable, REPO / "recipes" / "multimodal.py", "--config", config, "--output_dir", out,
+             "--measure_memory", "true", "--save_final_model", "false", "--disable_tqdm", "true"])
+    (record,) = read_activations(out)
+    steps = dict(zip(["both", *(n for m in FILL for n in (m, f"no_{m}"))], record["steps"]))
+    assert [s["step"] for s in steps.values()] == [1, 2, 3, 4, 5]
+    both = steps["both"]
+    est = estimate_json(capsys, config, "--profile", "ddp", "--precision", "fp32", "--gpus-per-node", "1",
+                        "--seq-len", str(both["tokens"]))
+    micro, mm = est["inputs"]["micro_batch"], est["multimodal"]
+    assert micro == 4 and mm["activation_bytes"] == micro * sum(mm["activation_bytes_per_item"].values()) > 0
+    saved = est["strategies"][0]["gpu_bytes_per_rank"]["activations"] - loss_work_bytes(
+        est["model"]["vocab_size"], micro * both["tokens"])
+    print(f"whole step: measured {both['saved_bytes']:,} B at {both['tokens']} tokens x {micro} rows, estimated "
+          f"{int(saved):,} (encoders {mm['activation_bytes']:,}): {both['saved_bytes'] / saved:.3f}x")  # with -s
+    assert both["saved_bytes"] == pytest.approx(saved, rel=0.10), (both, saved, mm)
+    for m, per_item in mm["activation_bytes_per_item"].items():
+        with_items, without = steps[m], steps[f"no_{m}"]
+        assert with_items["tokens"] == without["tokens"], (m, with_items, without)  # FILL: the same text shape
+        measured = (with_items["saved_bytes"] - without["saved_bytes"]) / (micro - 1)
+        print(f"{m}: measured {measured:,.0f} B per item, estimated {per_item:,}: {measured / per_item:.3f}x")
+        assert measured == pytest.approx(per_item, rel=0.10), (m, with_items, without, per_item)
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("part", ["params", "grads", "optimizer"])
-@pytest.mark.parametrize("profile", ["zero2", "zero3"])
+@pytest.mark.parametrize("profile", ["zero2", "zero3", "fsdp2"])
 def test_the_estimates_model_states_match_each_rank_on_2_ranks(runs_2, capsys, profile, part):
     """2 CPU ranks through the launcher, one step a stage, `--measure_memory true`: each rank's parameter, gradient
     and optimizer bytes within 10% of the estimate's row for the same profile (fp32, world size 2): ZeRO-2 shards
     the gradients and Adam moments of every part that trains in some stage, ZeRO-3 the weights too. The gradients'
     flat fp32 copy is made one parameter group (one part) at a time: the largest part's (LoRA here), not all of
-    them; counted as all, the estimate was 15% (ZeRO-2) and 24% (ZeRO-3) above what each rank held."""
+    them; counted as all, the estimate was 15% (ZeRO-2) and 24% (ZeRO-3) above what each rank held.
+    FSDP2 shards every parameter on dim 0 whatever its group, so one optimizer group per part changes nothing: rank 0
+    holds exactly the estimate's padded shards (measured 151,424 / 114,240 / 228,672 bytes), rank 1 as much or less.
+    Its gradients were first measured 29% above: the root group (the encoders, projectors and LM head, which
+    accelerate finds no tail group for in a composed model) and the input embeddings both run their post-backward in
+    FSDP2's end-of-backward callback, so the embeddings' whole gradient was still alive when the root's shard hooks
+    fired; that is the working set the estimate counts as "gathered", and hf_zero.estimate.measure now files it so."""
     from hf_zero.estimate.measure import read_measurements
 
     config, out = runs_2[profile]
@@ -178,6 +261,8 @@ def test_the_estimates_model_states_match_each_rank_on_2_ranks(runs_2, capsys, p
     row = est["strategies"][0]["gpu_bytes_per_rank"]
     for r in records:
         assert r["measured"][part] == pytest.approx(row[part], rel=0.10), (profile, part, r["rank"], r, row)
+    if profile == "fsdp2":  # the padded dim-0 shards: rank 0 holds the largest, exactly as counted
+        assert records[0]["measured"][part] == row[part] >= records[1]["measured"][part], (part, records, row)
 
 
 @pytest.fixture(scope="module")
