@@ -113,7 +113,9 @@ DEFAULT = {c for c in LAUNCHES if "runs/tiny_ckpt" in c or "--profile zero3_sp" 
 # Heavy in one process (seconds each: SmolLM2's weights read or converted, a nested `make`, the docs build, a
 # multi-node dry run that starts the launcher's planning): `make test` runs them, `make test-fast` leaves them out.
 HEAVY = {c for c in COMMANDS if "smollm2" in c or c.startswith("make ") or "multinode" in c
-         or c.startswith("hf-zero init --model tiny-llama --data")}
+         or c.startswith("hf-zero init --model tiny-llama --data")
+         # a real VLM's vision tower at its real widths, run on the CPU for its saved bytes (~30 s each)
+         or "qwen25_vl_3b" in c}
 
 
 def _marks(cmd):
@@ -281,6 +283,25 @@ def _check_vlm_estimate(proc, where):
         in proc.stdout and "gradients and optimizer state for vision_tower, projector, lora (23,520 " in proc.stdout
 
 
+def _check_vlm_real_estimate(proc, where):
+    """Qwen2.5-VL-3B offline, from the shape hf_zero ships: the model, its image and the peaks and recommendation
+    docs/vlm.md's "A real model" gives (1 x 24 GiB; 4 x L40, 48 GiB)."""
+    out = proc.stdout
+    assert "Qwen/Qwen2.5-VL-3B-Instruct: 3,821,265,152 params, trainable 66,642,176 (LoRA r=16)" in out, out
+    assert "vlm (qwen2_5_vl): an image of 672x672 pixels (the largest the processor lets through) is 576 tokens" in out
+    peaks = {line.split()[0]: " ".join(line.split()[-7:-5]) for line in out.splitlines()
+             if line.split() and line.split()[0] in ("ddp", "zero3", "fsdp2")}
+    four = "--gpus-per-node 4" in proc.args
+    assert peaks == ({"ddp": "12.03 GiB", "zero3": "6.75 GiB", "fsdp2": "6.95 GiB"} if four else
+                     {"ddp": "11.78 GiB", "zero3": "11.81 GiB", "fsdp2": "12.94 GiB"}), peaks
+    command = (" --profile zero2 --nproc 4 --precision bf16 --config recipes/configs/qwen25_vl_3b.yaml "
+               "--per_device_train_batch_size 8 --gradient_accumulation_steps 1" if four else
+               " --profile single_gpu --nproc 1 --config recipes/configs/qwen25_vl_3b.yaml "
+               "--per_device_train_batch_size 2 --gradient_accumulation_steps 4")
+    assert "hf-zero train" + command in [line.strip() for line in out.splitlines()], out
+    assert ("peak 37.7 GiB in bf16 of 48.0 GiB" if four else "peak 15.6 GiB in bf16 of 24.0 GiB") in out
+
+
 def _check_multimodal_check(proc, where):
     assert "stage points trains encoder.points (6,464), projector.points (2,112): 8,576 parameters" in proc.stdout
 
@@ -294,6 +315,8 @@ CHECKS = {
     "hf-zero preview --config recipes/configs/tiny_multimodal.yaml -n 0 --packing true --max_seq_length 128":
         _check_multimodal_packing,
     "hf-zero estimate --config recipes/configs/tiny_vlm.yaml --profile cpu": _check_vlm_estimate,
+    **{f"hf-zero estimate --config recipes/configs/qwen25_vl_3b.yaml --gpus-per-node {n} --gpu-memory {m}GiB":
+       _check_vlm_real_estimate for n, m in ((1, 24), (4, 48))},
     "hf-zero check --config recipes/configs/tiny_multimodal.yaml": _check_multimodal_check,
     "hf-zero estimate --config recipes/configs/tiny_multimodal.yaml --profile cpu": _check_multimodal_estimate,
     "make train": _check_make_train,
