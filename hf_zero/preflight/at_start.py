@@ -25,6 +25,7 @@ from hf_zero.preflight.check_rules import (
     verify_precision,
     verify_profile_keys,
     verify_seq_length,
+    verify_weights_reachable,
 )
 
 __all__ = ["check_launch_at_start", "check_room_at_start"]
@@ -62,6 +63,7 @@ def check_room_at_start(profile, training_kwargs: dict, parsed: tuple, stages: l
     verify_fsdp(profile, training_kwargs, gpu_count(), config)
     if model is None:
         return
+    verify_weights_reachable(model.model_name_or_path)  # a shape-only hub id (plain `accelerate launch`): one line
     verify_seq_length(get_model_config(model.model_name_or_path), training_kwargs.get("max_seq_length"), stages)
     verify_recipe_sp(profile.sp_size, world, model, training_kwargs, stages)
     nproc = _nproc(profile, world, dict(os.environ if env is None else env))

@@ -41,6 +41,7 @@ from hf_zero.preflight.check_rules import (
     verify_offload,
     verify_output,
     verify_seq_length,
+    verify_weights_reachable,
 )
 
 
@@ -50,6 +51,7 @@ def model_check(st):
     model_args = st.parsed[0]
     name = model_args.model_name_or_path
     resolve_model_path(name)
+    verify_weights_reachable(name)
     if st.light:
         light = _model_files(st, model_args)
         if light is not None:

@@ -13,7 +13,8 @@ from hf_zero.core import ops
 from hf_zero.core.errors import UserError
 from hf_zero.core.files import human_bytes
 from hf_zero.core.ops import build_ops
-from hf_zero.data.model_names import get_model_config
+from hf_zero.data.cache import hub_cache_dir
+from hf_zero.data.model_names import get_model_config, shape_folder
 from hf_zero.data.vlm import vlm_lora_targets
 from hf_zero.estimate.memory import estimate
 from hf_zero.estimate.model_count import count_model
@@ -25,7 +26,7 @@ from hf_zero.plan.world import world_from_env
 
 __all__ = ["verify_profile_keys", "verify_devices", "verify_precision", "verify_launch", "verify_hostfile",
            "verify_offload", "verify_output", "strategy_of", "count_for", "checkpoint_plan", "output_needs",
-           "verify_seq_length"]
+           "verify_seq_length", "verify_weights_reachable"]
 
 
 def _accelerate_deepspeed_keys(title: str = "DeepSpeed Arguments") -> set[str]:
@@ -210,6 +211,17 @@ def count_for(model_args):
         return count_model(config, lora=lora)
     except ValueError as err:  # peft: target modules not in the model
         raise UserError("lora_target_modules", str(err).splitlines()[0], "name modules the model has") from None
+
+
+def verify_weights_reachable(name: str) -> None:
+    """A hub id of which hf_zero ships only the shape (config.json: what `hf-zero estimate` counts) and that neither
+    the cache nor the hub gives: nothing to train. Said before any launch, whatever tokenizer the recipe names (with
+    one that loads, the ranks once launched and failed on the missing weights with a traceback)."""
+    if shape_folder(name) is not None:
+        raise UserError("model_name_or_path", f"{name}: hf_zero ships only its shape (config.json, for `hf-zero "
+                        f"estimate`); its weights are not in the Hugging Face cache ({hub_cache_dir()}) and the hub "
+                        "cannot give them", f"download it where the hub is reachable (huggingface-cli download "
+                        f"{name}) into that cache, or point model_name_or_path at a local folder with the weights")
 
 
 def verify_seq_length(config, max_seq_length, stages) -> None:

@@ -147,3 +147,28 @@ def test_a_shape_only_model_is_counted_from_its_shape_and_refused_for_training(c
     assert main(["train", "--config", str(config)]) != 0  # stopped by the checks, before the launch
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hf-zero: error: ") and QWEN25_3B in err[0], err
+
+
+def test_a_shape_only_model_is_refused_for_training_whatever_tokenizer_is_given(capsys, tmp_path):
+    """With a tokenizer that loads (the tiny models'), the checks once passed and the ranks launched and failed on
+    the missing weights with a traceback; now one line naming model_name_or_path before any launch, under `hf-zero
+    train` and in `hf-zero check` (Llama 3.1 8B's shape too)."""
+    from testing_utils import check
+
+    from hf_zero.data.model_names import get_tiny_llama_path, offline_unless_reachable
+    from hf_zero.data.tiny_vlm import get_tiny_vlm_path
+
+    if not offline_unless_reachable():
+        pytest.skip("the hub is reachable: the model's own files are read, not the shape")
+    config = REPO / "recipes" / "configs" / "qwen25_vl_3b.yaml"
+    tokenizer, llama_tokenizer = str(get_tiny_vlm_path("hf-zero/tiny-qwen2-vl")), str(get_tiny_llama_path())
+    capsys.readouterr()  # building them (on a first use) prints its progress
+    assert main(["train", "--config", str(config), "--tokenizer_name_or_path", tokenizer]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"hf-zero: error: model_name_or_path: {QWEN25_3B}: hf_zero ships only "
+                                               "its shape"), err
+    llama = REPO / "recipes" / "configs" / "long_context_gpu.yaml"
+    rc, results = check(capsys, "--config", str(llama), "--tokenizer_name_or_path", llama_tokenizer,
+                        output_dir=tmp_path / "o")
+    ok, line = results["model"]
+    assert rc == 2 and ok is False and "meta-llama/Llama-3.1-8B-Instruct: hf_zero ships only its shape" in line
