@@ -91,10 +91,14 @@ SLOW |= {"make bench"}
 # `make train` trains SmolLM2 for 60 steps (5-10 min here): the default suite runs the same command on the same
 # config cut to the tiny model and 2 steps a stage (test_make_train_on_the_tiny_model).
 SLOW |= {"make train"}
+# docs/vlm.md's packing measurement (scripts/vlm_packing.py: 6 runs on 2 ranks, ~5 min each model here); its rows and a
+# 2-step run of the script are tests/vlm/test_vlm_packing_script.py
+SLOW |= {c for c in COMMANDS if c.startswith("python scripts/vlm_packing.py")}
 
 
 # Commands that start a launcher and its ranks: kept out of `make test-fast` (tests/conftest.py checks the split).
-LAUNCHES = {c for c in COMMANDS if re.search(r"\b(make train|hf-zero train|accelerate launch|make bench)\b", c)
+LAUNCHES = {c for c in COMMANDS
+            if re.search(r"\b(make train|hf-zero train|accelerate launch|make bench|scripts/vlm_packing\.py)", c)
             and "--dry-run" not in c and "--help" not in c}
 # ... and those that read what a launch wrote (`hf-zero export runs/tiny_ckpt`): they run after it, in README order.
 WRITTEN = {run for c in LAUNCHES for run in re.findall(r"runs/\w+", c)}
@@ -283,6 +287,13 @@ def _check_vlm_estimate(proc, where):
         in proc.stdout and "gradients and optimizer state for vision_tower, projector, lora (23,520 " in proc.stdout
 
 
+def _check_vlm_packing(proc, where):
+    """Packed rows carry more non-padding tokens a step than unpacked ones, the same count in every repeat."""
+    written = Path(re.search(r"written: (\S+)", proc.stdout).group(1))
+    result = json.loads(written.read_text())
+    assert result["same_tokens_every_repeat"] and result["tokens_per_step_gain"] > 1.5, result
+
+
 def _check_vlm_real_estimate(proc, where):
     """Qwen2.5-VL-3B offline, from the shape hf_zero ships: the model, its image and the peaks and recommendation
     docs/vlm.md's "A real model" gives (1 x 24 GiB; 4 x L40, 48 GiB)."""
@@ -317,6 +328,7 @@ CHECKS = {
     "hf-zero estimate --config recipes/configs/tiny_vlm.yaml --profile cpu": _check_vlm_estimate,
     **{f"hf-zero estimate --config recipes/configs/qwen25_vl_3b.yaml --gpus-per-node {n} --gpu-memory {m}GiB":
        _check_vlm_real_estimate for n, m in ((1, 24), (4, 48))},
+    **{c: _check_vlm_packing for c in readme_commands() if c.startswith("python scripts/vlm_packing.py")},
     "hf-zero check --config recipes/configs/tiny_multimodal.yaml": _check_multimodal_check,
     "hf-zero estimate --config recipes/configs/tiny_multimodal.yaml --profile cpu": _check_multimodal_estimate,
     "make train": _check_make_train,
