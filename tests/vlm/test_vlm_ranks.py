@@ -1,0 +1,59 @@
+"""A stock VLM's estimate against what each rank holds on 2 CPU ranks (issue 44: the estimate rows against measured
+bytes per rank), as the composed model's is checked (tests/multimodal/test_multimodal_tools.py): tiny_vlm.yaml for
+the tiny Qwen2-VL (the projector trained in full in stage align, then LoRA in the language model and the vision
+tower's qkv with the projector), one step a stage, `--measure_memory true`, under ZeRO-2, ZeRO-3 and FSDP2."""
+
+import json
+
+import pytest
+import yaml
+from testing_utils import REPO, Lazy, launch_recipe
+
+from hf_zero.cli import main
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.extended]
+
+CONFIG = REPO / "recipes" / "configs" / "tiny_vlm.yaml"
+DIGITS = REPO / "recipes" / "data" / "tiny_multimodal" / "digits.jsonl"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """profile -> (config, output folder) of its 2-rank run, measured at step 1; launched on first use."""
+    root = tmp_path_factory.mktemp("vlm_2_ranks")
+
+    def make(profile):
+        data = yaml.safe_load(CONFIG.read_text())
+        data.update(eval_samples=0, stages=[{**s, "steps": 1, "data": str(DIGITS)} for s in data["stages"]])
+        config = root / f"{profile}.yaml"
+        config.write_text(yaml.safe_dump(data, sort_keys=False))
+        launch_recipe(profile, root / profile, "--measure_memory", "true", "--save_final_model", "false",
+                      config=config, recipe=REPO / "recipes" / "vlm.py")
+        return config, root / profile
+    return Lazy(make)
+
+
+# ZeRO-2's gradients: each rank held 139,520 / 154,752 bytes at step 1 where the estimate says 88,000 (what ZeRO-3's
+# ranks hold, exactly): beyond the fp32 partition and the largest group's flat copy, about every trainable
+# parameter's whole gradient is still counted (the composed model's ZeRO-2 ranks hold 1.04-1.08x of their estimate).
+# Not understood yet (measured 2026-11-28); a strict known failure, so a fix shows.
+ZERO2_GRADS = pytest.mark.xfail(strict=True, reason="ZeRO-2 gradients 1.59x / 1.76x the estimate on 2 ranks")
+
+
+@pytest.mark.parametrize("part", ["params", "grads", "optimizer"])
+@pytest.mark.parametrize("profile", ["zero2", "zero3", "fsdp2"])
+def test_the_estimates_model_states_match_each_rank_on_2_ranks(runs, capsys, profile, part, request):
+    if (profile, part) == ("zero2", "grads"):
+        request.applymarker(ZERO2_GRADS)
+    from hf_zero.estimate.measure import read_measurements
+
+    config, out = runs[profile]
+    records = read_measurements(out)
+    assert [(r["rank"], r["world_size"]) for r in records] == [(0, 2), (1, 2)]
+    assert main(["estimate", "--config", str(config), "--json", "--profile", profile, "--precision", "fp32",
+                 "--gpus-per-node", "2"]) == 0
+    row = json.loads(capsys.readouterr().out)["strategies"][0]["gpu_bytes_per_rank"]
+    # shown with -s: the figures the docs quote
+    print(f"{profile} {part}: estimated {row[part]:,}, held {[r['measured'][part] for r in records]}")
+    for r in records:
+        assert r["measured"][part] == pytest.approx(row[part], rel=0.10), (profile, part, r["rank"], r, row)
