@@ -36,7 +36,9 @@ def runs(tmp_path_factory):
 # ZeRO-2's gradients: each rank held 139,520 / 154,752 bytes at step 1 where the estimate says 88,000 (what ZeRO-3's
 # ranks hold, exactly): beyond the fp32 partition and the largest group's flat copy, about every trainable
 # parameter's whole gradient is still counted (the composed model's ZeRO-2 ranks hold 1.04-1.08x of their estimate).
-# Not understood yet (measured 2026-11-28); a strict known failure, so a fix shows.
+# The peak is in backward: DeepSpeed's contiguous gradient buffer holds the whole parameters that overlap the rank's
+# partition, and a parameter larger than the reduce bucket keeps its whole gradient until reduced (docs/vlm.md);
+# the estimate counts neither (measured 2026-11-28). A strict known failure, so a fix shows.
 ZERO2_GRADS = pytest.mark.xfail(strict=True, reason="ZeRO-2 gradients 1.59x / 1.76x the estimate on 2 ranks")
 
 
