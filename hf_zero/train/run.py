@@ -119,10 +119,12 @@ def setup_run(dataclass_types: tuple, argv: list[str] | None = None, script: str
     prepare_assets_in_worker(training_args, model, [d for s in stages for d in s.data])
     # NVMe and output room for the model's size, now that its config is in the cache; still before any engine.
     # a model with encoders or a vision tower, counted whole by the recipe's own counter (its COUNT_PARTS): its LLM
-    # alone would understate the final folder. On the meta device, so never under ZeRO-3's zero.Init (armed by now).
+    # alone would understate the final folder. Parameters only (no vision tower run on the CPU in every rank), on
+    # the meta device, so never under ZeRO-3's zero.Init (armed by now).
     counter = getattr(load_recipe(script or sys.argv[0]), "COUNT_PARTS", None)
     with without_zero3_init():
-        parts = counter(config_path, pop_flag(list(argv), "--config")[1]) if counter and config_path else None
+        parts = counter(config_path, pop_flag(list(argv), "--config")[1], activations=False) \
+            if counter and config_path else None
     check_room_at_start(profile, kwargs, tuple(parsed), stages, world, parts=parts)
     startup.phase("loading the tokenizer and the data")
     settings = run_settings(tuple(parsed), stages, kwargs)  # the Trainer's checkpoints record them too

@@ -174,8 +174,9 @@ def _tokenizer(model_args, family: Family, shape):
     return qwen_tokenizer()
 
 
-def count_vlm(path: str, overrides=()) -> VlmCount | None:
-    """A recipe YAML's VLM, counted; None when its recipe is not recipes/vlm.py's."""
+def count_vlm(path: str, overrides=(), activations: bool = True) -> VlmCount | None:
+    """A recipe YAML's VLM, counted; None when its recipe is not recipes/vlm.py's. `activations=False`: the
+    parameters alone (no image sized, no vision tower run on the CPU: what the ranks' start-up room check needs)."""
     import torch
     from PIL import Image
 
@@ -193,6 +194,8 @@ def count_vlm(path: str, overrides=()) -> VlmCount | None:
     plan = plan_vlm_parts(stages, family, model_args.use_peft, training.get("learning_rate", 5e-5))
     model, _ = adapt_vlm(model, replace(model_args), family, plan, announce=False)
     sizes = {p: sum(t.numel() for _, t in ps) for p, ps in plan.parts_of(model).items()}
+    if not activations:
+        return VlmCount(model, family, plan, sizes, 0, 0, 0)
     side = largest_image_side(processing)
     with tempfile.TemporaryDirectory() as tmp:
         image = Path(tmp) / "largest.png"

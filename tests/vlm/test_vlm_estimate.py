@@ -172,3 +172,14 @@ def test_a_shape_only_model_is_refused_for_training_whatever_tokenizer_is_given(
                         output_dir=tmp_path / "o")
     ok, line = results["model"]
     assert rc == 2 and ok is False and "meta-llama/Llama-3.1-8B-Instruct: hf_zero ships only its shape" in line
+
+
+def test_the_ranks_start_up_count_is_the_parameters_without_running_the_vision_tower():
+    """Each rank's start-up room check counts the VLM without sizing an image (no CPU forward of the vision tower in
+    every rank): the same parameters, trainable parts and optimizer groups as the estimate's count, no activations."""
+    from hf_zero.train.recipe_count import count_parts
+
+    config = str(REPO / "recipes" / "configs" / "tiny_vlm.yaml")
+    full, light = count_parts(config), count_parts(config, activations=False)
+    assert light.count == full.count and light.trains == full.trains
+    assert light.activation_bytes("fp32") == 0 < full.activation_bytes("fp32")
