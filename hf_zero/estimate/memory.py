@@ -55,7 +55,7 @@ def estimate(count: ModelCount, strategy: str, job: MemoryJob | None = None, **f
     held = held_counts(count, strategy, mixed, frozen_base)
     c = held.count
     (params, grads, optim, gathered), cpu_rank, nvme_rank = model_states.states(
-        strategy, c, world, mixed, job.convention, held.frozen_bytes)
+        strategy, c, world, mixed, job.convention, held.frozen_bytes, job.reduce_bucket_size)
     cpu = _host_bytes(c, strategy, job, per_node, cpu_rank, held.frozen_bytes)
     source = f"hf_zero {job.convention} formula"
     if (job.use_deepspeed_estimators and job.convention == "deepspeed" and mixed
@@ -154,7 +154,7 @@ def _peak(count: ModelCount, held: _Held, strategy: str, job: MemoryJob, world: 
     `count`: as the model is, for what its kernels decide (the fused loss, Liger); `held`: as the engine holds it."""
     c, mixed, quantized = held.count, job.precision != "fp32", frozen_base == "nf4"
     resident, grads_in_backward = model_states.resident(strategy, c, world, mixed, job.max_reuse_distance,
-                                                        held.frozen_bytes)
+                                                        held.frozen_bytes, job.reduce_bucket_size)
     resident += held.constants
     if job.grad_accumulation > 1:  # gradients stay allocated between the micro-batches of one optimizer step
         resident, grads_in_backward = resident + grads_in_backward, 0

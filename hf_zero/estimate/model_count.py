@@ -35,13 +35,19 @@ class ModelCount:
     embeddings: tuple = ()  # elements of the input and output embedding weights (one if tied)
     fused_loss: tuple = ()  # the fused_cross_entropy modes ("auto", True) under which the run uses the fused loss
     liger: bool = False  # a model type Liger's kernels patch (plan.liger)
-    # Trainable elements of the optimizer's largest parameter group (0: all of them in one): ZeRO makes its flat fp32
-    # copy of the gradients one group at a time. The Trainer's groups are decay / no decay (biases and norms); a
-    # composed model or a VLM has one pair per part (hf_zero.train.parts.largest_group_params).
-    largest_group_params: int = 0
+    # Each optimizer parameter group's trainable parameter sizes, in the order ZeRO flattens them (empty: unknown, all
+    # in one group). ZeRO makes its flat fp32 copy of the gradients one group at a time, and ZeRO-2 partitions each
+    # group's gradients apart (model_states.zero2_backward_grads). The Trainer's groups are decay / no decay (biases
+    # and norms); a composed model or a VLM has one pair per part (hf_zero.train.parts.group_sizes).
+    trainable_groups: tuple = ()
 
     def persistent_params(self, threshold: int) -> int:  # ZeRO-3 keeps params with numel <= threshold whole
         return sum(n for n in self.param_numels if n <= threshold)
+
+    @property
+    def largest_group_params(self) -> int:
+        """Trainable elements of the optimizer's largest parameter group (0: unknown)."""
+        return max((sum(group) for group in self.trainable_groups), default=0)
 
 
 def _attr(config, *names) -> int:
@@ -108,8 +114,9 @@ def count_model(config_or_name, lora=None) -> ModelCount:
         num_layers=_attr(text, "num_hidden_layers", "n_layer", "num_layers"),
         hidden_size=_attr(text, "hidden_size", "d_model", "n_embd"),
         num_heads=_attr(text, "num_attention_heads", "n_head"), vocab_size=_attr(text, "vocab_size"),
-        largest_group_params=max(sum(p.numel() for p in params if p.requires_grad and (p.dim() >= 2) == decayed)
-                                 for decayed in (True, False)),
+        trainable_groups=tuple(group for group in (tuple(p.numel() for p in params if p.requires_grad
+                                                         and (p.dim() >= 2) == decayed) for decayed in (True, False))
+                               if group),
         param_numels=tuple(p.numel() for p in params), name=name, param_shapes=shapes, shard_groups=groups,
         quantizable=quantizable, embeddings=tuple(tables.values()),
         layer=describe_layers(model, getattr(model, "config", config), text) if text is not None else None)

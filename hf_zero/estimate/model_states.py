@@ -15,8 +15,9 @@ base_precision) unless `frozen_base="fp32"`. GPU bytes per rank, "deepspeed" | "
   zero2_offload  pΨ;  zero3_offload_optimizer pΨ/N + pL + pLt;  zero3_offload / zero3_nvme  pL + pLt
 ZeRO-3's pL + pLt (the largest layer gathered, and its gradient) is its own key, "gathered", inside model_states.
 fp32 "deepspeed", measured on 2 CPU ranks (tests/estimate/test_estimate_measured.py, a composed model's one group per
-part in tests/multimodal/test_multimodal_tools.py): gradients ZeRO-1 max(4Ψt, 4(Ψt+G)/N), ZeRO-2 4(Ψt+G)/N, ZeRO-3
-4(Ψt+G)/N (its partition buffer + the step's flat copy; offloaded: CPU 20Ψt/N + 4Ψ/N).
+part in tests/multimodal/test_multimodal_tools.py, a VLM's in tests/vlm/test_vlm_ranks.py): gradients ZeRO-1
+max(4Ψt, 4(Ψt+G)/N), ZeRO-2 about 4(Ψt+G)/N (exactly: zero2_gradient_moments), ZeRO-3 4(Ψt+G)/N (its partition
+buffer + the step's flat copy; offloaded: CPU 20Ψt/N + 4Ψ/N).
 "paper" is the ZeRO paper (arXiv:1910.02054). For "deepspeed" in bf16/fp16 without LoRA, ZeRO-2/3 (GPU and CPU)
 are DeepSpeed's estimate_zero{2,3}_model_states_mem_needs, called directly; the formulas reproduce them and cover
 the rest. The fp32 master (4) exists in fp32 too: DeepSpeed clones it (ZeRO-3's alias branch compares a
@@ -40,14 +41,18 @@ QLoRA (frozen_base="nf4"): the quantized linears as nf4_bytes, as the engines ho
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
+import itertools
 import sys
 from collections import Counter
 
 from hf_zero.estimate import fsdp as fsdp_memory
 from hf_zero.estimate.model_count import ModelCount
 
-__all__ = ["DEEPSPEED_ESTIMATORS", "packed_shapes", "deepspeed_estimators", "states", "resident", "buffers"]
+__all__ = ["DEEPSPEED_ESTIMATORS", "packed_shapes", "deepspeed_estimators", "states", "resident", "buffers",
+           "reduce_bucket_elements", "zero2_gradient_moments", "zero2_slices"]
 
 # memory.estimate's strategies DeepSpeed's own estimators cover: (its function, its offload arguments)
 DEEPSPEED_ESTIMATORS = {
@@ -83,9 +88,65 @@ def deepspeed_estimators():
     return {"zero2": estimate_zero2_model_states_mem_needs, "zero3": estimate_zero3_model_states_mem_needs}
 
 
-def states(strategy: str, count: ModelCount, world: int, mixed: bool, convention: str, frozen_bytes: int = 4):
+def reduce_bucket_elements(count: ModelCount, reduce_bucket=None) -> float:
+    """DeepSpeed's reduce bucket in elements: the job's, else what the Trainer fills hf_zero's "auto" with (h²),
+    else DeepSpeed's default."""
+    return reduce_bucket or (count.hidden_size ** 2 or 5e8)
+
+
+def zero2_gradient_moments(count: ModelCount, world: int, mixed: bool, reduce_bucket=None) -> list[tuple]:
+    """ZeRO-2's gradient bytes per rank (contiguous_gradients, as hf_zero's profiles set it) at its two moments,
+    (optimizer step, backward), read from DeepSpeed 0.19.8's stage_1_and_2. Each reduced gradient a rank owns is
+    copied into one buffer (copy_grads_in_partition) sized by the whole parameters that overlap the rank's slice of
+    each group (zero2_slices: a parameter straddling a slice's end counts whole on both ranks), kept through the
+    step. In backward a parameter larger than the reduce bucket bypasses the bucket and keeps its whole gradient
+    until the next one arrives: the largest such one on top of the buffer. At the step each group in turn gets a
+    flat fp32 copy of its slice, freed after the group's step; none in fp32 where the slice lies inside one
+    parameter (flattening one tensor is a view). Measured on 2 ranks, each rank to the byte: a VLM (its projector
+    weight straddles and is 16 times the bucket: the backward moment) in tests/vlm/test_vlm_ranks.py, a composed
+    model (the step's) in tests/multimodal/test_multimodal_tools.py. Without the groups' sizes (a synthetic count):
+    one group, the slice alone."""
+    weight_bytes = 2 if mixed else 4
+    if not count.trainable_groups:
+        partition = count.trainable_params / world
+        return [(weight_bytes * partition + 4 * partition, weight_bytes * partition)]
+    bucket = reduce_bucket_elements(count, reduce_bucket)
+    over_bucket = max((n for group in count.trainable_groups for n in group if n > bucket), default=0)
+    moments = []
+    for slices in zero2_slices(count.trainable_groups, world):
+        held = weight_bytes * sum(overlap for overlap, _, _ in slices)
+        copy = max((4 * size for _, size, copied in slices if copied or mixed), default=0)
+        moments.append((held + copy, held + weight_bytes * over_bucket))
+    return moments
+
+
+@functools.lru_cache(maxsize=64)
+def zero2_slices(groups: tuple, world: int) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
+    """Per rank, per group: (elements of the whole parameters overlapping its slice, the slice's elements, whether
+    flattening the slice copies). DeepSpeed pads each group's flat buffer to a multiple of 2 x world
+    (nccl_start_alignment_factor) and gives each rank an equal slice; a parameter is in a rank's partition when it
+    starts inside the slice or straddles its start (stage_1_and_2.get_partition_info). The last slice's padding
+    is appended as a tensor of zeros, and a slice of padding alone is a buffer of zeros: both copies."""
+    ranks = [[] for _ in range(world)]
+    for group in groups:
+        starts = list(itertools.accumulate(group, initial=0))  # starts[i]: offset of parameter i; starts[-1]: total
+        size = -(-starts[-1] // (2 * world)) * 2 * world // world
+        for rank in range(world):
+            begin, end = rank * size, min((rank + 1) * size, starts[-1])
+            if begin >= end:
+                ranks[rank].append((0, size, True))
+                continue
+            first = bisect.bisect_right(starts, begin) - 1  # the parameter holding the slice's first element
+            last = bisect.bisect_left(starts, end) - 1  # the one holding its last
+            ranks[rank].append((starts[last + 1] - starts[first], size, first != last or end - begin < size))
+    return tuple(tuple(r) for r in ranks)
+
+
+def states(strategy: str, count: ModelCount, world: int, mixed: bool, convention: str, frozen_bytes: int = 4,
+           reduce_bucket=None):
     """(params, grads, optimizer, gathered) per GPU, (cpu, nvme) bytes offloaded per rank: the accounting above;
-    `frozen_bytes`: bytes per frozen parameter under the Trainer and FSDP2."""
+    `frozen_bytes`: bytes per frozen parameter under the Trainer and FSDP2; `reduce_bucket`: DeepSpeed's, in
+    elements (None: "auto")."""
     if strategy.startswith("fsdp"):  # both conventions: the paper has no FSDP2 row, and FSDP2 keeps no master copy
         return fsdp_memory.states(strategy, count, world, mixed, frozen_bytes)
     all_params, trainable, layer = count.total_params, count.trainable_params, count.largest_layer_params
@@ -109,7 +170,8 @@ def states(strategy: str, count: ModelCount, world: int, mixed: bool, convention
     adam = 12 * trainable / world
     gpu = {"ddp": (frozen_bytes * (all_params - trainable) + 4 * trainable, 4 * trainable, 8 * trainable),
            "zero1": (weights, zero1_grads, adam),
-           "zero2": (weights, (weight_bytes * trainable + copy_bytes * group) / world, adam),
+           "zero2": (weights, max(max(m) for m in zero2_gradient_moments(count, world, mixed, reduce_bucket)),
+                     adam),
            "zero2_offload": (weights, 0, 0),
            "zero3": (sharded, (buffer_bytes * trainable + copy_bytes * group) / world, adam),
            "zero3_offload_optimizer": (sharded, 0, 0)}
@@ -142,7 +204,7 @@ def _paper_states(strategy: str, all_params: int, trainable: int, world: int, mi
 
 
 def resident(strategy: str, count: ModelCount, world: int, mixed: bool, max_reuse_distance: float,
-             frozen_bytes: int = 4):
+             frozen_bytes: int = 4, reduce_bucket=None):
     """(states alive through forward and backward, gradients alive during backward) per GPU rank, deepspeed
     convention: what the forward/backward peak adds activations to."""
     if strategy.startswith("fsdp"):
@@ -157,14 +219,14 @@ def resident(strategy: str, count: ModelCount, world: int, mixed: bool, max_reus
              "zero3": weights / world + weight_bytes * trainable / world + adam,
              "zero3_offload_optimizer": weights / world}.get(strategy, 0) + gathered
     grads = {"ddp": 4 * trainable, "zero1": weight_bytes * trainable,
-             "zero2": weight_bytes * trainable / world}.get(strategy, 0)
+             "zero2": max(b for _, b in zero2_gradient_moments(count, world, mixed, reduce_bucket))}.get(strategy, 0)
     return alive, grads
 
 
 def buffers(strategy: str, count: ModelCount, world: int, mixed: bool, reduce_bucket, prefetch, persistence):
     """DDP's gradient buckets, ZeRO's reduce (and ZeRO-3's prefetch) buckets and its persistent parameters."""
     hidden, weight_bytes = count.hidden_size, (2 if mixed else 4)
-    reduce_bucket = reduce_bucket or (hidden ** 2 or 5e8)
+    reduce_bucket = reduce_bucket_elements(count, reduce_bucket)
     if strategy.startswith("fsdp"):
         return fsdp_memory.buffers(strategy, count, world, mixed)
     if not strategy.startswith("zero3"):  # one GPU: no DDP wrapper

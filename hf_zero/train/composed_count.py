@@ -28,7 +28,7 @@ from hf_zero.plan.shipped import load_recipe, recipe_argument_types, recipe_scri
 from hf_zero.train.composed import ComposedModel, freeze_unread_embeddings
 from hf_zero.train.composed_build import build_encoders, encode
 from hf_zero.train.model import lora_kwargs
-from hf_zero.train.parts import largest_group_params, part_sizes, plan_parts
+from hf_zero.train.parts import group_sizes, part_sizes, plan_parts
 
 __all__ = ["ComposedCount", "count_composed", "model_count_of", "composed_on_meta", "item_activation_bytes",
            "stage_lines", "estimate_summary", "estimate_lines", "check_multimodal", "multimodal_data"]
@@ -142,7 +142,7 @@ def model_count_of(count) -> ModelCount:
     """The estimate's counts of a composed model or a stock VLM (a ComposedCount or hf_zero.train.vlm_count's
     VlmCount: its model on meta and its PartPlan), with the optimizer's groups as the run makes them: one pair per
     part (hf_zero.train.parts.param_groups), not the Trainer's one pair for the whole model."""
-    return replace(count_model(count.model), largest_group_params=largest_group_params(count.model, count.plan))
+    return replace(count_model(count.model), trainable_groups=group_sizes(count.model, count.plan))
 
 
 def stage_lines(count: ComposedCount) -> list[str]:

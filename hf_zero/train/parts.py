@@ -19,7 +19,7 @@ from hf_zero.core.errors import UserError
 from hf_zero.train.trainer import CurriculumTrainer
 
 __all__ = ["model_parts", "part_sizes", "PartPlan", "plan_parts", "PartsTrainer", "param_groups",
-           "largest_group_params"]
+           "group_sizes"]
 
 KINDS = ("encoder", "projector")
 
@@ -59,13 +59,13 @@ def param_groups(model, plan: PartPlan, decayed) -> list[tuple[str, bool, list]]
     return groups
 
 
-def largest_group_params(model, plan: PartPlan) -> int:
-    """Elements of the largest parameter group the run's optimizer will hold (param_groups), for the estimate: ZeRO
-    makes its flat fp32 copy of the gradients one group at a time (hf_zero.estimate.memory). The transformers'
-    decay rule (no decay on biases and norms) is taken as no decay on 1-D weights, which is the same rule for the
-    encoders, projectors and adapters hf_zero builds."""
+def group_sizes(model, plan: PartPlan) -> tuple[tuple[int, ...], ...]:
+    """Each parameter group's trainable sizes as the run's optimizer will hold them (param_groups), in order, for the
+    estimate (hf_zero.estimate.model_count.ModelCount.trainable_groups). The transformers' decay rule (no decay on
+    biases and norms) is taken as no decay on 1-D weights, which is the same rule for the encoders, projectors and
+    adapters hf_zero builds."""
     groups = param_groups(model, plan, lambda _, p: p.dim() >= 2)
-    return max((sum(p.numel() for p in params) for _, _, params in groups), default=0)
+    return tuple(tuple(p.numel() for p in params) for _, _, params in groups)
 
 
 class PartPlan:

@@ -11,7 +11,7 @@ from testing_utils import REPO
 
 from hf_zero.cli import main
 from hf_zero.data.model_names import get_model_config
-from hf_zero.estimate import memory
+from hf_zero.estimate import memory, model_states
 from hf_zero.estimate.memory import estimate, largest_micro_batch
 from hf_zero.estimate.model_count import ModelCount, count_model
 
@@ -202,9 +202,34 @@ def test_peak_is_the_larger_phase(llama7b):
     assert g["total"] == g["model_states"] + g["buffers"]
     g = long["gpu_bytes_per_rank"]
     assert g["total"] == g["resident"] + g["activations"] + g["buffers"] > g["model_states"] + g["buffers"]
-    # accumulating gradients keeps them allocated through the next forward
+    # accumulating gradients keeps them allocated through the next forward: ZeRO-2's backward buffer, more than the
+    # partition (a straddling weight whole, and the 131M-element embeddings, larger than the bucket)
     accum = estimate(llama7b, "zero2", gpus_per_node=8, micro_batch=4, seq_len=4096, grad_accumulation=2)
-    assert accum["gpu_bytes_per_rank"]["resident"] == g["resident"] + 2 * llama7b.trainable_params // 8
+    grads = max(backward for _, backward in model_states.zero2_gradient_moments(llama7b, 8, mixed=True))
+    assert accum["gpu_bytes_per_rank"]["resident"] == g["resident"] + int(grads)
+    # each group's slice has two ends, each at most one parameter straddling it
+    partition, embeddings = 2 * llama7b.trainable_params / 8, 2 * 131_072_000
+    assert partition + embeddings < grads <= partition + embeddings + 2 * 2 * 2 * llama7b.largest_layer_params
+
+
+def test_zero2_partitions_as_deepspeed():
+    """Per rank, per group: the whole parameters overlapping its slice (DeepSpeed's get_partition_info over a flat
+    group padded to 2 x world), the slice, and whether flattening it copies. Sizes 6, 5, 3 over 2 ranks (padded to
+    16, slices of 8): rank 0 holds the first two (its slice ends inside the second), rank 1 the last two; a group of
+    one 4-element parameter gives each rank a 2-element view of it; more ranks than elements leave slices of
+    padding alone."""
+    assert model_states.zero2_slices(((6, 5, 3), (4,)), 2) == (((11, 8, True), (4, 2, False)),
+                                                                ((8, 8, True), (4, 2, False)))
+    assert model_states.zero2_slices(((2,),), 4) == (((2, 2, False),), ((0, 2, True),), ((0, 2, True),),
+                                                      ((0, 2, True),))
+    count = ModelCount(total_params=18, largest_layer_params=6, trainable_params=18, hidden_size=2,
+                       trainable_groups=((6, 5, 3), (4,)))
+    # fp32: (the overlapping parameters + the first group's flat copy, + the largest over the bucket, h² = 4: 6)
+    assert model_states.zero2_gradient_moments(count, 2, mixed=False) == [(4 * (15 + 8), 4 * (15 + 6)),
+                                                                          (4 * (12 + 8), 4 * (12 + 6))]
+    # bf16: 16-bit gradients, an fp32 copy of every slice; a bucket of 6 leaves no parameter over it
+    assert model_states.zero2_gradient_moments(count, 2, mixed=True, reduce_bucket=6) == [(2 * 15 + 4 * 8, 2 * 15),
+                                                                                         (2 * 12 + 4 * 8, 2 * 12)]
 
 
 def test_cli_json_lists_all_strategies(capsys):
