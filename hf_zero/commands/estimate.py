@@ -183,7 +183,8 @@ def run(args) -> int:
     name = recipe.model + (parts.label if parts else "")
     summary = {"name": name, "params": count.total_params, "largest_layer_params": count.largest_layer_params,
                "trainable_params": count.trainable_params, "num_layers": count.num_layers,
-               "hidden_size": count.hidden_size, "vocab_size": count.vocab_size}
+               "hidden_size": count.hidden_size, "vocab_size": count.vocab_size,
+               "autocast_params": count.autocast_params}
     inputs = {"gpus_per_node": gpn, "nodes": nodes, "precision": precision, "micro_batch": batch.micro,
               "gradient_accumulation": batch.accumulation, "seq_len": recipe.seq_len, "longest_stage": recipe.stage,
               "packing": recipe.packing, "gradient_checkpointing": recipe.gradient_checkpointing,

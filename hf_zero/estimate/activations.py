@@ -4,7 +4,8 @@ logits work and the autocast weight copies, counted per decoder layer from the m
 Modes: "autocast" = the Trainer without DeepSpeed in bf16/fp16 (fp32 weights, so the residual stream and norms stay
 fp32, every matmul casts its input; autocast caches one 16-bit copy of each trainable weight until the forward ends,
 and the matmuls save those copies for backward), "half" = DeepSpeed bf16/fp16 (16-bit weights, fp32 only inside
-the norms; also autocast over a LoRA base held in 16 bits, whose fp32 adapters are all it casts), "fp32". Per token
+the norms; also autocast over a LoRA base held in 16 bits, whose fp32 weights that train are all it casts: their
+copies are added by hf_zero.estimate.memory, from ModelCount.autocast_params), "fp32". Per token
 and decoder layer, e = 2 (16-bit) or 4 (fp32) bytes, h hidden, q = heads x head_dim, i intermediate, s the sequence:
 - each RMS/LayerNorm saves its input upcast to fp32 (4h) and, when its weight trains, its normalised output (the
   residual dtype: 4h autocast / fp32, 2h half);

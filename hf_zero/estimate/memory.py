@@ -169,7 +169,11 @@ def _peak(count: ModelCount, held: _Held, strategy: str, job: MemoryJob, world: 
         quantized=quantized, frozen_inputs=strategy.startswith("zero3") and not quantized,  # bnb's matmul is its own
         fused_loss=job.fused_cross_entropy in count.fused_loss and job.sequences_per_row == 1,  # dpo: full logits
         liger=liger)
-    phases = {name: act + held.dequantized + job.micro_batch * job.extra_activations for name, act in phases.items()}
+    # Autocast over a 16-bit frozen base casts only the fp32 weights that train (adapters, and a composed model's or a
+    # VLM's encoders and projectors): one cached 16-bit copy of each, which the matmuls save for backward.
+    casts = 2 * c.autocast_params if mode == "half" and strategy == "ddp" and mixed else 0
+    phases = {name: act + held.dequantized + casts + job.micro_batch * job.extra_activations
+              for name, act in phases.items()}
     peaks = {name: resident + act + (grads_in_backward if name == "recompute" else 0) for name, act in phases.items()}
     # FSDP2 reshards every group by the end of backward: nothing is gathered at its optimizer step.
     peaks["optimizer step"] = gpu["model_states"] - (gpu["gathered"] if strategy.startswith("fsdp") else 0)

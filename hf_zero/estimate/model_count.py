@@ -40,6 +40,10 @@ class ModelCount:
     # group's gradients apart (model_states.zero2_backward_grads). The Trainer's groups are decay / no decay (biases
     # and norms); a composed model or a VLM has one pair per part (hf_zero.train.parts.group_sizes).
     trainable_groups: tuple = ()
+    # Trainable elements of the linears and convolutions: autocast casts them to 16 bits and keeps each copy through
+    # the step (its cache, then the matmul's saved input), where the weights that train are held in fp32 beside a
+    # 16-bit frozen base (hf_zero.estimate.memory._peak).
+    autocast_params: int = 0
 
     def persistent_params(self, threshold: int) -> int:  # ZeRO-3 keeps params with numel <= threshold whole
         return sum(n for n in self.param_numels if n <= threshold)
@@ -102,6 +106,9 @@ def count_model(config_or_name, lora=None) -> ModelCount:
     quantizable = tuple(m.weight.numel() for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
                         and m is not head and "lora_" not in name)
     embed = _embeddings(model, "get_input_embeddings")
+    matmuls = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+    cast = {id(p): p.numel() for m in model.modules() if isinstance(m, matmuls)
+            for p in m.parameters(recurse=False) if p.requires_grad}
     tables = {id(w): w.numel() for w in (getattr(embed, "weight", None), getattr(head, "weight", None))
               if w is not None}
     # as the run decides (train.fused_ce.plan_fused_head): a causal LM whose lm_head is a plain Linear, then its config
@@ -118,7 +125,7 @@ def count_model(config_or_name, lora=None) -> ModelCount:
                                                          and (p.dim() >= 2) == decayed) for decayed in (True, False))
                                if group),
         param_numels=tuple(p.numel() for p in params), name=name, param_shapes=shapes, shard_groups=groups,
-        quantizable=quantizable, embeddings=tuple(tables.values()),
+        quantizable=quantizable, embeddings=tuple(tables.values()), autocast_params=sum(cast.values()),
         layer=describe_layers(model, getattr(model, "config", config), text) if text is not None else None)
 
 
