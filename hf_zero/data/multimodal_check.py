@@ -4,6 +4,8 @@ the input shapes the recipe's encoders declare, read without building them."""
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
 from types import SimpleNamespace
 
 from hf_zero.core.errors import UserError
@@ -19,7 +21,7 @@ def check_multimodal_data(stages, args, specs: dict | None = None) -> str:
     image and array opened as the run opens them; one line with the rows and files per stage. `specs`: the item
     types (the recipe's declared encoders unless given: a stock VLM's image alone)."""
     specs, opts = specs or declared_specs(args.encoders), FormatOptions.from_args(args)
-    counts = []
+    counts, fullest = [], (0, "", "")  # the most items of one modality in a row: (items, modality, which row)
     for stage in stages:
         rows = files = 0
         for j, spec in enumerate(stage.data):
@@ -33,7 +35,13 @@ def check_multimodal_data(stages, args, specs: dict | None = None) -> str:
                     if isinstance(msg, dict):
                         message_text(msg, k, row, specs, folder, media)
                 rows, files = rows + 1, files + len(media)
+                for kind, n in Counter(kind for kind, _ in media).items():
+                    fullest = max(fullest, (n, kind, f"row {i + 1} of {where}"), key=lambda f: f[0])
         counts.append(f"{stage.name} {rows} rows, {files} files")
+    allowed = getattr(args, "items_per_row", 1)
+    if fullest[0] > allowed:  # the estimate would count too few: say so before anyone sizes a GPU on it
+        print(f"[hf_zero] warning: items_per_row: {fullest[2]} holds {fullest[0]} {fullest[1]} items, the estimate "
+              f"counts {allowed} per row; set items_per_row: {fullest[0]}", file=sys.stderr, flush=True)
     return f"{len(stages)} stage(s), every image and array opened: {'; '.join(counts)}"
 
 

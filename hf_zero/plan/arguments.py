@@ -25,7 +25,7 @@ from transformers import TrainingArguments  # noqa: E402
 from hf_zero.core.errors import UserError  # noqa: E402
 
 __all__ = ["ModelArguments", "RecipeArguments", "CurriculumArguments", "ClassificationArguments",
-           "MultimodalArguments"]
+           "MultimodalArguments", "items_per_row_field", "check_items_per_row"]
 
 
 @dataclass
@@ -227,9 +227,28 @@ class ClassificationArguments(RecipeArguments):
             raise UserError("max_eval_samples", "must be positive", "remove it to evaluate on the whole split")
 
 
+def items_per_row_field():
+    """`items_per_row`, a key of both multimodal recipes (recipes/multimodal.py's and recipes/vlm.py's)."""
+    return field(
+        default=1,
+        metadata={"help": "The most items of one modality (images, point clouds, ...) a row holds: the estimate "
+                          "counts this many of each per row, each at the size bound, for the encoders' activations; "
+                          "`hf-zero check` warns when a row holds more."},
+    )
+
+
+def check_items_per_row(values: dict) -> None:
+    n = values.get("items_per_row", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UserError("items_per_row", f"{n!r} is not a positive whole number",
+                        "e.g. items_per_row: 2 for rows of up to two images")
+
+
 @dataclass
 class MultimodalArguments(CurriculumArguments):
     """The curriculum recipe's arguments and `encoders:`, one entry per modality (docs/multimodal.md)."""
+
+    items_per_row: int = items_per_row_field()
 
     encoders: dict | None = field(
         default=None,
@@ -237,3 +256,8 @@ class MultimodalArguments(CurriculumArguments):
                           "{class: package.module:Class, kwargs: {...}, input_shape: [...]} or {hf_config: "
                           "{model_type: vit, ...}}, each with an optional projector: {type: mlp|linear, hidden: N}."},
     )
+
+    @staticmethod
+    def clean_values(values: dict) -> None:
+        CurriculumArguments.clean_values(values)
+        check_items_per_row(values)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hf_zero.core.errors import UserError
-from hf_zero.plan.arguments import CurriculumArguments
+from hf_zero.plan.arguments import CurriculumArguments, check_items_per_row, items_per_row_field
 
 __all__ = ["VlmArguments"]
 
@@ -22,9 +22,12 @@ class VlmArguments(CurriculumArguments):
                           "fewer visual tokens per image and less memory. Default: the processor's own bound."},
     )
 
+    items_per_row: int = items_per_row_field()
+
     @staticmethod
     def clean_values(values: dict) -> None:
         CurriculumArguments.clean_values(values)
+        check_items_per_row(values)
         bound = values.get("image_max_pixels")
         if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound <= 0):
             raise UserError("image_max_pixels", f"{bound!r} is not a positive number of pixels",

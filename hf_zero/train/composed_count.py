@@ -5,8 +5,8 @@ that train in no stage frozen, as plan_parts freezes them in the run).
 
 What the encoders keep for backward is counted on the same meta model: one forward of one item per modality under
 autograd's saved-tensor hooks, the bytes of every tensor saved that is not a parameter (nothing runs, no memory is
-taken). A row holds one item of each modality it uses; the estimate counts one of every modality per row, the most a
-row of the shipped data holds (a row with more items: that many times its modality's term).
+taken). The estimate counts `items_per_row` items of every modality per row (default 1, the most a row of the
+shipped data holds); `hf-zero check` warns when a row holds more.
 """
 
 from __future__ import annotations
@@ -41,16 +41,17 @@ class ComposedCount:
     plan: object  # hf_zero.train.parts.PartPlan
     sizes: dict  # {part: parameters}
     item_bytes: dict  # {modality: bytes one item's encoder and projector keep for backward, fp32}
+    items_per_row: int = 1  # the recipe's: items of each modality a row holds at most
 
     @property
     def tokens_per_row(self) -> int:
         return sum(s.tokens for s in self.specs.values())
 
     def activation_bytes_per_row(self, precision: str = "fp32") -> int:
-        """Encoders' and projectors' saved tensors for one row (one item of each modality); 16-bit under mixed
-        precision, as autocast runs their matmuls."""
+        """Encoders' and projectors' saved tensors for one row (items_per_row items of each modality); 16-bit under
+        mixed precision, as autocast runs their matmuls."""
         scale = 1 if precision == "fp32" else 0.5
-        return int(scale * sum(self.item_bytes.values()))
+        return int(scale * self.items_per_row * sum(self.item_bytes.values()))
 
     @property
     def final_params(self) -> int:
@@ -135,7 +136,8 @@ def count_composed(path: str, overrides=()) -> ComposedCount | None:
                         "e.g. encoders: {points: {class: hf_zero.train.encoders:PointNet, input_shape: [256, 3]}}")
     model, specs, plan, sizes = composed_on_meta(model_args, training["encoders"], stages,
                                                  training.get("learning_rate", 5e-5), training.get("chat_template"))
-    return ComposedCount(model, specs, plan, sizes, item_activation_bytes(model, specs))
+    return ComposedCount(model, specs, plan, sizes, item_activation_bytes(model, specs),
+                         training.get("items_per_row", 1))
 
 
 def model_count_of(count) -> ModelCount:
@@ -167,6 +169,7 @@ def estimate_summary(count: ComposedCount, precision: str, micro_batch: int) -> 
             "modality_tokens_per_row": {m: s.tokens for m, s in count.specs.items()},
             "activation_bytes_per_item": {m: int((1 if precision == "fp32" else 0.5) * n)
                                           for m, n in count.item_bytes.items()},
+            "items_per_row": count.items_per_row,
             "activation_bytes_per_row": count.activation_bytes_per_row(precision),
             "activation_bytes": micro_batch * count.activation_bytes_per_row(precision),
             "trainable_params": sum(count.sizes[p] for p in count.plan.ever_trained),
@@ -181,7 +184,8 @@ def estimate_lines(count: ComposedCount, precision: str, micro_batch: int) -> li
     tokens = ", ".join(f"{m} {n}" for m, n in s["modality_tokens_per_row"].items())
     return [f"multimodal: encoders and projectors {parts} parameters (in the params above); modality tokens per "
             f"row {tokens} (placeholder positions, inside max_seq_length); the encoders and projectors keep "
-            f"{human_bytes(s['activation_bytes_per_row'], digits=2)} per row for backward, one item of each modality "
+            f"{human_bytes(s['activation_bytes_per_row'], digits=2)} per row for backward, {count.items_per_row} "
+            f"item{'s' if count.items_per_row > 1 else ''} of each modality (items_per_row) "
             f"({human_bytes(s['activation_bytes'], digits=2)} per micro-batch, in the activations below)",
             *(f"  {line}" for line in stage_lines(count))]
 

@@ -53,18 +53,19 @@ class VlmCount:
     image_side: int  # pixels of the square image counted (the largest the processor lets through)
     image_tokens: int  # the language model's positions one such image takes
     image_bytes: int  # fp32 bytes the vision tower and projector save for backward on it, as the run trains them
+    images_per_row: int = 1  # the recipe's items_per_row: images a row holds at most
 
     @property
     def label(self) -> str:  # what the estimate adds to the model's name: nothing (the model is the VLM)
         return ""
 
     def activation_bytes_per_row(self, precision: str = "fp32") -> int:
-        """One image per row; 16-bit under mixed precision, as the vision tower's matmuls then run."""
-        return int((1 if precision == "fp32" else 0.5) * self.image_bytes)
+        """images_per_row images per row; 16-bit under mixed precision, as the vision tower's matmuls then run."""
+        return int((1 if precision == "fp32" else 0.5) * self.images_per_row * self.image_bytes)
 
     def summary(self, precision: str, micro_batch: int) -> dict:
         """The VLM terms of `hf-zero estimate` (its --json `multimodal`)."""
-        return {"family": self.family.name, "image_side": self.image_side,
+        return {"family": self.family.name, "image_side": self.image_side, "images_per_row": self.images_per_row,
                 "image_tokens_per_image": self.image_tokens,
                 "activation_bytes_per_row": self.activation_bytes_per_row(precision),
                 "activation_bytes": micro_batch * self.activation_bytes_per_row(precision),
@@ -81,7 +82,8 @@ class VlmCount:
         return [f"vlm ({self.family.name}): an image of {self.image_side}x{self.image_side} pixels (the largest the "
                 f"processor lets through) is {self.image_tokens} tokens of the language model's (inside "
                 f"max_seq_length); the vision tower and projector keep "
-                f"{human_bytes(s['activation_bytes_per_row'], digits=2)} for backward on it, one image per row "
+                f"{human_bytes(s['activation_bytes_per_row'] // self.images_per_row, digits=2)} for backward on it, "
+                f"{self.images_per_row} image{'s' if self.images_per_row > 1 else ''} per row (items_per_row) "
                 f"({human_bytes(s['activation_bytes'], digits=2)} per micro-batch, in the activations below)",
                 f"  {stages}; gradients and optimizer state for {', '.join(self.plan.ever_trained)} ({ever:,} "
                 "parameters, every part that trains in some stage, kept in every stage)"]
@@ -209,4 +211,4 @@ def count_vlm(path: str, overrides=(), activations: bool = True) -> VlmCount | N
     # rest frozen (a frozen tower before a trained projector saves nothing)
     saved = vision_saved_bytes(processing.config, family, pixels,
                                adapt=lambda m: adapt_vlm(m, replace(model_args), family, plan, announce=False)[0]) // 2
-    return VlmCount(model, family, plan, sizes, side, ids.count(processing.image_token_id), saved)
+    return VlmCount(model, family, plan, sizes, side, ids.count(processing.image_token_id), saved, args.items_per_row)

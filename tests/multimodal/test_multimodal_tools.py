@@ -16,14 +16,15 @@ from hf_zero.cli import main
 CONFIG = REPO / "recipes" / "configs" / "tiny_multimodal.yaml"
 
 
-def config_copy(dst, points_tokens=None):
-    """The tiny config with absolute data paths (and another token count for the point-cloud encoder)."""
+def config_copy(dst, points_tokens=None, **overrides):
+    """The tiny config with absolute data paths (and another token count for the point-cloud encoder, other keys)."""
     data = yaml.safe_load(CONFIG.read_text())
     for stage in data["stages"]:
         paths = stage["data"] if isinstance(stage["data"], list) else [stage["data"]]
         stage["data"] = [str((CONFIG.parent / p).resolve()) for p in paths]
     if points_tokens is not None:
         data["encoders"]["points"]["kwargs"]["tokens"] = points_tokens
+    data.update(overrides)
     dst.write_text(yaml.safe_dump(data, sort_keys=False))
     return dst
 
@@ -91,6 +92,16 @@ def test_the_encoders_activation_term_grows_with_their_token_count(tmp_path, cap
     assert grown > 0 and small["multimodal"]["activation_bytes"] > 0
     assert large["strategies"][0]["gpu_bytes_per_rank"]["activations"] - \
         small["strategies"][0]["gpu_bytes_per_rank"]["activations"] == grown
+
+
+def test_the_encoders_term_counts_items_per_row_of_each_modality(tmp_path, capsys):
+    """`items_per_row: 2`: two items of every modality per row, twice the encoders' term, said in the line."""
+    one = estimate_json(capsys, config_copy(tmp_path / "a.yaml"), "--profile", "ddp")
+    two = estimate_json(capsys, config_copy(tmp_path / "b.yaml", items_per_row=2), "--profile", "ddp")
+    assert (one["multimodal"]["items_per_row"], two["multimodal"]["items_per_row"]) == (1, 2)
+    assert two["multimodal"]["activation_bytes_per_row"] == 2 * one["multimodal"]["activation_bytes_per_row"] > 0
+    assert main(["estimate", "--config", str(tmp_path / "b.yaml"), "--profile", "ddp"]) == 0
+    assert "per row for backward, 2 items of each modality (items_per_row) (" in capsys.readouterr().out
 
 
 def test_check_lists_per_stage_what_trains(built, tmp_path, capsys):

@@ -34,8 +34,8 @@ MODELS = ("hf-zero/tiny-qwen2-vl", "hf-zero/tiny-smolvlm", "hf-zero/tiny-llava",
 QUESTION = "What digit is this? Answer with the one digit that you see in this small grey picture, please."
 
 
-def known_rows(folder, side: int):
-    """8 rows, each one digit image resized to side x side pixels and a question of its own length."""
+def known_rows(folder, side: int, images: int = 1):
+    """8 rows, each `images` digit images resized to side x side pixels and a question of its own length."""
     from PIL import Image
 
     (folder / "img").mkdir(parents=True)
@@ -44,8 +44,8 @@ def known_rows(folder, side: int):
     for i, path in enumerate(sorted(DIGITS.glob("*.png"))[:8]):
         Image.open(path).convert("RGB").resize((side, side)).save(folder / "img" / f"{i}.png")
         question = " ".join(words[:4 + i])
-        image = {"type": "image", "image": f"img/{i}.png"}
-        rows.append({"messages": [{"role": "user", "content": [image, {"type": "text", "text": question}]},
+        image = [{"type": "image", "image": f"img/{(i + k) % 8}.png"} for k in range(images)]
+        rows.append({"messages": [{"role": "user", "content": [*image, {"type": "text", "text": question}]},
                                   {"role": "assistant", "content": [{"type": "text", "text": str(i)}]}]})
     data = folder / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -59,8 +59,9 @@ def estimate_json(capsys, config, *flags):
 
 
 @pytest.mark.recipe_run
-@pytest.mark.parametrize("name", MODELS)
-def test_the_estimates_activations_match_what_the_run_saves(tmp_path, capsys, name):
+@pytest.mark.parametrize("name,images", [*((m, 1) for m in MODELS), ("hf-zero/tiny-qwen2-vl", 2)])
+def test_the_estimates_activations_match_what_the_run_saves(tmp_path, capsys, name, images):
+    """(The last case: rows of two images each, estimated with `items_per_row: 2`.)"""
     from hf_zero.data.model_names import get_tokenizer, resolve_model_path
     from hf_zero.data.vlm import VlmProcessing
     from hf_zero.estimate.activations import loss_work_bytes
@@ -68,8 +69,8 @@ def test_the_estimates_activations_match_what_the_run_saves(tmp_path, capsys, na
 
     config = yaml.safe_load(CONFIG.read_text())
     side = largest_image_side(VlmProcessing(resolve_model_path(name), get_tokenizer(name), config["image_max_pixels"]))
-    data = known_rows(tmp_path / "rows", side)
-    config.update(model_name_or_path=name, eval_samples=0)
+    data = known_rows(tmp_path / "rows", side, images)
+    config.update(model_name_or_path=name, eval_samples=0, items_per_row=images)
     config["stages"] = [{**s, "data": str(data), "steps": 1} for s in config["stages"]]
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))

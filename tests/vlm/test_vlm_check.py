@@ -69,3 +69,56 @@ def test_preview_shows_each_images_run_and_the_answer_it_trains(capsys):
     assert "<|image_pad|> x1 at positions 6-6: " in out and out.count("digits/00360.png") == 1
     assert "<|vision_start|>{<|image_pad|> x1}<|vision_end|>What digit is this?<|im_end|>" in out
     assert "[[6<|im_end|>]]" in out
+
+
+def two_image_rows(tmp_path):
+    """The tiny config on rows whose third holds two images (a digit beside another)."""
+    import json
+
+    import yaml
+
+    digits = REPO / "recipes" / "data" / "tiny_multimodal" / "digits"
+    images = sorted(str(p) for p in digits.glob("*.png"))[:4]
+    rows = [{"messages": [{"role": "user", "content": [*({"type": "image", "image": p} for p in pair),
+                                                       {"type": "text", "text": "Which digits?"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "ok"}]}]}
+            for pair in ([images[0]], [images[1]], images[2:4])]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = yaml.safe_load(CONFIG.read_text())
+    config["stages"] = [{**s, "data": str(data)} for s in config["stages"]]
+    path = tmp_path / "two.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def test_check_warns_when_a_row_holds_more_images_than_the_estimate_counts(tmp_path, capsys):
+    """The estimate counts `items_per_row` images per row (default 1): a row with more would make it low, so the
+    check names the row and the key; with the key raised, nothing to say."""
+    from hf_zero.cli import main
+
+    config = two_image_rows(tmp_path)
+    assert main(["check", "--config", str(config), "--output-dir", str(tmp_path / "o")]) == 0
+    warnings = [ln for ln in capsys.readouterr().err.splitlines() if "warning" in ln]
+    assert warnings == ["[hf_zero] warning: items_per_row: row 3 of stages[align].data[0] holds 2 image items, the "
+                        "estimate counts 1 per row; set items_per_row: 2"]
+    assert main(["check", "--config", str(config), "--output-dir", str(tmp_path / "o"), "--items_per_row", "2"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_check_refuses_items_per_row_that_is_not_a_positive_whole_number(tmp_path, capsys):
+    """On the command line and in the YAML (where `true` and `1.5` arrive as a bool and a float)."""
+    import yaml
+
+    _, results = check(capsys, "--config", str(CONFIG), "--items_per_row", "0", output_dir=tmp_path / "o")
+    lines = [results["recipe"]]
+    for value in (True, 1.5):
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump({**yaml.safe_load(CONFIG.read_text()), "items_per_row": value}))
+        _, results = check(capsys, "--config", str(path), output_dir=tmp_path / "o")
+        lines.append(results["recipe"])
+    (ok, line), *from_yaml = lines
+    assert ok is False and line.endswith("items_per_row: 0 is not a positive whole number; e.g. items_per_row: 2 for "
+                                         "rows of up to two images"), line
+    for (ok, line), value in zip(from_yaml, ("True", "1.5")):  # the YAML's types, refused where the file is read
+        assert ok is False and f"items_per_row: {value} is not an integer (in {tmp_path / 'c.yaml'} line " in line

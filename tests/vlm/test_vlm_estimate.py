@@ -183,3 +183,20 @@ def test_the_ranks_start_up_count_is_the_parameters_without_running_the_vision_t
     full, light = count_parts(config), count_parts(config, activations=False)
     assert light.count == full.count and light.trains == full.trains
     assert light.activation_bytes("fp32") == 0 < full.activation_bytes("fp32")
+
+
+def test_the_vision_term_counts_items_per_row_images_a_row(tmp_path, capsys):
+    """`items_per_row: 3`: three images at the bound per row, three times the vision term in every strategy's
+    activations, and the table's line says how many it counted."""
+    one = estimate_json(capsys, config_copy(tmp_path / "one.yaml"), "--profile", "ddp", "--precision", "fp32")
+    three = estimate_json(capsys, config_copy(tmp_path / "three.yaml", items_per_row=3), "--profile", "ddp",
+                          "--precision", "fp32")
+    per_image = one["multimodal"]["activation_bytes_per_row"]
+    assert (one["multimodal"]["images_per_row"], three["multimodal"]["images_per_row"]) == (1, 3)
+    assert three["multimodal"]["activation_bytes_per_row"] == 3 * per_image > 0
+    micro = one["inputs"]["micro_batch"]
+    grown = three["strategies"][0]["gpu_bytes_per_rank"]["activations"] - \
+        one["strategies"][0]["gpu_bytes_per_rank"]["activations"]
+    assert grown == 2 * micro * per_image
+    assert main(["estimate", "--config", str(tmp_path / "three.yaml"), "--profile", "ddp"]) == 0
+    assert ", 3 images per row (items_per_row) (" in capsys.readouterr().out
