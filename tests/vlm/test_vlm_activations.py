@@ -59,7 +59,8 @@ def estimate_json(capsys, config, *flags):
 
 
 @pytest.mark.recipe_run
-@pytest.mark.parametrize("name,images", [*((m, 1) for m in MODELS), ("hf-zero/tiny-qwen2-vl", 2)])
+@pytest.mark.parametrize("name,images", [*((m, 1) for m in MODELS),
+                                         pytest.param("hf-zero/tiny-qwen2-vl", 2, marks=pytest.mark.extended)])
 def test_the_estimates_activations_match_what_the_run_saves(tmp_path, capsys, name, images):
     """(The last case: rows of two images each, estimated with `items_per_row: 2`.)"""
     from hf_zero.data.model_names import get_tokenizer, resolve_model_path
