@@ -147,6 +147,7 @@ def test_preview_says_how_the_conversations_pack_with_their_items(capsys):
         assert int(rows) * 2 <= int(samples) and 50 < float(text) <= 100
 
 
+@pytest.mark.recipe_run  # the recipe end to end in one process: make test, not make test-fast
 def test_the_estimates_model_states_match_what_the_run_holds(tmp_path, capsys):
     """One process (no ranks launched), one step a stage, `--measure_memory true`: the estimate's parameter,
     gradient and optimizer bytes (fp32, one rank, no wrapper) within 10% of what the run held at its first step,
