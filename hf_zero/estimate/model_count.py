@@ -37,7 +37,7 @@ class ModelCount:
     liger: bool = False  # a model type Liger's kernels patch (plan.liger)
     # Each optimizer parameter group's trainable parameter sizes, in the order ZeRO flattens them (empty: unknown, all
     # in one group). ZeRO makes its flat fp32 copy of the gradients one group at a time, and ZeRO-2 partitions each
-    # group's gradients apart (model_states.zero2_backward_grads). The Trainer's groups are decay / no decay (biases
+    # group's gradients apart (model_states.zero2_gradient_moments). The Trainer's groups are decay / no decay (biases
     # and norms); a composed model or a VLM has one pair per part (hf_zero.train.parts.group_sizes).
     trainable_groups: tuple = ()
     # Trainable elements of the linears and convolutions: autocast casts them to 16 bits and keeps each copy through
